@@ -1,0 +1,1 @@
+//! placeholder: replaced by the api issue's work

@@ -16,11 +16,13 @@
 //! # Ok(()) }
 //! ```
 
+mod agent;
 mod client;
 mod error;
 mod event;
 mod wire;
 
+pub use agent::{AgentOptions, GuestAgent};
 pub use client::{ConnectOptions, Greeting, QemuVersion, QmpClient};
 pub use error::{Error, Result};
 pub use event::{Event, EventStream, RecvError, Timestamp};

@@ -18,6 +18,7 @@
 
 mod agent;
 mod client;
+pub mod compat;
 mod error;
 mod event;
 mod wire;

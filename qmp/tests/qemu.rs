@@ -194,3 +194,47 @@ async fn concurrent_fd_passing_keeps_descriptors_with_their_commands() {
         assert_eq!(target, qemu.path(opaque), "fd {} ({opaque})", fd.fd);
     }
 }
+
+#[tokio::test]
+async fn compat_types_decode_what_the_schema_cannot() {
+    init_tracing();
+    let qemu = Qemu::spawn(&[
+        "-M",
+        "q35",
+        "-accel",
+        "tcg",
+        "-S",
+        "-m",
+        "128",
+        "-drive",
+        "if=none,id=d0,file=/dev/null,format=raw,readonly=on",
+        "-device",
+        "virtio-blk-pci,drive=d0,id=vd0",
+    ]);
+    let client = connect(&qemu).await;
+    let machines = client
+        .execute(qmp::compat::query_machines {})
+        .await
+        .unwrap();
+    assert!(
+        machines.iter().any(|m| m.alias.as_deref() == Some("q35")),
+        "{machines:?}"
+    );
+    let stats = client
+        .execute(qmp::compat::query_blockstats::default())
+        .await
+        .unwrap();
+    let d0 = stats
+        .iter()
+        .find(|s| s.device.as_deref() == Some("d0"))
+        .unwrap();
+    assert_eq!(d0.stats.wr_bytes, 0);
+    let caps = client
+        .execute(qmp::compat::query_migrate_capabilities {})
+        .await
+        .unwrap();
+    assert!(
+        caps.iter().any(|c| c.capability == "auto-converge"),
+        "{caps:?}"
+    );
+}

@@ -11,7 +11,7 @@ packages=(
   iproute2          # netns, veth, bridges, taps
   cpio              # packing the test guest's initramfs
   xz-utils zstd     # unpacking kernel modules from Debian packages
-  mtools dosfstools syslinux syslinux-common  # the bootable test disk (FAT + syslinux)
+  mtools dosfstools syslinux syslinux-common binutils  # the test guest: bootable disk (FAT + syslinux), readelf
   ca-certificates curl jq
 )
 

@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# Builds the test guest from Debian packages only (see docs/test-guest.md):
+#   vmlinuz, initrd.img (busybox + qemu-guest-agent + virtio modules), disk.qcow2 (bootable with
+#   SeaBIOS through syslinux and with OVMF through systemd-boot), containerdisk/disk/disk.qcow2
+#   and manifest.json, into ${KUBEVIRT_RS_GUEST_DIR:-<repo>/.cache/guest}.
+# Cached by a hash of its inputs (this script, rootfs/, the packages' versions): a second run
+# with nothing changed returns at once. Needs root (device nodes in the initramfs), apt-get,
+# dpkg-deb, cpio, zstd, mtools, syslinux, sfdisk, qemu-img (hack/deps.sh installs them).
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+out=${KUBEVIRT_RS_GUEST_DIR:-$repo/.cache/guest}
+debs=${KUBEVIRT_RS_GUEST_DEBS:-$repo/.cache/guest-debs}
+
+# The generic kernel rather than linux-image-cloud-amd64: the cloud flavour has no AHCI driver
+# (CONFIG_SATA_AHCI is not set), so sata disks and CD-ROMs - KubeVirt's default cdrom bus and
+# q35's built-in controller - would be invisible. Only the modules listed below are copied, and
+# the generic vmlinuz is the smaller of the two (8 MB against 14 MB).
+kernel_meta=linux-image-amd64
+# Loaded in this order (their dependencies first, resolved from modules.dep); arguments follow.
+modules=(
+  "scsi_mod scan=sync"
+  virtio_pci virtio_console virtio_blk virtio_net virtio_scsi virtio_rng virtio_balloon
+  sd_mod sr_mod ahci ata_piix
+  isofs vfat nls_cp437 nls_iso8859-1 nls_utf8
+  button evdev
+)
+# qemu-ga and the libraries it links (checked below against its ELF NEEDED entries).
+packages=(busybox-static qemu-guest-agent libc6 libglib2.0-0 libpcre2-8-0 libnuma1 libudev1 liburing2
+  systemd-boot-efi)
+
+log() { echo "guest: $*" >&2; }
+
+candidate() { apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/ {print $2}'; }
+if [[ -z "$(candidate busybox-static)" || "$(candidate busybox-static)" == "(none)" ]]; then
+  log "apt lists missing: apt-get update"
+  apt-get update -qq
+fi
+kernel_pkg=$(apt-cache depends "$kernel_meta" | awk '/Depends: linux-image-/ {print $2; exit}')
+[[ -n "$kernel_pkg" ]] || { log "cannot resolve $kernel_meta to a kernel package"; exit 1; }
+packages+=("$kernel_pkg")
+
+versions=()
+for p in "${packages[@]}"; do
+  v=$(candidate "$p")
+  [[ -n "$v" && "$v" != "(none)" ]] || { log "package $p has no installable version"; exit 1; }
+  versions+=("$p=$v")
+done
+
+inputs_hash=$( {
+  cat "$0"
+  (cd "$here" && find rootfs -type f -print0 | sort -z | xargs -0 sha256sum)
+  (cd "$here" && find rootfs -type f -perm -u+x | sort)
+  printf '%s\n' "${versions[@]}"
+  syslinux --version 2>&1 | head -1
+} | sha256sum | cut -d' ' -f1)
+
+if [[ -f "$out/manifest.json" ]] && grep -q "\"inputs_hash\": \"$inputs_hash\"" "$out/manifest.json" &&
+  [[ -f "$out/vmlinuz" && -f "$out/initrd.img" && -f "$out/disk.qcow2" && -f "$out/containerdisk/disk/disk.qcow2" ]]; then
+  log "up to date in $out ($inputs_hash)"
+  exit 0
+fi
+
+# Download what is not cached yet; a cached .deb is used when its version matches.
+mkdir -p "$debs"
+want=()
+for pv in "${versions[@]}"; do
+  p=${pv%%=*} v=${pv#*=}
+  have=""
+  for f in "$debs/${p}"_*.deb; do
+    [[ -f "$f" ]] || continue
+    if [[ "$(dpkg-deb -f "$f" Package)" == "$p" && "$(dpkg-deb -f "$f" Version)" == "$v" ]]; then
+      have=$f
+    else
+      rm -f "$f"
+    fi
+  done
+  [[ -n "$have" ]] || want+=("$pv")
+done
+if ((${#want[@]})); then
+  log "downloading ${want[*]}"
+  # apt-get download writes into the current directory.
+  (cd "$debs" && apt-get download -q "${want[@]}" 2>&1 | grep -v '^W: Download is performed unsandboxed' >&2 || true)
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/kubevirt-rs-guest.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+x=$work/extract
+mkdir -p "$x"
+for pv in "${versions[@]}"; do
+  p=${pv%%=*}
+  f=$(ls "$debs/${p}"_*.deb 2>/dev/null | head -1)
+  [[ -n "$f" ]] || { log "download of $p failed"; exit 1; }
+  dpkg-deb -x "$f" "$x"
+done
+
+kver=$(ls "$x/lib/modules")
+moddir=$x/lib/modules/$kver
+# The package leaves modules.dep to depmod at install time; the guest's own busybox computes it.
+"$x/bin/busybox" depmod -b "$x" "$kver"
+root=$work/root
+mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,etc,proc,sys,dev,run,tmp,root,mnt,var,lib/modules,lib64}
+mkdir -p "$root/lib/x86_64-linux-gnu" "$root/usr/share/udhcpc"
+ln -s ../run "$root/var/run"
+
+# busybox and its applet links; /init is busybox's init (argv[0] "init").
+cp "$x/bin/busybox" "$root/bin/busybox"
+"$x/bin/busybox" --list-full | while read -r applet; do
+  [[ -e "$root/$applet" ]] || ln -s /bin/busybox "$root/$applet"
+done
+ln -s /bin/busybox "$root/init"
+cp "$x/usr/share/doc/busybox-static/examples/udhcp/simple.script" "$root/usr/share/udhcpc/default.script"
+chmod +x "$root/usr/share/udhcpc/default.script"
+
+# qemu-ga and the shared libraries it needs, transitively, taken from the extracted packages.
+cp "$x/usr/sbin/qemu-ga" "$root/usr/sbin/qemu-ga"
+libdirs=("$x/lib/x86_64-linux-gnu" "$x/usr/lib/x86_64-linux-gnu")
+declare -A copied=()
+copy_needed() {
+  local lib f d
+  for lib in $(readelf -d "$1" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
+    [[ -n "${copied[$lib]:-}" ]] && continue
+    f=""
+    for d in "${libdirs[@]}"; do [[ -e "$d/$lib" ]] && { f=$d/$lib; break; }; done
+    [[ -n "$f" ]] || { log "library $lib (needed by ${1##*/}) is in none of the packages"; exit 1; }
+    copied[$lib]=1
+    cp -L "$f" "$root/lib/x86_64-linux-gnu/$lib"
+    copy_needed "$f"
+  done
+}
+copy_needed "$x/usr/sbin/qemu-ga"
+cp -L "$x/lib64/ld-linux-x86-64.so.2" "$root/lib64/ld-linux-x86-64.so.2"
+
+# Kernel modules in load order: each module after its dependencies (modules.dep lists them).
+declare -A dep_of=() done_mod=() path_of=()
+while IFS=: read -r mod deps; do
+  dep_of[$mod]=$deps
+  base=${mod##*/}
+  base=${base%.ko}
+  path_of[${base//-/_}]=$mod
+done <"$moddir/modules.dep"
+order=()
+add_module() {
+  local m=$1 d
+  [[ -n "${done_mod[$m]:-}" ]] && return
+  done_mod[$m]=1
+  for d in ${dep_of[$m]}; do add_module "$d"; done
+  order+=("$m")
+}
+declare -A args_of=()
+for entry in "${modules[@]}"; do
+  read -r name args <<<"$entry"
+  key=${name//-/_}
+  if [[ -n "${path_of[$key]:-}" ]]; then
+    args_of[${path_of[$key]}]=$args
+    add_module "${path_of[$key]}"
+  elif grep -Eq "/${name}\.ko$|/${key}\.ko$" "$moddir/modules.builtin"; then
+    log "module $name is built into $kver"
+  else
+    log "module $name is neither in modules.dep nor built into $kver"
+    exit 1
+  fi
+done
+: >"$root/etc/modules.order"
+for m in "${order[@]}"; do
+  mkdir -p "$root/lib/modules/$(dirname "$m")"
+  cp "$moddir/$m" "$root/lib/modules/$m"
+  echo "$m ${args_of[$m]:-}" >>"$root/etc/modules.order"
+done
+
+cp -a "$here/rootfs/." "$root/"
+cat >"$root/etc/os-release" <<EOF
+PRETTY_NAME="kubevirt-rs test guest (Debian 12, Linux $kver)"
+NAME="kubevirt-rs test guest"
+ID=kubevirt-rs-guest
+ID_LIKE=debian
+VERSION_ID="12"
+VERSION="12 (bookworm)"
+VERSION_CODENAME=bookworm
+EOF
+mknod -m 600 "$root/dev/console" c 5 1
+mknod -m 666 "$root/dev/null" c 1 3
+
+mkdir -p "$out.new"
+rm -rf "${out:?}.new"/*
+cp "$x/boot/vmlinuz-$kver" "$out.new/vmlinuz"
+# zstd: the fastest of the kernel's decompressors, which matters under TCG.
+(cd "$root" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --reproducible --quiet) |
+  zstd -q -19 -T0 >"$out.new/initrd.img"
+
+# The bootable disk: an MBR with one active FAT partition holding the kernel and initrd,
+# syslinux for BIOS and systemd-boot (EFI/BOOT/BOOTX64.EFI) for OVMF, both starting the
+# kernel with console=ttyS0.
+kernel_size=$(stat -c %s "$out.new/vmlinuz")
+initrd_size=$(stat -c %s "$out.new/initrd.img")
+part_mib=$(((kernel_size + initrd_size) / 1048576 + 8))
+img=$work/disk.img
+truncate -s $(((part_mib + 1) * 1048576)) "$img"
+# The partition entry by hand (no fdisk needed): active, type 0x0e (FAT16 LBA), CHS fields
+# marked "use LBA", LBA start 2048, length in sectors; then the boot signature.
+le32() { printf '\\x%02x\\x%02x\\x%02x\\x%02x' $(($1 & 255)) $(($1 >> 8 & 255)) $(($1 >> 16 & 255)) $(($1 >> 24 & 255)); }
+dd if=/usr/lib/syslinux/mbr/mbr.bin of="$img" bs=440 count=1 conv=notrunc status=none
+printf "\\x80\\xfe\\xff\\xff\\x0e\\xfe\\xff\\xff$(le32 2048)$(le32 $((part_mib * 2048)))" |
+  dd of="$img" bs=1 seek=446 conv=notrunc status=none
+printf '\x55\xaa' | dd of="$img" bs=1 seek=510 conv=notrunc status=none
+part="$img@@1M"
+mkfs.vfat -F 16 -n GUESTBOOT --offset 2048 "$img" $((part_mib * 1024)) >/dev/null
+export MTOOLS_SKIP_CHECK=1
+mcopy -i "$part" "$out.new/vmlinuz" ::/vmlinuz
+mcopy -i "$part" "$out.new/initrd.img" ::/initrd.img
+cat >"$work/syslinux.cfg" <<'EOF'
+DEFAULT guest
+PROMPT 0
+TIMEOUT 0
+LABEL guest
+  LINUX /vmlinuz
+  INITRD /initrd.img
+  APPEND console=ttyS0
+EOF
+mcopy -i "$part" "$work/syslinux.cfg" ::/syslinux.cfg
+syslinux --offset 1048576 --install "$img"
+mmd -i "$part" ::/EFI ::/EFI/BOOT ::/loader ::/loader/entries
+mcopy -i "$part" "$x/usr/lib/systemd/boot/efi/systemd-bootx64.efi" ::/EFI/BOOT/BOOTX64.EFI
+printf 'default guest.conf\ntimeout 0\nconsole-mode keep\n' >"$work/loader.conf"
+printf 'title kubevirt-rs test guest\nlinux /vmlinuz\ninitrd /initrd.img\noptions console=ttyS0\n' >"$work/guest.conf"
+mcopy -i "$part" "$work/loader.conf" ::/loader/loader.conf
+mcopy -i "$part" "$work/guest.conf" ::/loader/entries/guest.conf
+qemu-img convert -q -f raw -O qcow2 -c "$img" "$out.new/disk.qcow2"
+mkdir -p "$out.new/containerdisk/disk"
+cp "$out.new/disk.qcow2" "$out.new/containerdisk/disk/disk.qcow2"
+
+cat >"$out.new/manifest.json" <<EOF
+{
+  "kernel": "vmlinuz",
+  "initrd": "initrd.img",
+  "disk": "disk.qcow2",
+  "containerdisk": "containerdisk/disk/disk.qcow2",
+  "kernel_args": "console=ttyS0",
+  "kernel_version": "$kver",
+  "packages": [$(printf '"%s",' "${versions[@]}" | sed 's/,$//')],
+  "inputs_hash": "$inputs_hash"
+}
+EOF
+rm -rf "$out"
+mv "$out.new" "$out"
+log "built in $out: $(du -sh "$out" | cut -f1) ($inputs_hash)"

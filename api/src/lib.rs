@@ -1,1 +1,34 @@
-//! placeholder: replaced by the api issue's work
+//! The `kubevirt.io/v1` API as Rust types: KubeVirt-compatible custom resources, the defaults
+//! KubeVirt's mutating webhook applies, and validation that names every problem by field path.
+//!
+//! JSON names, enum values and status shapes are KubeVirt's, so manifests written for KubeVirt
+//! deserialize unchanged. Fields kubevirt-rs does not interpret yet are kept as [`Preserved`]
+//! subtrees (never pruned by an API server) and refused by [`validation`] when they would change
+//! the guest.
+
+pub mod common;
+pub mod kubevirt;
+pub mod migration;
+pub mod replicaset;
+pub mod status;
+pub mod vm;
+pub mod vmi;
+
+pub use common::{ConditionStatus, Empty, Preserved, PullPolicy};
+pub use kubevirt::{KubeVirt, KubeVirtSpec, KubeVirtStatus};
+pub use migration::{
+    VirtualMachineInstanceMigration, VirtualMachineInstanceMigrationSpec,
+    VirtualMachineInstanceMigrationStatus,
+};
+pub use replicaset::{
+    VirtualMachineInstanceReplicaSet, VirtualMachineInstanceReplicaSetSpec,
+    VirtualMachineInstanceReplicaSetStatus,
+};
+pub use status::{VirtualMachineInstancePhase, VirtualMachineInstanceStatus};
+pub use vm::{VirtualMachine, VirtualMachineSpec, VirtualMachineStatus};
+pub use vmi::{VirtualMachineInstance, VirtualMachineInstanceSpec};
+
+/// API group of every kind here.
+pub const GROUP: &str = "kubevirt.io";
+/// API version of every kind here.
+pub const VERSION: &str = "v1";

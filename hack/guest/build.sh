@@ -32,32 +32,45 @@ packages=(busybox-static qemu-guest-agent libc6 libglib2.0-0 libpcre2-8-0 libnum
 
 log() { echo "guest: $*" >&2; }
 
-candidate() { apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/ {print $2}'; }
-if [[ -z "$(candidate busybox-static)" || "$(candidate busybox-static)" == "(none)" ]]; then
-  log "apt lists missing: apt-get update"
-  apt-get update -qq
-fi
-kernel_pkg=$(apt-cache depends "$kernel_meta" | awk '/Depends: linux-image-/ {print $2; exit}')
-[[ -n "$kernel_pkg" ]] || { log "cannot resolve $kernel_meta to a kernel package"; exit 1; }
-packages+=("$kernel_pkg")
-
-versions=()
-for p in "${packages[@]}"; do
-  v=$(candidate "$p")
-  [[ -n "$v" && "$v" != "(none)" ]] || { log "package $p has no installable version"; exit 1; }
-  versions+=("$p=$v")
-done
-
-inputs_hash=$( {
+# The build's own inputs; with the package versions they make the inputs hash.
+local_hash=$( {
   cat "$0"
   (cd "$here" && find rootfs -type f -print0 | sort -z | xargs -0 sha256sum)
   (cd "$here" && find rootfs -type f -perm -u+x | sort)
-  printf '%s\n' "${versions[@]}"
   syslinux --version 2>&1 | head -1
 } | sha256sum | cut -d' ' -f1)
 
-if [[ -f "$out/manifest.json" ]] && grep -q "\"inputs_hash\": \"$inputs_hash\"" "$out/manifest.json" &&
-  [[ -f "$out/vmlinuz" && -f "$out/initrd.img" && -f "$out/disk.qcow2" && -f "$out/containerdisk/disk/disk.qcow2" ]]; then
+complete() { [[ -f "$out/vmlinuz" && -f "$out/initrd.img" && -f "$out/disk.qcow2" && -f "$out/containerdisk/disk/disk.qcow2" ]]; }
+
+# Fast path: nothing of ours changed and apt's package lists are older than the last build, so
+# the package versions cannot have changed either (asking apt-cache takes seconds).
+lists=/var/lib/apt/lists
+if complete && [[ -f "$out/manifest.json" ]] && grep -q "\"local_hash\": \"$local_hash\"" "$out/manifest.json" &&
+  [[ -z "$(find "$lists" -maxdepth 1 -newer "$out/manifest.json" -name '*Packages*' 2>/dev/null)" ]]; then
+  log "up to date in $out"
+  exit 0
+fi
+
+candidates() {
+  apt-cache policy "$@" 2>/dev/null | awk '/^[^ ]/ {p=$1; sub(/:$/, "", p)} /Candidate:/ && $2 != "(none)" {print p "=" $2}'
+}
+kernel_pkg=$(apt-cache depends "$kernel_meta" 2>/dev/null | awk '/Depends: linux-image-/ {print $2; exit}')
+if [[ -z "$kernel_pkg" ]]; then
+  log "apt lists missing: apt-get update"
+  apt-get update -qq
+  kernel_pkg=$(apt-cache depends "$kernel_meta" | awk '/Depends: linux-image-/ {print $2; exit}')
+fi
+[[ -n "$kernel_pkg" ]] || { log "cannot resolve $kernel_meta to a kernel package"; exit 1; }
+packages+=("$kernel_pkg")
+mapfile -t versions < <(candidates "${packages[@]}")
+for p in "${packages[@]}"; do
+  printf '%s\n' "${versions[@]}" | grep -q "^$p=" || { log "package $p has no installable version"; exit 1; }
+done
+
+inputs_hash=$(printf '%s\n' "$local_hash" "${versions[@]}" | sha256sum | cut -d' ' -f1)
+
+if complete && [[ -f "$out/manifest.json" ]] && grep -q "\"inputs_hash\": \"$inputs_hash\"" "$out/manifest.json"; then
+  touch "$out/manifest.json"
   log "up to date in $out ($inputs_hash)"
   exit 0
 fi
@@ -239,6 +252,7 @@ cat >"$out.new/manifest.json" <<EOF
   "kernel_args": "console=ttyS0",
   "kernel_version": "$kver",
   "packages": [$(printf '"%s",' "${versions[@]}" | sed 's/,$//')],
+  "local_hash": "$local_hash",
   "inputs_hash": "$inputs_hash"
 }
 EOF

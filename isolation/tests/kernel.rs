@@ -11,7 +11,7 @@ use isolation::{
 };
 use nix::fcntl::OFlag;
 use nix::mount::{MntFlags, umount2};
-use support::{POD_FILE_CONTENT, Pod, TestCgroup};
+use support::{OrphanedSocket, POD_FILE_CONTENT, Pod, TestCgroup};
 
 const KINDS: [NsKind; 5] = [
     NsKind::Pid,
@@ -245,6 +245,16 @@ fn a_socket_nobody_listens_on_has_no_peer() {
     let err = detect_from_socket(&dir.path().join("missing.sock")).unwrap_err();
     assert!(
         matches!(&err, IsolationError::Connect { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_socket_whose_listener_exited_names_a_gone_process() {
+    let orphan = OrphanedSocket::spawn();
+    let err = detect_from_socket(&orphan.socket).unwrap_err();
+    assert!(
+        matches!(err, IsolationError::PidGone { pid } if pid == orphan.listener),
         "{err}"
     );
 }

@@ -242,3 +242,75 @@ impl Drop for TestCgroup {
         );
     }
 }
+
+/// A socket whose listener has exited while a child of it still holds the listening socket
+/// open: connections succeed, and the kernel names the dead listener as the peer.
+#[derive(Debug)]
+pub struct OrphanedSocket {
+    _dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    /// The process that called listen(2), now gone.
+    pub listener: i32,
+    holder: i32,
+    _stop: fs::File,
+}
+
+impl OrphanedSocket {
+    pub fn spawn() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("orphan.sock");
+        // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::sa_family_t::try_from(libc::AF_UNIX).unwrap();
+        for (d, s) in addr.sun_path.iter_mut().zip(socket.as_os_str().as_bytes()) {
+            *d = libc::c_char::from_ne_bytes([*s]);
+        }
+        let (ready_r, ready_w) = pipe().unwrap();
+        let (stop_r, stop_w) = pipe().unwrap();
+        let (ready_w_raw, stop_r_raw, stop_w_raw) =
+            (ready_w.as_raw_fd(), stop_r.as_raw_fd(), stop_w.as_raw_fd());
+        // SAFETY: the children only call async-signal-safe functions on data prepared
+        // before the fork.
+        match unsafe { fork() }.unwrap() {
+            // SAFETY: as above: raw syscalls on descriptors and memory set up before.
+            ForkResult::Child => unsafe {
+                libc::close(stop_w_raw);
+                let sock = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                let len = libc::socklen_t::try_from(size_of::<libc::sockaddr_un>()).unwrap_or(0);
+                if sock < 0
+                    || libc::bind(sock, (&raw const addr).cast(), len) != 0
+                    || libc::listen(sock, 8) != 0
+                {
+                    libc::_exit(1);
+                }
+                if libc::fork() == 0 {
+                    let pid = libc::getpid();
+                    libc::write(ready_w_raw, (&raw const pid).cast(), 4);
+                    let mut b = 0u8;
+                    libc::read(stop_r_raw, (&raw mut b).cast(), 1);
+                    libc::_exit(0);
+                }
+                libc::_exit(0);
+            },
+            ForkResult::Parent { child } => {
+                waitpid(child, None).unwrap();
+                drop((ready_w, stop_r));
+                let mut pid = [0u8; 4];
+                fs::File::from(ready_r).read_exact(&mut pid).unwrap();
+                Self {
+                    _dir: dir,
+                    socket,
+                    listener: child.as_raw(),
+                    holder: i32::from_ne_bytes(pid),
+                    _stop: fs::File::from(stop_w),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for OrphanedSocket {
+    fn drop(&mut self) {
+        let _ = kill(Pid::from_raw(self.holder), Signal::SIGKILL);
+    }
+}

@@ -343,7 +343,7 @@ mod tests {
         loop {
             let i = prog[pc];
             let (dst, src) = ((i.regs & 0xf) as usize, (i.regs >> 4) as usize);
-            let imm = i64::from(i.imm).cast_unsigned();
+            let imm = u64::from_ne_bytes(i64::from(i.imm).to_ne_bytes());
             pc += 1;
             match i.code {
                 LDX_MEM_W => {

@@ -149,7 +149,7 @@ mod tests {
 
     #[test]
     fn reads_own_membership() {
-        let m = ProcessCgroups::read(std::process::id().cast_signed()).unwrap();
+        let m = ProcessCgroups::read(i32::try_from(std::process::id()).unwrap()).unwrap();
         assert!(!m.v1.is_empty() || m.unified.is_some());
     }
 }

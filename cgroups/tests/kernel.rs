@@ -132,6 +132,48 @@ fn assert_no_window(cg: &TestCgroup, mut set_rules: impl FnMut(&[DeviceRule])) {
     assert!(denied >= 100, "the probe does not notice refusals");
 }
 
+/// Read-only /dev/null, no mknod: writing and creating nodes are refused, reading is not;
+/// then write and mknod access are granted.
+fn assert_access_kinds_are_enforced(cg: &TestCgroup, mut set_rules: impl FnMut(&[DeviceRule])) {
+    set_rules(&[DeviceRule::allow(
+        DeviceKind::Char,
+        Some(1),
+        Some(3),
+        Access::READ,
+    )]);
+    let mut probe = Probe::spawn();
+    cg.add_process(probe.pid);
+    assert_eq!(probe.open(Dev::Null), 0);
+    assert_eq!(probe.open_null_for_writing(), libc::EPERM);
+    assert_eq!(probe.mknod_null(), libc::EPERM);
+    set_rules(&[
+        DeviceRule::allow(DeviceKind::Char, Some(1), Some(3), Access::READ),
+        DeviceRule::allow(DeviceKind::Char, Some(1), Some(3), Access::WRITE),
+        DeviceRule::allow(DeviceKind::All, None, None, Access::MKNOD),
+    ]);
+    assert_eq!(probe.open_null_for_writing(), 0);
+    assert_eq!(probe.mknod_null(), 0);
+    assert_eq!(
+        probe.open(Dev::Zero),
+        libc::EPERM,
+        "mknod does not grant reading"
+    );
+}
+
+#[test]
+fn v1_access_kinds_are_enforced() {
+    let cg = TestCgroup::new(V1_DEVICES);
+    let devices = V1Devices::new(&cg.path);
+    assert_access_kinds_are_enforced(&cg, |rules| devices.set_rules(rules).unwrap());
+}
+
+#[test]
+fn bpf_access_kinds_are_enforced() {
+    let cg = TestCgroup::new(UNIFIED);
+    let mut devices = BpfDevices::open(&cg.path).unwrap();
+    assert_access_kinds_are_enforced(&cg, |rules| devices.set_rules(rules).unwrap());
+}
+
 #[test]
 fn v1_rule_updates_never_deny_an_allowed_device() {
     let cg = TestCgroup::new(V1_DEVICES);
@@ -314,7 +356,7 @@ fn manager_drives_a_processs_v1_cgroups() {
 #[test]
 fn manager_needs_membership_in_every_hierarchy() {
     let setup = CgroupSetup::detect().unwrap();
-    let mut membership = ProcessCgroups::read(std::process::id().cast_signed()).unwrap();
+    let mut membership = ProcessCgroups::read(i32::try_from(std::process::id()).unwrap()).unwrap();
     membership.v1.remove("cpuset");
     let err = Manager::for_process(&setup, &membership).unwrap_err();
     assert!(
@@ -384,7 +426,7 @@ fn threads_are_pinned_through_cpuset_children() {
 
     let cg = TestCgroup::new_cpuset();
     let threads = Threads::spawn(2);
-    let pid = std::process::id().cast_signed();
+    let pid = i32::try_from(std::process::id()).unwrap();
     cg.add_process(pid);
     let setup = CgroupSetup::detect().unwrap();
     let mut manager = Manager::for_process(&setup, &ProcessCgroups::read(pid).unwrap()).unwrap();

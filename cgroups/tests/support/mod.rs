@@ -112,6 +112,12 @@ pub enum Dev {
 
 impl Probe {
     pub fn spawn() -> Self {
+        let node = std::ffi::CString::new(format!(
+            "/tmp/kvrs-probe-node-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ))
+        .unwrap();
         let (cmd_r, cmd_w) = pipe().unwrap();
         let (reply_r, reply_w) = pipe().unwrap();
         // SAFETY: a fresh anonymous shared mapping of one page; nothing else uses it.
@@ -132,7 +138,7 @@ impl Probe {
         // SAFETY: the child only calls async-signal-safe functions (read, write, open,
         // close, _exit) and atomics on memory prepared before the fork.
         match unsafe { fork() }.unwrap() {
-            ForkResult::Child => child(cmd_r.as_raw_fd(), reply_w.as_raw_fd(), shared),
+            ForkResult::Child => child(cmd_r.as_raw_fd(), reply_w.as_raw_fd(), shared, &node),
             ForkResult::Parent { child } => {
                 drop((cmd_r, reply_w));
                 Self {
@@ -147,12 +153,25 @@ impl Probe {
 
     /// The errno of opening the device read-only (0: it opened).
     pub fn open(&mut self, dev: Dev) -> i32 {
-        self.cmd
-            .write_all(match dev {
-                Dev::Null => b"n",
-                Dev::Zero => b"z",
-            })
-            .unwrap();
+        self.ask(match dev {
+            Dev::Null => b'n',
+            Dev::Zero => b'z',
+        })
+    }
+
+    /// The errno of opening `/dev/null` write-only.
+    pub fn open_null_for_writing(&mut self) -> i32 {
+        self.ask(b'w')
+    }
+
+    /// The errno of creating a device node for /dev/null's numbers (c 1:3); a node made is
+    /// removed again at once.
+    pub fn mknod_null(&mut self) -> i32 {
+        self.ask(b'k')
+    }
+
+    fn ask(&mut self, command: u8) -> i32 {
+        self.cmd.write_all(&[command]).unwrap();
         let mut buf = [0u8; 4];
         self.reply.read_exact(&mut buf).unwrap();
         i32::from_ne_bytes(buf)
@@ -197,7 +216,7 @@ impl Drop for Probe {
     }
 }
 
-fn child(cmd: i32, reply: i32, shared: &[AtomicU64; 3]) -> ! {
+fn child(cmd: i32, reply: i32, shared: &[AtomicU64; 3], node: &std::ffi::CStr) -> ! {
     let null = c"/dev/null".as_ptr();
     let zero = c"/dev/zero".as_ptr();
     // SAFETY: plain syscalls on descriptors this process owns and on static C strings.
@@ -208,14 +227,30 @@ fn child(cmd: i32, reply: i32, shared: &[AtomicU64; 3]) -> ! {
                 libc::_exit(0);
             }
             match b {
-                b'n' | b'z' => {
-                    let fd = libc::open(if b == b'n' { null } else { zero }, libc::O_RDONLY);
+                b'n' | b'z' | b'w' => {
+                    let fd = match b {
+                        b'n' => libc::open(null, libc::O_RDONLY),
+                        b'z' => libc::open(zero, libc::O_RDONLY),
+                        _ => libc::open(null, libc::O_WRONLY),
+                    };
                     let errno = if fd < 0 {
                         *libc::__errno_location()
                     } else {
                         libc::close(fd);
                         0
                     };
+                    libc::write(reply, (&raw const errno).cast(), 4);
+                }
+                b'k' => {
+                    let errno =
+                        if libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o600, libc::makedev(1, 3))
+                            == 0
+                        {
+                            libc::unlink(node.as_ptr());
+                            0
+                        } else {
+                            *libc::__errno_location()
+                        };
                     libc::write(reply, (&raw const errno).cast(), 4);
                 }
                 b'l' => {

@@ -117,7 +117,8 @@ impl Manager {
 
     /// Moves `vcpu_threads` of process `pid` into the `vcpus` child pinned to `vcpu_cpus`,
     /// and every other thread of `pid` into the `housekeeping` child pinned to
-    /// `housekeeping_cpus`. The kernel updates each thread's affinity as it moves.
+    /// `housekeeping_cpus`. The kernel updates each thread's affinity as it moves. Threads
+    /// started afterwards stay where their creator is; call again to place them.
     pub fn place_threads(
         &mut self,
         pid: i32,
@@ -161,10 +162,15 @@ impl Manager {
                     Err(source) => return Err(CgroupError::Create { path, source }),
                 },
                 Step::Write(path, value) => write(&path, &value)?,
-                Step::Move(path, tid) => {
-                    fs::write(&path, tid.to_string())
-                        .map_err(|source| CgroupError::MoveThread { tid, path, source })?;
-                }
+                Step::Move(path, tid) => match fs::write(&path, tid.to_string()) {
+                    Ok(()) => {}
+                    // QEMU's worker threads come and go; one that ended since the listing
+                    // needs no placing. A vCPU thread must not vanish.
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::ESRCH)
+                            && !vcpu_threads.contains(&tid) => {}
+                    Err(source) => return Err(CgroupError::MoveThread { tid, path, source }),
+                },
             }
         }
         debug!(pid, cgroup = %self.cpuset.path.display(), "threads placed");

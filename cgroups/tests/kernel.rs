@@ -353,6 +353,60 @@ fn manager_drives_a_processs_v1_cgroups() {
     manager.cleanup().unwrap();
 }
 
+/// This host is hybrid, but its cgroup2 mount is a real one: described as a unified host,
+/// the manager takes the cgroup2 paths for everything and filters devices with eBPF.
+#[test]
+fn manager_on_a_unified_view_of_this_host() {
+    let cg = TestCgroup::new(UNIFIED);
+    let mut probe = Probe::spawn();
+    cg.add_process(probe.pid);
+    let setup = CgroupSetup {
+        mode: Mode::Unified,
+        v1: std::collections::BTreeMap::new(),
+        unified: Some(cgroups::Hierarchy {
+            mount_point: UNIFIED.into(),
+            root: "/".into(),
+        }),
+    };
+    let membership = ProcessCgroups::read(probe.pid).unwrap();
+    let mut manager = Manager::for_process(&setup, &membership).unwrap();
+    assert!(matches!(manager.devices(), Devices::V2(d) if d.dir() == cg.path));
+    assert!(manager.memory_dir().v2 && manager.memory_dir().path == cg.path);
+
+    assert_eq!(manager.allowed_devices().unwrap(), None);
+    manager.set_device_rules(&null_only()).unwrap();
+    assert_eq!(probe.open(Dev::Null), 0);
+    assert_eq!(probe.open(Dev::Zero), libc::EPERM);
+    assert_eq!(
+        manager.allowed_devices().unwrap().unwrap(),
+        cgroups::effective(&null_only()).unwrap()
+    );
+    let Devices::V2(bpf) = manager.devices() else {
+        unreachable!()
+    };
+    let id = bpf.program_id().unwrap();
+
+    // The memory and cpuset controllers are bound to v1 here, so cgroup2 lacks their
+    // files: the errors say which file.
+    let err = manager.memory_limit().unwrap_err();
+    assert!(
+        matches!(&err, CgroupError::Read { path, .. } if path.ends_with("memory.max")),
+        "{err}"
+    );
+    let one: CpuList = "0".parse().unwrap();
+    let err = manager
+        .place_threads(probe.pid, &[probe.pid], &one, &one)
+        .unwrap_err();
+    assert!(
+        matches!(&err, CgroupError::Write { path, .. } if path.ends_with("cgroup.subtree_control")),
+        "{err}"
+    );
+
+    manager.cleanup().unwrap();
+    assert_eq!(probe.open(Dev::Zero), 0, "the program is detached");
+    wait_until_freed(id);
+}
+
 #[test]
 fn manager_needs_membership_in_every_hierarchy() {
     let setup = CgroupSetup::detect().unwrap();

@@ -303,7 +303,8 @@ impl PodIsolation {
         self.process.mount_root()
     }
 
-    /// Runs `f` inside one of the pod's namespaces and returns what it returns.
+    /// Runs `f` inside one of the pod's namespaces and returns what it returns. The
+    /// namespace must still be the one detected ([`IsolationError::NamespaceChanged`]).
     ///
     /// setns(2) changes only the calling thread, and a thread that has entered a pod's
     /// namespace must never run anything else afterwards: a tokio worker or a pooled thread
@@ -319,6 +320,22 @@ impl PodIsolation {
     {
         let ns = self.process.namespace_fd(kind)?;
         let pid = self.pid;
+        let detected = self.namespaces.get(kind).inode;
+        let current = nix::sys::stat::fstat(&ns)
+            .map_err(|e| IsolationError::NamespaceInaccessible {
+                pid,
+                kind,
+                source: e.into(),
+            })?
+            .st_ino;
+        if current != detected {
+            return Err(IsolationError::NamespaceChanged {
+                pid,
+                kind,
+                detected,
+                current,
+            });
+        }
         std::thread::scope(|scope| {
             let handle = std::thread::Builder::new()
                 .name(format!("ns-{kind}-{pid}"))

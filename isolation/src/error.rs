@@ -62,6 +62,15 @@ pub enum IsolationError {
         #[source]
         source: io::Error,
     },
+    /// The process has moved to another namespace since it was detected; entering what
+    /// it has now would act on something never checked. Detect again.
+    #[error("process {pid} left its detected {kind} namespace (inode {detected}, now {current})")]
+    NamespaceChanged {
+        pid: i32,
+        kind: NsKind,
+        detected: u64,
+        current: u64,
+    },
     #[error("starting a thread for the {kind} namespace of process {pid}")]
     Spawn {
         pid: i32,

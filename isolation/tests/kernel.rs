@@ -234,6 +234,25 @@ fn closures_return_values_and_panics_become_errors() {
 }
 
 #[test]
+fn a_namespace_changed_since_detection_is_not_entered() {
+    let mut pod = Pod::spawn();
+    let found = detect_from_pid(pod.pid).unwrap();
+    pod.unshare_net();
+    let err = found.run_in_namespace(NsKind::Net, || ()).unwrap_err();
+    assert!(
+        matches!(err, IsolationError::NamespaceChanged { kind: NsKind::Net, detected, current, .. }
+            if detected == found.namespaces.net.inode && current != detected),
+        "{err}"
+    );
+    // The other namespaces are unchanged and still enterable; a fresh detection sees the
+    // new one.
+    found.run_in_namespace(NsKind::Uts, || ()).unwrap();
+    let again = detect_from_pid(pod.pid).unwrap();
+    assert_ne!(again.namespaces.net.inode, found.namespaces.net.inode);
+    again.run_in_namespace(NsKind::Net, || ()).unwrap();
+}
+
+#[test]
 fn a_socket_nobody_listens_on_has_no_peer() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("stale.sock");

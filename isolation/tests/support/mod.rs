@@ -33,6 +33,7 @@ pub struct Pod {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     stop: Option<fs::File>,
+    acks: fs::File,
 }
 
 impl Pod {
@@ -80,11 +81,23 @@ impl Pod {
                     dir,
                     socket,
                     stop: Some(fs::File::from(stop_w)),
+                    acks: ready_r,
                 };
                 spawned.unwrap_or_else(|e| panic!("the pod did not start: {e}"));
                 pod
             }
         }
+    }
+}
+
+impl Pod {
+    /// Makes the pod process move to yet another network namespace, as a process may do
+    /// after it was detected.
+    pub fn unshare_net(&mut self) {
+        std::io::Write::write_all(self.stop.as_mut().unwrap(), b"u").unwrap();
+        let mut ack = [0u8; 1];
+        self.acks.read_exact(&mut ack).unwrap();
+        assert_eq!(ack[0], 1, "unshare failed in the pod");
     }
 }
 
@@ -173,8 +186,11 @@ fn pod_main(raw: &Raw) -> ! {
         let one = 1u8;
         libc::write(raw.ready_w, (&raw const one).cast(), 1);
         let mut b = 0u8;
-        // Returns at EOF: the test dropped its end.
-        libc::read(raw.stop_r, (&raw mut b).cast(), 1);
+        // Commands until EOF: the test dropped its end.
+        while libc::read(raw.stop_r, (&raw mut b).cast(), 1) == 1 {
+            let ok = u8::from(b == b'u' && libc::unshare(libc::CLONE_NEWNET) == 0);
+            libc::write(raw.ready_w, (&raw const ok).cast(), 1);
+        }
         libc::_exit(0);
     }
 }

@@ -10,7 +10,7 @@ use crate::error::{CgroupError, Result};
 /// One cgroup's v1 device rules.
 ///
 /// cgroups-rs writes and parses the `devices.*` files; it has no notion of moving between two
-/// rule sets, which [`devices::v1_transition`] plans here.
+/// rule sets, which `devices::v1_transition` plans here.
 #[derive(Debug)]
 pub struct V1Devices {
     dir: PathBuf,

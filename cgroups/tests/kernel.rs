@@ -550,3 +550,48 @@ fn thread_placement_errors() {
     manager.cleanup().unwrap();
     assert!(!cg.path.join(cgroups::VCPU_CHILD).exists());
 }
+
+/// Prints how long a rule update takes on each backend (a hotplug pays this once).
+/// Run: `cargo nextest run -p cgroups --run-ignored only bench_`.
+#[test]
+#[ignore = "benchmark: prints figures"]
+fn bench_rule_updates() {
+    const ROUNDS: u32 = 100;
+    let rules_of = |n: u32, flip: bool| -> Vec<DeviceRule> {
+        (0..n)
+            .map(|i| {
+                DeviceRule::allow(
+                    DeviceKind::Block,
+                    Some(8),
+                    Some(i * 2 + u32::from(flip)),
+                    Access::READ.union(Access::WRITE),
+                )
+            })
+            .chain(null_only())
+            .collect()
+    };
+    for n in [1, 16, 256] {
+        let cg = TestCgroup::new(V1_DEVICES);
+        let v1 = V1Devices::new(&cg.path);
+        v1.set_rules(&rules_of(n, false)).unwrap();
+        let start = Instant::now();
+        for round in 0..ROUNDS {
+            v1.set_rules(&rules_of(n, round % 2 == 0)).unwrap();
+        }
+        let v1_time = start.elapsed() / ROUNDS;
+
+        let cg2 = TestCgroup::new(UNIFIED);
+        let mut bpf = BpfDevices::open(&cg2.path).unwrap();
+        bpf.set_rules(&rules_of(n, false)).unwrap();
+        let start = Instant::now();
+        for round in 0..ROUNDS {
+            bpf.set_rules(&rules_of(n, round % 2 == 0)).unwrap();
+        }
+        let bpf_time = start.elapsed() / ROUNDS;
+        println!(
+            "{n:>4} entries: v1 devices update {v1_time:>10.1?}, cgroup2 eBPF update {bpf_time:>10.1?} \
+             (ratio {:.2})",
+            bpf_time.as_secs_f64() / v1_time.as_secs_f64()
+        );
+    }
+}

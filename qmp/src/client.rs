@@ -1,11 +1,13 @@
 //! The QMP client: one connection, one reader task, one writer task.
 //!
-//! Callers never touch the socket. A call registers a waiter under a fresh id and hands a complete
-//! line to the writer task, so a caller that is cancelled or times out can neither leave half a
-//! command on the wire nor steal someone else's reply: the reader routes replies by id and
-//! discards those whose waiter is gone.
+//! A call registers a waiter under a fresh id and then hands over a complete line without ever
+//! awaiting: it is written at once with a non-blocking write when the socket takes it whole, and
+//! what the socket does not take is queued for the writer task. So a caller that is cancelled or
+//! times out can neither leave half a command on the wire nor steal someone else's reply: the
+//! reader routes replies by id and discards those whose waiter is gone. (The direct write saves
+//! the hop through the writer task on every call; see `examples/bench_roundtrip.rs`.)
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
@@ -14,10 +16,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
+use tokio::io::{AsyncBufReadExt, BufReader, Interest};
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::sync::{OwnedMutexGuard, broadcast, mpsc, oneshot, watch};
+use tokio::sync::{Notify, OwnedMutexGuard, broadcast, oneshot, watch};
 use tokio::task::AbortHandle;
 use tracing::{debug, warn};
 
@@ -102,7 +104,7 @@ pub struct QmpClient {
 struct Inner {
     shared: Arc<Shared>,
     greeting: Greeting,
-    outgoing: mpsc::UnboundedSender<Outgoing>,
+    writer: Arc<Writer>,
     next_id: AtomicU64,
     /// Serialises commands that carry file descriptors: QEMU attaches received descriptors to
     /// the connection, not to a command, and a second descriptor arriving before the first
@@ -268,14 +270,18 @@ impl QmpClient {
             }),
             closed,
         });
-        let (outgoing, queue) = mpsc::unbounded_channel();
+        let writer = Arc::new(Writer {
+            stream: write,
+            queue: Mutex::new(WriteQueue::default()),
+            wake: Notify::new(),
+        });
         let reader_task = tokio::spawn(read_loop(reader, Arc::clone(&shared)));
-        let writer_task = tokio::spawn(write_loop(write, queue, Arc::clone(&shared)));
+        let writer_task = tokio::spawn(write_loop(Arc::clone(&writer), Arc::clone(&shared)));
         let client = Self {
             inner: Arc::new(Inner {
                 shared,
                 greeting,
-                outgoing,
+                writer,
                 next_id: AtomicU64::new(1),
                 fd_lock: Arc::new(tokio::sync::Mutex::new(())),
                 command_timeout: options.command_timeout,
@@ -455,7 +461,9 @@ impl QmpClient {
             remove: !carries_fds,
         };
         let line = wire::encode_execute(name, args.as_ref(), Some(id));
-        if inner.outgoing.send(Outgoing { line, fds }).is_err() {
+        if let Err(err) = inner.writer.send(Outgoing { line, fds }) {
+            warn!(socket = %shared.socket.display(), %err, "QMP write failed");
+            shared.close("write error");
             return Err(disconnected());
         }
         match tokio::time::timeout_at(deadline, reply_rx).await {
@@ -580,50 +588,103 @@ async fn read_loop(mut reader: BufReader<OwnedReadHalf>, shared: Arc<Shared>) {
     }
 }
 
-async fn write_loop(
-    mut writer: OwnedWriteHalf,
-    mut queue: mpsc::UnboundedReceiver<Outgoing>,
-    shared: Arc<Shared>,
-) {
-    while let Some(Outgoing { line, fds }) = queue.recv().await {
-        let written = if fds.is_empty() {
-            writer.write_all(&line).await
-        } else {
-            write_with_fds(&mut writer, &line, &fds).await
-        };
-        if let Err(err) = written {
-            warn!(socket = %shared.socket.display(), %err, "QMP write failed");
-            return shared.close("write error");
-        }
-    }
+/// The write side: a non-blocking direct path for callers, a queue for the writer task.
+#[derive(Debug)]
+struct Writer {
+    stream: OwnedWriteHalf,
+    queue: Mutex<WriteQueue>,
+    wake: Notify,
 }
 
-/// Send `line` with `fds` attached to its first byte(s) in one `sendmsg`, then the rest.
-/// tokio has no ancillary-data API, hence nix.
-async fn write_with_fds(
-    writer: &mut OwnedWriteHalf,
-    line: &[u8],
-    fds: &[OwnedFd],
-) -> std::io::Result<()> {
-    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
-    let stream: &UnixStream = writer.as_ref();
-    let sent = loop {
-        stream.writable().await?;
-        let attempt = stream.try_io(Interest::WRITABLE, || {
-            nix::sys::socket::sendmsg::<()>(
-                stream.as_raw_fd(),
-                &[IoSlice::new(line)],
-                &[nix::sys::socket::ControlMessage::ScmRights(&raw)],
-                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
-                None,
-            )
-            .map_err(std::io::Error::from)
-        });
-        match attempt {
-            Ok(sent) => break sent,
+#[derive(Debug, Default)]
+struct WriteQueue {
+    items: VecDeque<Outgoing>,
+    /// The writer task owns the socket's byte order: set while anything is queued or being
+    /// written by it, and callers must queue behind it.
+    busy: bool,
+}
+
+impl Writer {
+    /// Hand over one complete message. Never awaits, so it cannot be cancelled half-way.
+    fn send(&self, mut message: Outgoing) -> std::io::Result<()> {
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        if queue.busy {
+            queue.items.push_back(message);
+            return Ok(());
+        }
+        match try_send(self.stream.as_ref(), &message.line, &message.fds) {
+            Ok(sent) if sent == message.line.len() => return Ok(()),
+            Ok(sent) => {
+                message.line.drain(..sent);
+                if sent > 0 {
+                    // Descriptors travel with the first byte sent.
+                    message.fds.clear();
+                }
+            }
             Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(err) => return Err(err),
         }
-    };
-    writer.write_all(&line[sent..]).await
+        queue.busy = true;
+        queue.items.push_back(message);
+        drop(queue);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    fn next(&self) -> Option<Outgoing> {
+        let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        let next = queue.items.pop_front();
+        if next.is_none() {
+            queue.busy = false;
+        }
+        next
+    }
+}
+
+/// One non-blocking attempt; descriptors go in a single `sendmsg` with the line (tokio has no
+/// ancillary-data API, hence nix).
+fn try_send(stream: &UnixStream, line: &[u8], fds: &[OwnedFd]) -> std::io::Result<usize> {
+    if fds.is_empty() {
+        return stream.try_write(line);
+    }
+    let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    stream.try_io(Interest::WRITABLE, || {
+        nix::sys::socket::sendmsg::<()>(
+            stream.as_raw_fd(),
+            &[IoSlice::new(line)],
+            &[nix::sys::socket::ControlMessage::ScmRights(&raw)],
+            nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .map_err(std::io::Error::from)
+    })
+}
+
+async fn write_loop(writer: Arc<Writer>, shared: Arc<Shared>) {
+    loop {
+        let Some(Outgoing { mut line, mut fds }) = writer.next() else {
+            writer.wake.notified().await;
+            continue;
+        };
+        let stream: &UnixStream = writer.stream.as_ref();
+        while !line.is_empty() {
+            let written = match stream.writable().await {
+                Ok(()) => try_send(stream, &line, &fds),
+                Err(err) => Err(err),
+            };
+            match written {
+                Ok(sent) => {
+                    line.drain(..sent);
+                    if sent > 0 {
+                        fds.clear();
+                    }
+                }
+                Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(err) => {
+                    warn!(socket = %shared.socket.display(), %err, "QMP write failed");
+                    return shared.close("write error");
+                }
+            }
+        }
+    }
 }

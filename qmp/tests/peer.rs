@@ -317,3 +317,36 @@ async fn from_stream_works_on_a_socketpair() {
     let client = client.unwrap();
     assert_eq!(client.socket(), std::path::Path::new("socketpair"));
 }
+
+#[tokio::test]
+async fn commands_larger_than_the_socket_buffer_stay_whole_and_in_order() {
+    init_tracing();
+    let listener = Listener::new();
+    let (client, mut peer) = connected(&listener).await;
+    let blob = "x".repeat(4 << 20);
+    let big = tokio::spawn({
+        let client = client.clone();
+        let blob = blob.clone();
+        async move { client.execute_raw("big", json!({ "blob": blob })).await }
+    });
+    // Let the big one fill the socket buffer before the small one is sent.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let small = tokio::spawn({
+        let client = client.clone();
+        async move { client.execute_raw("small", Value::Null).await }
+    });
+    let mut line = String::new();
+    peer.reader.read_line(&mut line).await.unwrap();
+    let first: Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(first["execute"], "big");
+    assert_eq!(
+        first["arguments"]["blob"].as_str().unwrap().len(),
+        blob.len()
+    );
+    let (name, small_id) = peer.command().await;
+    assert_eq!(name, "small");
+    peer.reply(&first["id"], json!(1)).await;
+    peer.reply(&small_id, json!(2)).await;
+    assert_eq!(big.await.unwrap().unwrap(), json!(1));
+    assert_eq!(small.await.unwrap().unwrap(), json!(2));
+}

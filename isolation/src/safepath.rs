@@ -69,14 +69,7 @@ impl MountRoot {
 
     /// Resolves `path` (leading `/` allowed: it means the root) to an `O_PATH` handle.
     pub fn resolve(&self, path: &Path, how: Resolve) -> Result<SafePath> {
-        let fd = self.openat2(
-            &self.fd,
-            path,
-            how,
-            OFlag::O_PATH,
-            Mode::empty(),
-            "resolving",
-        )?;
+        let fd = self.openat2(path, how, OFlag::O_PATH, Mode::empty(), "resolving")?;
         Ok(SafePath {
             fd,
             root: self.path.clone(),
@@ -86,22 +79,14 @@ impl MountRoot {
 
     /// Opens an existing file under the root (`flags` as for open(2), without `O_CREAT`).
     pub fn open_file(&self, path: &Path, how: Resolve, flags: OFlag) -> Result<File> {
-        self.openat2(
-            &self.fd,
-            path,
-            how,
-            flags & !OFlag::O_CREAT,
-            Mode::empty(),
-            "opening",
-        )
-        .map(File::from)
+        self.openat2(path, how, flags & !OFlag::O_CREAT, Mode::empty(), "opening")
+            .map(File::from)
     }
 
     /// Creates a new file under the root for writing. `O_EXCL` makes the kernel refuse a
     /// symlink planted at the last component instead of following it.
     pub fn create_file(&self, path: &Path, how: Resolve, mode: u32) -> Result<File> {
         self.openat2(
-            &self.fd,
             path,
             how,
             OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY,
@@ -121,7 +106,6 @@ impl MountRoot {
         })?;
         let parent_fd = self
             .openat2(
-                &self.fd,
                 parent,
                 how,
                 OFlag::O_PATH | OFlag::O_DIRECTORY,
@@ -158,7 +142,6 @@ impl MountRoot {
 
     fn openat2(
         &self,
-        dir: &OwnedFd,
         path: &Path,
         how: Resolve,
         flags: OFlag,
@@ -176,7 +159,7 @@ impl MountRoot {
             .mode(mode)
             .resolve(resolve);
         loop {
-            match openat2(dir, rel, open_how) {
+            match openat2(&self.fd, rel, open_how) {
                 Ok(fd) => return Ok(fd),
                 // A rename or mount elsewhere raced the walk; the kernel asks for a retry.
                 Err(Errno::EAGAIN) => {}

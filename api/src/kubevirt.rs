@@ -214,12 +214,11 @@ pub struct KubeVirtConfiguration {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct DeveloperConfiguration {
-    /// Enabled feature gates.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub feature_gates: Vec<String>,
+    /// Enabled feature gates (KubeVirt's own CR writes `featureGates: []`, so an empty list is
+    /// kept apart from an absent one).
+    pub feature_gates: Option<Vec<String>>,
     /// Disabled feature gates.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub disabled_feature_gates: Vec<String>,
+    pub disabled_feature_gates: Option<Vec<String>>,
     /// Allow software emulation (TCG) when KVM is missing.
     pub use_emulation: Option<bool>,
     /// vCPU to pCPU allocation ratio.

@@ -7,14 +7,20 @@
 //! the guest.
 
 pub mod common;
+pub mod config;
+pub mod crds;
+pub mod defaults;
 pub mod kubevirt;
 pub mod migration;
+pub mod quantity;
 pub mod replicaset;
 pub mod status;
+pub mod validation;
 pub mod vm;
 pub mod vmi;
 
 pub use common::{ConditionStatus, Empty, Preserved, PullPolicy};
+pub use config::ClusterConfig;
 pub use kubevirt::{KubeVirt, KubeVirtSpec, KubeVirtStatus};
 pub use migration::{
     VirtualMachineInstanceMigration, VirtualMachineInstanceMigrationSpec,

@@ -1,0 +1,175 @@
+//! Every example manifest parses, round-trips through the types without losing a field, and
+//! defaults and validates clean.
+
+use std::path::PathBuf;
+
+use api::{
+    ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
+    VirtualMachineInstanceMigration, VirtualMachineInstanceReplicaSet, defaults, validation,
+};
+use pretty_assertions::assert_eq;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+fn examples() -> Vec<(String, serde_json::Value)> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let value: serde_json::Value =
+                serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            out.push((
+                path.file_name().unwrap().to_string_lossy().into_owned(),
+                value,
+            ));
+        }
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+fn round_trip<T: DeserializeOwned + Serialize>(file: &str, value: &serde_json::Value) -> T {
+    let typed: T = serde_json::from_value(value.clone()).unwrap_or_else(|e| panic!("{file}: {e}"));
+    let back = serde_json::to_value(&typed).unwrap();
+    assert_eq!(
+        &back, value,
+        "{file} lost or changed a field on the round trip"
+    );
+    typed
+}
+
+fn clean(file: &str, errors: &[validation::FieldError]) {
+    assert!(errors.is_empty(), "{file}: {errors:#?}");
+}
+
+#[test]
+fn every_example_round_trips_defaults_and_validates() {
+    let cfg = ClusterConfig::default();
+    let mut kinds = Vec::new();
+    for (file, value) in examples() {
+        let kind = value["kind"].as_str().unwrap().to_owned();
+        match kind.as_str() {
+            "VirtualMachineInstance" => {
+                let mut vmi: VirtualMachineInstance = round_trip(&file, &value);
+                clean(&file, &validation::validate_vmi(&vmi, &cfg));
+                defaults::apply_vmi(&mut vmi, &cfg).unwrap();
+                clean(&file, &validation::validate_vmi(&vmi, &cfg));
+                // A defaulted object still round-trips (what the API server stores).
+                let v = serde_json::to_value(&vmi).unwrap();
+                round_trip::<VirtualMachineInstance>(&file, &v);
+            }
+            "VirtualMachine" => {
+                let mut vm: VirtualMachine = round_trip(&file, &value);
+                clean(&file, &validation::validate_vm(&vm, &cfg));
+                defaults::apply_vm(&mut vm, &cfg);
+                defaults::apply(vm.spec.template.spec.as_mut().unwrap(), &cfg).unwrap();
+                clean(&file, &validation::validate_vm(&vm, &cfg));
+            }
+            "VirtualMachineInstanceReplicaSet" => {
+                let mut rs: VirtualMachineInstanceReplicaSet = round_trip(&file, &value);
+                clean(&file, &validation::validate_replicaset(&rs, &cfg));
+                defaults::apply(rs.spec.template.spec.as_mut().unwrap(), &cfg).unwrap();
+                clean(&file, &validation::validate_replicaset(&rs, &cfg));
+            }
+            "VirtualMachineInstanceMigration" => {
+                let m: VirtualMachineInstanceMigration = round_trip(&file, &value);
+                clean(&file, &validation::validate_migration(&m));
+            }
+            "KubeVirt" => {
+                let kv: KubeVirt = round_trip(&file, &value);
+                let c = ClusterConfig::from_kubevirt(&kv);
+                assert!(c.use_emulation, "{file}: useEmulation");
+            }
+            other => panic!("{file}: unexpected kind {other}"),
+        }
+        kinds.push(kind);
+    }
+    kinds.sort();
+    kinds.dedup();
+    assert_eq!(
+        kinds,
+        [
+            "KubeVirt",
+            "VirtualMachine",
+            "VirtualMachineInstance",
+            "VirtualMachineInstanceMigration",
+            "VirtualMachineInstanceReplicaSet"
+        ],
+        "every kind has an example"
+    );
+}
+
+#[test]
+fn examples_use_the_test_guest_images() {
+    for (file, value) in examples() {
+        let text = value.to_string();
+        if text.contains("containerDisk") {
+            assert!(
+                text.contains("kubevirt-rs/test-guest-disk:latest"),
+                "{file}"
+            );
+        }
+        if text.contains("kernelBoot") {
+            assert!(
+                text.contains("kubevirt-rs/test-guest-kernel:latest"),
+                "{file}"
+            );
+            assert!(
+                text.contains("/boot/vmlinuz") && text.contains("/boot/initrd.img"),
+                "{file}"
+            );
+        }
+    }
+}
+
+#[test]
+fn status_round_trips() {
+    let value = serde_json::json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {"name": "x"},
+        "spec": {"domain": {"devices": {}}},
+        "status": {
+            "phase": "Running",
+            "nodeName": "node01",
+            "phaseTransitionTimestamps": [
+                {"phase": "Pending", "phaseTransitionTimestamp": "2026-01-01T00:00:00Z"}
+            ],
+            "conditions": [
+                {"type": "Ready", "status": "True", "lastProbeTime": null,
+                 "lastTransitionTime": "2026-01-01T00:00:01Z"},
+                {"type": "SomethingNew", "status": "False", "reason": "Future"}
+            ],
+            "interfaces": [{"ipAddress": "10.0.2.2", "ipAddresses": ["10.0.2.2"], "mac": "02:00:00:00:00:01", "name": "default", "infoSource": "domain, guest-agent"}],
+            "guestOSInfo": {"id": "debian", "kernelRelease": "6.1.0"},
+            "activePods": {"6b5c0d3a": "node01"},
+            "volumeStatus": [{"name": "containerdisk", "target": "vda"}],
+            "migrationState": {"completed": true, "targetNode": "node02", "migrationUid": "u"},
+            "launcherContainerImageVersion": "kubevirt-rs/virt-launcher:dev",
+            "qosClass": "Burstable",
+            "runtimeUser": 107,
+            "VSOCKCID": 3,
+            "currentCPUTopology": {"cores": 1, "sockets": 1, "threads": 1}
+        }
+    });
+    let mut expected = value.clone();
+    // Go's zero metav1.Time serialises as null; an absent one is the same thing.
+    expected["status"]["conditions"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("lastProbeTime");
+    let vmi: VirtualMachineInstance = serde_json::from_value(value).unwrap();
+    assert_eq!(serde_json::to_value(&vmi).unwrap(), expected);
+    let status = vmi.status.unwrap();
+    assert_eq!(
+        status.phase,
+        Some(api::VirtualMachineInstancePhase::Running)
+    );
+    assert!(
+        status
+            .condition(&api::status::VirtualMachineInstanceConditionType::Ready)
+            .is_some()
+    );
+}

@@ -246,12 +246,13 @@ impl GuestAgent {
         )?;
         if let Some(conn) = slot.as_mut() {
             let outcome = tokio::time::timeout(grace, async {
-                let mut line = vec![DELIMITER];
-                line.extend(wire::encode_execute(
+                // No leading 0xFF here: qemu-ga answers that byte with a parse error, which
+                // would be taken for the shutdown's.
+                let line = wire::encode_execute(
                     "guest-sync-delimited",
                     Some(&serde_json::json!({ "id": fresh_sync_id() })),
                     None,
-                ));
+                );
                 write(conn, &line).await?;
                 read_reply(conn).await
             })
@@ -407,7 +408,8 @@ async fn write(conn: &mut Conn, bytes: &[u8]) -> std::result::Result<(), Fault> 
         .map_err(|e| Fault::Io("writing to the guest agent", e))
 }
 
-/// Send 0xFF (resetting the agent's parser after any half-written command) and
+/// Send 0xFF (resetting the agent's parser after any half-written command; qemu-ga answers it
+/// with a parse error, which lands before the delimiter and is skipped) and
 /// `guest-sync-delimited` with a fresh id; skip everything up to the delimiter that precedes a
 /// reply carrying that id.
 async fn resync(conn: &mut Conn) -> std::result::Result<(), Fault> {

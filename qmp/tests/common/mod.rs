@@ -56,6 +56,56 @@ impl Qemu {
     }
 }
 
+/// The test guest's directory (hack/guest/build.sh), or a panic saying how to build it.
+pub fn guest_dir() -> PathBuf {
+    let dir = std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
+        PathBuf::from,
+    );
+    assert!(
+        dir.join("vmlinuz").is_file() && dir.join("initrd.img").is_file(),
+        "the test guest is missing in {}: run hack/guest/build.sh",
+        dir.display()
+    );
+    dir
+}
+
+impl Qemu {
+    /// Boot the test guest's kernel and initramfs under TCG with the guest agent's
+    /// virtio-serial port on `qga.sock` and the serial console in `console.log`.
+    pub fn boot_guest(machine: &str) -> Self {
+        let guest = guest_dir();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let qmp = dir.path().join("qmp.sock");
+        let qga = dir.path().join("qga.sock");
+        let console = dir.path().join("console.log");
+        let args = [
+            "-M".to_owned(),
+            machine.to_owned(),
+            "-accel".into(),
+            "tcg".into(),
+            "-m".into(),
+            "256".into(),
+            "-kernel".into(),
+            guest.join("vmlinuz").display().to_string(),
+            "-initrd".into(),
+            guest.join("initrd.img").display().to_string(),
+            "-append".into(),
+            "console=ttyS0".into(),
+            "-serial".into(),
+            format!("file:{}", console.display()),
+            "-chardev".into(),
+            format!("socket,path={},server=on,wait=off,id=qga0", qga.display()),
+            "-device".into(),
+            "virtio-serial".into(),
+            "-device".into(),
+            "virtserialport,chardev=qga0,name=org.qemu.guest_agent.0".into(),
+        ];
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Self::spawn_in(&args, dir, qmp)
+    }
+}
+
 impl Drop for Qemu {
     fn drop(&mut self) {
         let _ = self.child.kill();

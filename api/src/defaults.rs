@@ -389,7 +389,10 @@ fn set_cpu_hotplug(spec: &mut VirtualMachineInstanceSpec, cfg: &ClusterConfig) {
             max = (MAX_HOTPLUG_VCPUS / per_socket).max(sockets);
         }
     }
-    cpu.max_sockets = Some(max);
+    // KubeVirt's zero means "no hotplug" and is omitted from the JSON.
+    if max != 0 {
+        cpu.max_sockets = Some(max);
+    }
 }
 
 fn set_memory_hotplug(spec: &mut VirtualMachineInstanceSpec, cfg: &ClusterConfig) {

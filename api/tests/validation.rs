@@ -1,0 +1,668 @@
+//! Validation reports every mistake with its field path; unsupported KubeVirt features are
+//! refused by name.
+
+use api::validation::{self, FieldError, UNSUPPORTED};
+use api::{ClusterConfig, VirtualMachineInstance, defaults};
+use serde_json::{Value, json};
+
+/// A valid, defaulted VMI to break one field at a time.
+fn valid() -> Value {
+    let vmi: VirtualMachineInstance = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {"name": "v"},
+        "spec": {
+            "domain": {
+                "resources": {"requests": {"memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+                "devices": {
+                    "disks": [
+                        {"name": "root", "bootOrder": 1, "disk": {"bus": "virtio"}},
+                        {"name": "seed", "disk": {"bus": "virtio"}}
+                    ],
+                    "interfaces": [{"name": "default", "masquerade": {}, "ports": [{"port": 22}]}]
+                }
+            },
+            "networks": [{"name": "default", "pod": {}}],
+            "volumes": [
+                {"name": "root", "containerDisk": {"image": "kubevirt-rs/test-guest-disk:latest"}},
+                {"name": "seed", "cloudInitNoCloud": {"userData": "#!/bin/sh\n"}}
+            ]
+        }
+    }))
+    .unwrap();
+    let mut vmi = vmi;
+    defaults::apply_vmi(&mut vmi, &ClusterConfig::default()).unwrap();
+    serde_json::to_value(vmi).unwrap()
+}
+
+fn set(v: &mut Value, pointer: &str, value: Value) {
+    let (parent, key) = pointer.rsplit_once('/').unwrap();
+    let parent = v
+        .pointer_mut(parent)
+        .unwrap_or_else(|| panic!("no {parent}"));
+    match parent {
+        Value::Object(o) => {
+            if value.is_null() {
+                o.remove(key);
+            } else {
+                o.insert(key.to_owned(), value);
+            }
+        }
+        Value::Array(a) => {
+            let i: usize = key.parse().unwrap();
+            if i == a.len() {
+                a.push(value);
+            } else {
+                a[i] = value;
+            }
+        }
+        _ => panic!("{pointer}: parent is a scalar"),
+    }
+}
+
+fn errors(v: Value, cfg: &ClusterConfig) -> Vec<FieldError> {
+    let vmi: VirtualMachineInstance = serde_json::from_value(v).unwrap();
+    validation::validate_vmi(&vmi, cfg)
+}
+
+struct Mistake {
+    name: &'static str,
+    edits: Vec<(&'static str, Value)>,
+    path: &'static str,
+    message: &'static str,
+}
+
+fn m(
+    name: &'static str,
+    edits: Vec<(&'static str, Value)>,
+    path: &'static str,
+    message: &'static str,
+) -> Mistake {
+    Mistake {
+        name,
+        edits,
+        path,
+        message,
+    }
+}
+
+fn mistakes() -> Vec<Mistake> {
+    vec![
+        m(
+            "disk without a volume",
+            vec![("/spec/domain/devices/disks/1/name", json!("x"))],
+            "spec.domain.devices.disks[1].name",
+            r#"no volume named "x""#,
+        ),
+        m(
+            "duplicate disk name",
+            vec![("/spec/domain/devices/disks/1/name", json!("root"))],
+            "spec.domain.devices.disks[1].name",
+            r#"duplicate disk name "root""#,
+        ),
+        m(
+            "duplicate volume name",
+            vec![("/spec/volumes/1/name", json!("root"))],
+            "spec.volumes[1].name",
+            r#"duplicate volume name "root""#,
+        ),
+        m(
+            "volume name not a DNS label",
+            vec![(
+                "/spec/volumes/2",
+                json!({"name": "Bad_Name", "emptyDisk": {"capacity": "1Gi"}}),
+            )],
+            "spec.volumes[2].name",
+            "is not a DNS label",
+        ),
+        m(
+            "volume with two sources",
+            vec![("/spec/volumes/0/emptyDisk", json!({"capacity": "1Gi"}))],
+            "spec.volumes[0]",
+            "must have exactly one source set, has containerDisk, emptyDisk",
+        ),
+        m(
+            "volume with no source",
+            vec![("/spec/volumes/0/containerDisk", Value::Null)],
+            "spec.volumes[0]",
+            "must have exactly one source set",
+        ),
+        m(
+            "disk with two targets",
+            vec![("/spec/domain/devices/disks/0/cdrom", json!({}))],
+            "spec.domain.devices.disks[0]",
+            "must have only one of disk, cdrom, lun (has disk, cdrom)",
+        ),
+        m(
+            "memory request does not parse",
+            vec![("/spec/domain/resources/requests/memory", json!("12XB"))],
+            "spec.domain.resources.requests.memory",
+            r#""12XB" has an unknown suffix "XB""#,
+        ),
+        m(
+            "guest memory does not parse",
+            vec![("/spec/domain/memory/guest", json!("lots"))],
+            "spec.domain.memory.guest",
+            "is not a quantity",
+        ),
+        m(
+            "empty disk capacity does not parse",
+            vec![(
+                "/spec/volumes/2",
+                json!({"name": "scratch", "emptyDisk": {"capacity": "1.2.3Gi"}}),
+            )],
+            "spec.volumes[2].emptyDisk.capacity",
+            "is not a quantity",
+        ),
+        m(
+            "no memory at all",
+            vec![
+                ("/spec/domain/resources", json!({})),
+                ("/spec/domain/memory", Value::Null),
+            ],
+            "spec.domain.resources.requests.memory",
+            "no memory requested",
+        ),
+        m(
+            "memory request above the limit",
+            vec![("/spec/domain/resources/requests/memory", json!("1Gi"))],
+            "spec.domain.resources.requests.memory",
+            "must not be greater than limits.memory",
+        ),
+        m(
+            "guest memory above the limit",
+            vec![("/spec/domain/memory/guest", json!("1Gi"))],
+            "spec.domain.memory.guest",
+            "must not be greater than the memory limit",
+        ),
+        m(
+            "usb disk bus",
+            vec![("/spec/domain/devices/disks/1/disk/bus", json!("usb"))],
+            "spec.domain.devices.disks[1].disk.bus",
+            "usb: not supported by kubevirt-rs yet",
+        ),
+        m(
+            "unknown disk bus",
+            vec![("/spec/domain/devices/disks/1/disk/bus", json!("ide"))],
+            "spec.domain.devices.disks[1].disk.bus",
+            r#"unknown bus "ide" (virtio, sata or scsi)"#,
+        ),
+        m(
+            "too many vCPUs",
+            vec![("/spec/domain/cpu/cores", json!(600))],
+            "spec.domain.cpu.cores",
+            "must not exceed 512",
+        ),
+        m(
+            "more sockets than maxSockets",
+            vec![("/spec/domain/cpu/sockets", json!(8))],
+            "spec.domain.cpu.sockets",
+            "must not be greater than maxSockets",
+        ),
+        m(
+            "isolateEmulatorThread without dedicated CPUs",
+            vec![("/spec/domain/cpu/isolateEmulatorThread", json!(true))],
+            "spec.domain.cpu.isolateEmulatorThread",
+            "only allowed together with dedicatedCpuPlacement",
+        ),
+        m(
+            "malformed MAC address",
+            vec![(
+                "/spec/domain/devices/interfaces/0/macAddress",
+                json!("02:00:00:0g:00:01"),
+            )],
+            "spec.domain.devices.interfaces[0].macAddress",
+            "is not a MAC address",
+        ),
+        m(
+            "MAC reserved for the pod bridge",
+            vec![(
+                "/spec/domain/devices/interfaces/0/macAddress",
+                json!("02:00:00:00:00:00"),
+            )],
+            "spec.domain.devices.interfaces[0].macAddress",
+            "reserved for the in-pod bridge",
+        ),
+        m(
+            "port out of range",
+            vec![(
+                "/spec/domain/devices/interfaces/0/ports/0/port",
+                json!(70000),
+            )],
+            "spec.domain.devices.interfaces[0].ports[0].port",
+            "must be in range 0 < x < 65536",
+        ),
+        m(
+            "port protocol",
+            vec![(
+                "/spec/domain/devices/interfaces/0/ports/0/protocol",
+                json!("SCTP"),
+            )],
+            "spec.domain.devices.interfaces[0].ports[0].protocol",
+            "only TCP or UDP",
+        ),
+        m(
+            "interface without a network",
+            vec![("/spec/domain/devices/interfaces/0/name", json!("other"))],
+            "spec.domain.devices.interfaces[0].name",
+            r#"no network named "other""#,
+        ),
+        m(
+            "network without an interface",
+            vec![("/spec/networks/0/name", json!("other"))],
+            "spec.networks[0].name",
+            r#"no interface named "other""#,
+        ),
+        m(
+            "two interfaces on one network",
+            vec![(
+                "/spec/domain/devices/interfaces/1",
+                json!({"name": "default", "masquerade": {}}),
+            )],
+            "spec.domain.devices.interfaces[1].name",
+            "only one interface can be connected to one specific network",
+        ),
+        m(
+            "duplicate network",
+            vec![("/spec/networks/1", json!({"name": "default", "pod": {}}))],
+            "spec.networks[1].name",
+            "already exists",
+        ),
+        m(
+            "interface with two bindings",
+            vec![("/spec/domain/devices/interfaces/0/bridge", json!({}))],
+            "spec.domain.devices.interfaces[0]",
+            "must have exactly one binding method",
+        ),
+        m(
+            "unknown NIC model",
+            vec![("/spec/domain/devices/interfaces/0/model", json!("vmxnet3"))],
+            "spec.domain.devices.interfaces[0].model",
+            r#"model "vmxnet3" is not supported"#,
+        ),
+        m(
+            "discontinued slirp binding",
+            vec![
+                ("/spec/domain/devices/interfaces/0/masquerade", Value::Null),
+                ("/spec/domain/devices/interfaces/0/slirp", json!({})),
+            ],
+            "spec.domain.devices.interfaces[0].slirp",
+            "discontinued",
+        ),
+        m(
+            "bad pod network CIDR",
+            vec![("/spec/networks/0/pod/vmNetworkCIDR", json!("10.0.2.0/33"))],
+            "spec.networks[0].pod.vmNetworkCIDR",
+            "is not a CIDR",
+        ),
+        m(
+            "kernelArgs without a kernel",
+            vec![(
+                "/spec/domain/firmware/kernelBoot",
+                json!({"kernelArgs": "console=ttyS0"}),
+            )],
+            "spec.domain.firmware.kernelBoot.kernelArgs",
+            "cannot be provided without an external kernel",
+        ),
+        m(
+            "kernel boot container without kernelPath and initrdPath",
+            vec![(
+                "/spec/domain/firmware/kernelBoot",
+                json!({"container": {"image": "k:1"}}),
+            )],
+            "spec.domain.firmware.kernelBoot.container",
+            "at least one of kernelPath, initrdPath",
+        ),
+        m(
+            "relative kernelPath",
+            vec![(
+                "/spec/domain/firmware/kernelBoot",
+                json!({"container": {"image": "k:1", "kernelPath": "boot/vmlinuz"}}),
+            )],
+            "spec.domain.firmware.kernelBoot.container.kernelPath",
+            "must be an absolute path",
+        ),
+        m(
+            "secure boot without SMM",
+            vec![("/spec/domain/firmware/bootloader", json!({"efi": {}}))],
+            "spec.domain.firmware.bootloader.efi.secureBoot",
+            "requires SMM",
+        ),
+        m(
+            "BIOS and EFI together",
+            vec![(
+                "/spec/domain/firmware/bootloader",
+                json!({"bios": {}, "efi": {"secureBoot": false}}),
+            )],
+            "spec.domain.firmware.bootloader",
+            "mutually exclusive",
+        ),
+        m(
+            "boot order zero",
+            vec![("/spec/domain/devices/disks/0/bootOrder", json!(0))],
+            "spec.domain.devices.disks[0].bootOrder",
+            "must be greater than 0",
+        ),
+        m(
+            "boot order used twice",
+            vec![("/spec/domain/devices/interfaces/0/bootOrder", json!(1))],
+            "spec.domain.devices.interfaces[0].bootOrder",
+            "boot order 1 is already used by spec.domain.devices.disks[0].bootOrder",
+        ),
+        m(
+            "machine type not q35",
+            vec![("/spec/domain/machine/type", json!("pc-i440fx-7.2"))],
+            "spec.domain.machine.type",
+            "pc-i440fx-7.2 is not supported",
+        ),
+        m(
+            "two cloud-init user data sources",
+            vec![(
+                "/spec/volumes/1/cloudInitNoCloud/userDataBase64",
+                json!("IyEvYmluL3NoCg=="),
+            )],
+            "spec.volumes[1].cloudInitNoCloud",
+            "must have only one of userData, userDataBase64, secretRef",
+        ),
+        m(
+            "cloud-init base64 that is not",
+            vec![(
+                "/spec/volumes/1/cloudInitNoCloud",
+                json!({"userDataBase64": "not base64!"}),
+            )],
+            "spec.volumes[1].cloudInitNoCloud.userDataBase64",
+            "is not valid base64",
+        ),
+        m(
+            "host disk without the feature gate",
+            vec![(
+                "/spec/volumes/2",
+                json!({"name": "hd", "hostDisk": {"path": "/d.img", "type": "Disk"}}),
+            )],
+            "spec.volumes[2].hostDisk",
+            "HostDisk feature gate is not enabled",
+        ),
+        m(
+            "host disk capacity with type Disk",
+            vec![(
+                "/spec/volumes/2",
+                json!({"name": "hd", "hostDisk": {"path": "/d.img", "type": "Disk", "capacity": "1Gi"}}),
+            )],
+            "spec.volumes[2].hostDisk.capacity",
+            "allowed only with type DiskOrCreate",
+        ),
+        m(
+            "unknown eviction strategy",
+            vec![("/spec/evictionStrategy", json!("Sometimes"))],
+            "spec.evictionStrategy",
+            "unknown eviction strategy",
+        ),
+        m(
+            "probe with two actions",
+            vec![(
+                "/spec/readinessProbe",
+                json!({"guestAgentPing": {}, "tcpSocket": {"port": 22}}),
+            )],
+            "spec.readinessProbe",
+            "must have exactly one of",
+        ),
+        m(
+            "hostname not a DNS label",
+            vec![("/spec/hostname", json!("My_Host"))],
+            "spec.hostname",
+            "is not a DNS label",
+        ),
+        m(
+            "negative grace period",
+            vec![("/spec/terminationGracePeriodSeconds", json!(-1))],
+            "spec.terminationGracePeriodSeconds",
+            "must not be negative",
+        ),
+        m(
+            "unsupported architecture",
+            vec![("/spec/architecture", json!("s390x"))],
+            "spec.architecture",
+            "unsupported architecture: s390x",
+        ),
+    ]
+}
+
+#[test]
+fn the_valid_base_is_clean() {
+    assert_eq!(errors(valid(), &ClusterConfig::default()), vec![]);
+}
+
+#[test]
+fn each_mistake_is_reported_at_its_path() {
+    let cases = mistakes();
+    assert!(cases.len() >= 20);
+    let mut names = std::collections::BTreeSet::new();
+    let mut failures = Vec::new();
+    for case in cases {
+        assert!(names.insert(case.name), "duplicate case {}", case.name);
+        let mut v = valid();
+        for (pointer, value) in case.edits {
+            set(&mut v, pointer, value);
+        }
+        let errs = errors(v, &ClusterConfig::default());
+        if !errs
+            .iter()
+            .any(|e| e.path == case.path && e.message.contains(case.message))
+        {
+            failures.push(format!(
+                "{}: want {}: ...{}..., got {:#?}",
+                case.name,
+                case.path,
+                case.message,
+                errs.iter().map(ToString::to_string).collect::<Vec<_>>()
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let mut v = valid();
+    set(&mut v, "/spec/domain/devices/disks/1/name", json!("x"));
+    set(
+        &mut v,
+        "/spec/domain/devices/interfaces/0/macAddress",
+        json!("nope"),
+    );
+    set(
+        &mut v,
+        "/spec/domain/resources/limits/memory",
+        json!("12XB"),
+    );
+    let errs = errors(v, &ClusterConfig::default());
+    let text: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    assert_eq!(
+        text,
+        [
+            r#"spec.domain.resources.limits.memory: "12XB" has an unknown suffix "XB""#,
+            r#"spec.domain.devices.disks[1].name: no volume named "x""#,
+            r#"spec.domain.devices.interfaces[0].macAddress: "nope" is not a MAC address (e.g. de:ad:00:00:be:af)"#,
+        ]
+    );
+}
+
+#[test]
+fn the_host_disk_gate_lets_host_disks_through() {
+    let mut v = valid();
+    set(
+        &mut v,
+        "/spec/volumes/2",
+        json!({"name": "hd", "hostDisk": {"path": "/d.img", "type": "DiskOrCreate", "capacity": "1Gi"}}),
+    );
+    set(
+        &mut v,
+        "/spec/domain/devices/disks/2",
+        json!({"name": "hd", "disk": {"bus": "virtio"}}),
+    );
+    let cfg = ClusterConfig {
+        feature_gates: vec!["HostDisk".into()],
+        ..ClusterConfig::default()
+    };
+    assert_eq!(errors(v, &cfg), vec![]);
+}
+
+/// A manifest as a KubeVirt user might write it, using features kubevirt-rs does not have.
+const UNSUPPORTED_MANIFEST: &str = r"
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: fancy
+spec:
+  accessCredentials:
+    - sshPublicKey:
+        source: {secret: {secretName: keys}}
+        propagationMethod: {qemuGuestAgent: {users: [root]}}
+  domain:
+    cpu:
+      numa: {guestMappingPassthrough: {}}
+    features:
+      hyperv: {relaxed: {}}
+    firmware:
+      acpi: {slicNameRef: slic}
+    launchSecurity: {sev: {}}
+    memory:
+      guest: 1Gi
+    devices:
+      gpus: [{name: gpu1, deviceName: nvidia.com/GP102GL}]
+      hostDevices: [{name: hd, deviceName: vendor.com/dev}]
+      filesystems: [{name: shared, virtiofs: {}}]
+      tpm: {}
+      sound: {name: snd}
+      autoattachVSOCK: true
+      disks:
+        - name: dv
+          disk: {bus: virtio}
+        - name: lun
+          lun: {}
+      interfaces:
+        - name: default
+          masquerade: {}
+        - name: sriov-net
+          sriov: {}
+  networks:
+    - name: default
+      pod: {}
+    - name: sriov-net
+      multus: {networkName: sriov}
+  volumes:
+    - name: dv
+      dataVolume: {name: my-dv}
+    - name: lun
+      persistentVolumeClaim: {claimName: block}
+    - name: metrics
+      downwardMetrics: {}
+";
+
+#[test]
+fn unsupported_kubevirt_features_are_refused_by_name() {
+    let vmi: VirtualMachineInstance = serde_yaml::from_str(UNSUPPORTED_MANIFEST).unwrap();
+    // Nothing was dropped on the way in.
+    let original: Value = serde_yaml::from_str(UNSUPPORTED_MANIFEST).unwrap();
+    assert_eq!(serde_json::to_value(&vmi).unwrap(), original);
+
+    let errs = validation::validate_vmi(&vmi, &ClusterConfig::default());
+    let unsupported: Vec<&str> = errs
+        .iter()
+        .filter(|e| e.message == UNSUPPORTED)
+        .map(|e| e.path.as_str())
+        .collect();
+    for path in [
+        "spec.accessCredentials",
+        "spec.domain.cpu.numa",
+        "spec.domain.features.hyperv",
+        "spec.domain.firmware.acpi",
+        "spec.domain.launchSecurity",
+        "spec.domain.devices.gpus",
+        "spec.domain.devices.hostDevices",
+        "spec.domain.devices.filesystems",
+        "spec.domain.devices.tpm",
+        "spec.domain.devices.sound",
+        "spec.domain.devices.autoattachVSOCK",
+        "spec.domain.devices.disks[1].lun",
+        "spec.domain.devices.interfaces[1].sriov",
+        "spec.networks[1].multus",
+        "spec.volumes[0].dataVolume",
+        "spec.volumes[2].downwardMetrics",
+    ] {
+        assert!(
+            unsupported.contains(&path),
+            "{path} not refused; got {errs:#?}"
+        );
+    }
+    let shown = validation::ValidationErrors(errs).to_string();
+    assert!(
+        shown.contains("spec.domain.devices.gpus: not supported by kubevirt-rs yet"),
+        "{shown}"
+    );
+}
+
+#[test]
+fn vm_and_replicaset_mistakes() {
+    let cfg = ClusterConfig::default();
+    let vm: api::VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "vm"},
+        "spec": {
+            "running": true,
+            "runStrategy": "Sometimes",
+            "dataVolumeTemplates": [{"metadata": {"name": "dv"}, "spec": {}}],
+            "template": {"spec": {"domain": {"devices": {"disks": [{"name": "x"}]}}}}
+        }
+    }))
+    .unwrap();
+    let text: Vec<String> = validation::validate_vm(&vm, &cfg)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    for want in [
+        "spec.running: running and runStrategy are mutually exclusive; use runStrategy",
+        "spec.runStrategy: unknown run strategy \"Sometimes\"",
+        "spec.dataVolumeTemplates: not supported by kubevirt-rs yet",
+        "spec.template.spec.domain.devices.disks[0].name: no volume named \"x\"",
+        "spec.template.spec.domain.resources.requests.memory: no memory requested",
+    ] {
+        assert!(
+            text.iter().any(|t| t.starts_with(want)),
+            "missing {want}: {text:#?}"
+        );
+    }
+
+    let rs: api::VirtualMachineInstanceReplicaSet = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceReplicaSet",
+        "metadata": {"name": "rs"},
+        "spec": {
+            "replicas": -1,
+            "selector": {"matchLabels": {"app": "a"}},
+            "template": {"metadata": {"labels": {"app": "b"}}, "spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {}}}}
+        }
+    }))
+    .unwrap();
+    let text: Vec<String> = validation::validate_replicaset(&rs, &cfg)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(
+        text,
+        [
+            "spec.replicas: must be greater than or equal to 0",
+            "spec.selector.matchLabels: app=a does not match the template's labels (spec.template.metadata.labels)",
+        ]
+    );
+
+    let mig: api::VirtualMachineInstanceMigration = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
+        "metadata": {"name": "m"}, "spec": {}
+    }))
+    .unwrap();
+    let text: Vec<String> = validation::validate_migration(&mig)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(text, ["spec.vmiName: required"]);
+}

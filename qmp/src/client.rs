@@ -230,10 +230,21 @@ impl Drop for PendingGuard<'_> {
 impl QmpClient {
     /// Connect to QEMU's QMP socket, retrying while it does not exist or refuses connections,
     /// read the greeting and leave capabilities negotiation mode (`qmp_capabilities`).
+    ///
+    /// Events are delivered to streams from [`QmpClient::events`] from the moment they
+    /// subscribe; use [`QmpClient::connect_with_events`] to miss none.
     pub async fn connect(socket: impl AsRef<Path>, options: &ConnectOptions) -> Result<Self> {
+        Ok(Self::connect_with_events(socket, options).await?.0)
+    }
+
+    /// [`QmpClient::connect`], plus an event stream subscribed before negotiation, so that no
+    /// event QEMU emits after `qmp_capabilities` can slip by.
+    pub async fn connect_with_events(
+        socket: impl AsRef<Path>,
+        options: &ConnectOptions,
+    ) -> Result<(Self, EventStream)> {
         let socket = socket.as_ref().to_path_buf();
-        let started = Instant::now();
-        let deadline = started + options.connect_timeout;
+        let deadline = Instant::now() + options.connect_timeout;
         let stream = connect_with_retry(&socket, deadline).await?;
         Self::handshake(stream, socket, options, deadline).await
     }
@@ -246,7 +257,9 @@ impl QmpClient {
         options: &ConnectOptions,
     ) -> Result<Self> {
         let deadline = Instant::now() + options.connect_timeout;
-        Self::handshake(stream, name.into(), options, deadline).await
+        Ok(Self::handshake(stream, name.into(), options, deadline)
+            .await?
+            .0)
     }
 
     async fn handshake(
@@ -254,12 +267,12 @@ impl QmpClient {
         socket: PathBuf,
         options: &ConnectOptions,
         deadline: Instant,
-    ) -> Result<Self> {
+    ) -> Result<(Self, EventStream)> {
         let (read, write) = stream.into_split();
         let mut reader = BufReader::new(read);
         let greeting = read_greeting(&mut reader, &socket, deadline, options).await?;
 
-        let (events, _) = broadcast::channel(options.event_capacity.max(1));
+        let (events, first_subscriber) = broadcast::channel(options.event_capacity.max(1));
         let (closed, _) = watch::channel(false);
         let shared = Arc::new(Shared {
             socket,
@@ -289,7 +302,12 @@ impl QmpClient {
             }),
         };
         client.execute_raw("qmp_capabilities", Value::Null).await?;
-        Ok(client)
+        Ok((
+            client,
+            EventStream {
+                rx: first_subscriber,
+            },
+        ))
     }
 
     /// The socket path (or stream name) this client talks to.

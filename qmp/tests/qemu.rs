@@ -36,8 +36,10 @@ async fn connects_reads_greeting_and_queries_status() {
 async fn pause_and_resume_emit_events() {
     init_tracing();
     let qemu = Qemu::q35_paused();
-    let client = connect(&qemu).await;
-    let mut events = client.events();
+    let (client, mut events) =
+        QmpClient::connect_with_events(qemu.qmp(), &ConnectOptions::default())
+            .await
+            .unwrap();
     let status = client.execute(cmd::query_status {}).await.unwrap();
     assert_eq!(status.status, cmd::RunState::prelaunch);
     client.execute(cmd::cont {}).await.unwrap();
@@ -237,4 +239,30 @@ async fn compat_types_decode_what_the_schema_cannot() {
         caps.iter().any(|c| c.capability == "auto-converge"),
         "{caps:?}"
     );
+}
+
+#[tokio::test]
+async fn many_concurrent_callers_each_get_their_own_reply() {
+    init_tracing();
+    let qemu = Qemu::machine_none();
+    let client = connect(&qemu).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..32 {
+        let client = client.clone();
+        tasks.spawn(async move {
+            for _ in 0..20 {
+                // Alternate commands with different reply shapes, so a misrouted reply fails to
+                // decode.
+                if i % 2 == 0 {
+                    client.execute(cmd::query_status {}).await.map(drop)?;
+                } else {
+                    client.execute(cmd::query_version {}).await.map(drop)?;
+                }
+            }
+            Ok::<_, qmp::Error>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap().unwrap();
+    }
 }

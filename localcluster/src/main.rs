@@ -1,0 +1,130 @@
+//! `localcluster up` / `localcluster down`.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+#[derive(Debug, Parser)]
+#[command(version, about = "An embedded single-machine Kubernetes API server")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start the cluster in the foreground; Ctrl-C stops it.
+    Up {
+        /// State directory: kubeconfig, pid file.
+        #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
+        dir: PathBuf,
+        /// Port of the API server (6443 like kube-apiserver; 0 picks a free one).
+        #[arg(long, default_value_t = 6443)]
+        port: u16,
+        /// Address to listen on.
+        #[arg(long, default_value_t = Ipv4Addr::LOCALHOST)]
+        address: Ipv4Addr,
+    },
+    /// Stop a cluster started with `up` in the same state directory.
+    Down {
+        #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
+        dir: PathBuf,
+    },
+}
+
+fn default_dir() -> PathBuf {
+    std::env::var_os("HOME")
+        .map_or_else(|| PathBuf::from("/var/lib"), PathBuf::from)
+        .join(".localcluster")
+}
+
+fn pid_file(dir: &Path) -> PathBuf {
+    dir.join("localcluster.pid")
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    match Cli::parse().command {
+        Command::Up { dir, port, address } => up(&dir, SocketAddr::from((address, port))).await,
+        Command::Down { dir } => down(&dir).await,
+    }
+}
+
+async fn up(dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
+    let pid_path = pid_file(dir);
+    if let Ok(pid) = std::fs::read_to_string(&pid_path)
+        && let Ok(pid) = pid.trim().parse::<i32>()
+        && kill(Pid::from_raw(pid), None).is_ok()
+    {
+        bail!(
+            "a localcluster (pid {pid}) is already running with state in {}; run `localcluster down --dir {}` first",
+            dir.display(),
+            dir.display()
+        );
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let server = localcluster::ApiServer::start(localcluster::Config {
+        listen,
+        ..localcluster::Config::default()
+    })
+    .await?;
+    let kubeconfig = dir.join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig)?;
+    std::fs::write(&pid_path, std::process::id().to_string())
+        .with_context(|| format!("writing {}", pid_path.display()))?;
+    println!("localcluster API server: {}", server.url());
+    println!("kubeconfig written to {}", kubeconfig.display());
+    println!("  export KUBECONFIG={}", kubeconfig.display());
+    println!("  kubectl get namespaces");
+    println!("Ctrl-C (or `localcluster down`) stops it.");
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
+    println!("stopping");
+    server.shutdown().await;
+    for path in [&kubeconfig, &pid_path] {
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::warn!(path = %path.display(), error = %e, "removing state file");
+        }
+    }
+    Ok(())
+}
+
+async fn down(dir: &Path) -> anyhow::Result<()> {
+    let pid_path = pid_file(dir);
+    let raw = std::fs::read_to_string(&pid_path).with_context(|| {
+        format!(
+            "no running localcluster: cannot read {}",
+            pid_path.display()
+        )
+    })?;
+    let pid: i32 = raw
+        .trim()
+        .parse()
+        .with_context(|| format!("{} does not hold a pid", pid_path.display()))?;
+    let pid = Pid::from_raw(pid);
+    kill(pid, Signal::SIGTERM).with_context(|| format!("signalling localcluster pid {pid}"))?;
+    for _ in 0..100 {
+        if kill(pid, None).is_err() {
+            println!("localcluster (pid {pid}) stopped");
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("localcluster pid {pid} did not stop within 10 s after SIGTERM")
+}

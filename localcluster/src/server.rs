@@ -1,0 +1,1435 @@
+//! The HTTP layer: routing of Kubernetes REST paths, content negotiation, authentication and the
+//! watch stream. The rules themselves live in `rules`, `patch`, `fields`, `table` and `store`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, Response, StatusCode, Uri, header};
+use base64::Engine as _;
+use chrono::{SecondsFormat, Utc};
+use futures::SinkExt as _;
+use serde_json::{Value, json};
+use tokio::sync::broadcast::error::RecvError;
+
+use crate::discovery::Registry;
+use crate::error::ApiError;
+use crate::fields::{self, Writer};
+use crate::patch::{self, ListKind};
+use crate::resources::{GroupResource, ResourceDef};
+use crate::rules::{self, Context, DeleteOptions};
+use crate::schema;
+use crate::selector::{FieldSelector, LabelSelector};
+use crate::store::{Event, EventType, Outcome, Store, WatchStart};
+use crate::table::{self, IncludeObject};
+
+/// Shared server state.
+#[derive(Debug)]
+pub struct AppState {
+    pub store: Store,
+    pub registry: RwLock<Registry>,
+    pub token: String,
+    pub bookmark_interval: Duration,
+    /// Whether Orphan/Foreground deletion adds its finalizer (only when the garbage collector runs).
+    pub gc_finalizers: bool,
+}
+
+type Query = HashMap<String, String>;
+
+const JSON: &str = "application/json";
+const TABLE_CT: &str = "application/json;as=Table;v=v1;g=meta.k8s.io";
+const PARTIAL_CT: &str = "application/json;as=PartialObjectMetadata;v=v1;g=meta.k8s.io";
+const PARTIAL_LIST_CT: &str = "application/json;as=PartialObjectMetadataList;v=v1;g=meta.k8s.io";
+
+/// What representation the client asked for in `Accept`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Object,
+    Table,
+    Partial,
+}
+
+fn shape(headers: &HeaderMap) -> Shape {
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    // Media types come in preference order; the first one we can serve wins.
+    for media in accept.split(',') {
+        let media = media.replace(' ', "");
+        if !media.starts_with("application/json") && !media.starts_with("*/*") {
+            continue;
+        }
+        if media.contains("as=Table") {
+            return Shape::Table;
+        }
+        if media.contains("as=PartialObjectMetadata") {
+            return Shape::Partial;
+        }
+        return Shape::Object;
+    }
+    Shape::Object
+}
+
+fn aggregated_discovery(headers: &HeaderMap) -> Option<&'static str> {
+    let accept = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    for media in accept.split(',') {
+        let media = media.replace(' ', "");
+        if media.contains("as=APIGroupDiscoveryList") && media.starts_with("application/json") {
+            if media.contains("v=v2beta1") {
+                return Some("v2beta1");
+            }
+            if media.contains("v=v2") {
+                return Some("v2");
+            }
+        }
+    }
+    None
+}
+
+fn respond(code: StatusCode, content_type: &str, body: &Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header(header::CONTENT_TYPE, content_type)
+        .body(Body::from(body.to_string()))
+        .expect("static response parts are valid")
+}
+
+fn error_response(err: &ApiError) -> Response<Body> {
+    respond(
+        StatusCode::from_u16(err.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+        JSON,
+        &err.status(),
+    )
+}
+
+fn now() -> String {
+    Utc::now().to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+/// A random suffix as Kubernetes makes them for `generateName` (no vowels, no confusables).
+fn name_suffix() -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    uuid::Uuid::new_v4()
+        .as_bytes()
+        .iter()
+        .take(5)
+        .map(|b| ALPHABET[usize::from(*b) % ALPHABET.len()] as char)
+        .collect()
+}
+
+/// A parsed resource path.
+#[derive(Debug, Clone)]
+struct Target {
+    def: ResourceDef,
+    namespace: Option<String>,
+    name: Option<String>,
+    sub: Option<String>,
+    legacy_watch: bool,
+}
+
+enum Route {
+    Version,
+    Health,
+    Api,
+    ApiVersion(String, String),
+    Apis,
+    Group(String),
+    OpenApiV3Index,
+    OpenApiV3(String, String),
+    OpenApiV2,
+    Resource(Box<Target>),
+}
+
+fn route(registry: &Registry, path: &str) -> Result<Route, ApiError> {
+    let segs: Vec<&str> = path
+        .trim_matches('/')
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .collect();
+    let (group, version, rest) = match segs.as_slice() {
+        ["version"] => return Ok(Route::Version),
+        ["healthz" | "readyz" | "livez", ..] => return Ok(Route::Health),
+        ["openapi", "v2"] => return Ok(Route::OpenApiV2),
+        ["openapi", "v3"] => return Ok(Route::OpenApiV3Index),
+        ["openapi", "v3", "api", v] => return Ok(Route::OpenApiV3(String::new(), (*v).into())),
+        ["openapi", "v3", "apis", g, v] => {
+            return Ok(Route::OpenApiV3((*g).into(), (*v).into()));
+        }
+        ["api"] => return Ok(Route::Api),
+        ["apis"] => return Ok(Route::Apis),
+        ["api", v] => return Ok(Route::ApiVersion(String::new(), (*v).into())),
+        ["apis", g] => return Ok(Route::Group((*g).into())),
+        ["apis", g, v] => return Ok(Route::ApiVersion((*g).into(), (*v).into())),
+        ["api", v, rest @ ..] => (String::new(), (*v).to_string(), rest),
+        ["apis", g, v, rest @ ..] => ((*g).to_string(), (*v).to_string(), rest),
+        _ => return Err(ApiError::path_not_found(path)),
+    };
+    let (legacy_watch, rest) = match rest {
+        ["watch", r @ ..] => (true, r),
+        r => (false, r),
+    };
+    let (namespace, rest) = match rest {
+        ["namespaces", ns, r @ ..] if !r.is_empty() && !matches!(r, ["status" | "finalize"]) => {
+            (Some((*ns).to_string()), r)
+        }
+        r => (None, r),
+    };
+    let (plural, name, sub) = match rest {
+        [p] => (*p, None, None),
+        [p, n] => (*p, Some((*n).to_string()), None),
+        [p, n, s] => (*p, Some((*n).to_string()), Some((*s).to_string())),
+        _ => return Err(ApiError::path_not_found(path)),
+    };
+    let def = registry
+        .find(&group, &version, plural)
+        .cloned()
+        .ok_or_else(|| ApiError::path_not_found(path))?;
+    if let Some(s) = &sub
+        && !def.subresource_names().contains(s)
+    {
+        return Err(ApiError::path_not_found(path));
+    }
+    if namespace.is_some() && !def.namespaced {
+        return Err(ApiError::path_not_found(path));
+    }
+    Ok(Route::Resource(Box::new(Target {
+        def,
+        namespace,
+        name,
+        sub,
+        legacy_watch,
+    })))
+}
+
+fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| t.trim() == state.token)
+}
+
+/// The one handler: every request goes through here.
+pub async fn handle(
+    State(state): State<Arc<AppState>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response<Body> {
+    let query: Query = uri
+        .query()
+        .map(|q| {
+            url_pairs(q)
+                .into_iter()
+                .collect::<HashMap<String, String>>()
+        })
+        .unwrap_or_default();
+    let path = uri.path().to_string();
+    let result = dispatch(&state, &method, &path, &query, &headers, &body);
+    match result {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!(%method, %path, code = e.code, message = %e.message, "request failed");
+            error_response(&e)
+        }
+    }
+}
+
+/// Decodes `application/x-www-form-urlencoded` query pairs.
+fn url_pairs(q: &str) -> Vec<(String, String)> {
+    fn decode(s: &str) -> String {
+        let bytes = s.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut i = 0;
+        while i < bytes.len() {
+            match bytes[i] {
+                b'+' => out.push(b' '),
+                b'%' if i + 2 < bytes.len() => {
+                    match std::str::from_utf8(&bytes[i + 1..i + 3])
+                        .ok()
+                        .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    {
+                        Some(b) => {
+                            out.push(b);
+                            i += 2;
+                        }
+                        None => out.push(b'%'),
+                    }
+                }
+                b => out.push(b),
+            }
+            i += 1;
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| match p.split_once('=') {
+            Some((k, v)) => (decode(k), decode(v)),
+            None => (decode(p), String::new()),
+        })
+        .collect()
+}
+
+fn dispatch(
+    state: &Arc<AppState>,
+    method: &Method,
+    path: &str,
+    query: &Query,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let registry = state
+        .registry
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    let route = route(&registry, path)?;
+    if !matches!(route, Route::Version | Route::Health) && !authorized(state, headers) {
+        return Err(ApiError::unauthorized());
+    }
+    let ok = |v: &Value| Ok(respond(StatusCode::OK, JSON, v));
+    match route {
+        Route::Health => Ok(Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "text/plain")
+            .body(Body::from("ok"))
+            .expect("static response")),
+        Route::Version => ok(&json!({
+            "major": "1", "minor": "32", "gitVersion": "v1.32.0-localcluster",
+            "gitCommit": "", "gitTreeState": "clean", "buildDate": "2024-12-11T00:00:00Z",
+            "goVersion": "go1.23", "compiler": "rustc", "platform": "linux/amd64",
+        })),
+        Route::Api => match aggregated_discovery(headers) {
+            Some(v) => Ok(respond(
+                StatusCode::OK,
+                &format!("application/json;g=apidiscovery.k8s.io;v={v};as=APIGroupDiscoveryList"),
+                &registry.aggregated(true, &format!("apidiscovery.k8s.io/{v}")),
+            )),
+            None => ok(&json!({"kind": "APIVersions", "versions": ["v1"],
+                "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]})),
+        },
+        Route::Apis => match aggregated_discovery(headers) {
+            Some(v) => Ok(respond(
+                StatusCode::OK,
+                &format!("application/json;g=apidiscovery.k8s.io;v={v};as=APIGroupDiscoveryList"),
+                &registry.aggregated(false, &format!("apidiscovery.k8s.io/{v}")),
+            )),
+            None => ok(&registry.group_list()),
+        },
+        Route::Group(g) => registry
+            .group(&g)
+            .map_or_else(|| Err(ApiError::path_not_found(path)), |v| ok(&v)),
+        Route::ApiVersion(g, v) => {
+            if registry.version_exists(&g, &v) {
+                ok(&registry.resource_list(&g, &v))
+            } else {
+                Err(ApiError::path_not_found(path))
+            }
+        }
+        Route::OpenApiV3Index => ok(&registry.openapi_index(&state.store.current_rv().to_string())),
+        Route::OpenApiV3(g, v) => registry
+            .openapi_document(&g, &v)
+            .map_or_else(|| Err(ApiError::path_not_found(path)), |d| ok(&d)),
+        Route::OpenApiV2 => Err(ApiError::path_not_found(path)),
+        Route::Resource(target) => {
+            resource(state, &registry, method, *target, query, headers, body)
+        }
+    }
+}
+
+fn parse_body(body: &Bytes) -> Result<Value, ApiError> {
+    if body.is_empty() {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(body).or_else(|json_err| {
+        serde_yaml::from_slice::<Value>(body).map_err(|_| {
+            ApiError::bad_request(format!("the request body is not valid JSON: {json_err}"))
+        })
+    })
+}
+
+fn with_version(def: &ResourceDef, mut obj: Value) -> Value {
+    obj["apiVersion"] = json!(def.api_version());
+    obj
+}
+
+fn kinds_for(def: &ResourceDef) -> impl Fn(&[String]) -> ListKind + '_ {
+    move |path: &[String]| match &def.schema {
+        Some(s) if def.custom => schema::list_kind(s, path),
+        _ => patch::builtin_list_kind(path),
+    }
+}
+
+fn manager(query: &Query, headers: &HeaderMap) -> String {
+    query.get("fieldManager").cloned().unwrap_or_else(|| {
+        headers
+            .get(header::USER_AGENT)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|ua| ua.split('/').next())
+            .filter(|s| !s.is_empty())
+            .unwrap_or("unknown")
+            .chars()
+            .take(128)
+            .collect()
+    })
+}
+
+fn resource(
+    state: &Arc<AppState>,
+    registry: &Registry,
+    method: &Method,
+    target: Target,
+    query: &Query,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let watch = target.legacy_watch || query.get("watch").is_some_and(|w| w == "true" || w == "1");
+    let response = match (method.clone(), target.name.is_some()) {
+        (Method::GET, false) if watch => return watch_response(state, &target, query, headers),
+        (Method::GET, true) if watch => {
+            let mut q = query.clone();
+            let name = target.name.clone().unwrap_or_default();
+            let mut target = target;
+            target.name = None;
+            q.insert("fieldSelector".into(), format!("metadata.name={name}"));
+            return watch_response(state, &target, &q, headers);
+        }
+        (Method::GET, false) => list(state, &target, query, headers),
+        (Method::GET, true) => get(state, &target, headers),
+        (Method::POST, false) => create(state, &target, query, headers, body),
+        (Method::POST, true) if target.sub.as_deref() == Some("binding") => {
+            bind(state, &target, body)
+        }
+        (Method::PUT, true) => update(state, &target, query, headers, body),
+        (Method::PATCH, true) => patch(state, &target, query, headers, body),
+        (Method::DELETE, true) => delete(state, &target, query, body),
+        (Method::DELETE, false) => delete_collection(state, &target, query, body),
+        (m, _) => Err(ApiError::method_not_allowed(format!(
+            "the server does not allow this method on the requested resource: {m}"
+        ))),
+    }?;
+    if target.def.group == "apiextensions.k8s.io"
+        && target.def.plural == "customresourcedefinitions"
+        && *method != Method::GET
+    {
+        refresh_registry(state, registry);
+    }
+    Ok(response)
+}
+
+/// Rebuilds the served resources from the CRDs in the store, and drops the objects of CRDs
+/// that are gone.
+fn refresh_registry(state: &AppState, old: &Registry) {
+    let crd_gr = GroupResource {
+        group: "apiextensions.k8s.io".into(),
+        resource: "customresourcedefinitions".into(),
+    };
+    let (crds, _) = state.store.list(&crd_gr, None);
+    let fresh = Registry::with_crds(crds.iter());
+    for gone in old
+        .defs()
+        .iter()
+        .filter(|d| d.custom && fresh.any_version(&d.group, &d.plural).is_none())
+    {
+        let gr = gone.group_resource();
+        let (objs, _) = state.store.list(&gr, None);
+        for obj in objs {
+            let ns = obj["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let name = obj["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let _ = state.store.mutate(&gr, &ns, &name, |_, cur| {
+                Ok(Outcome::Delete(cur.cloned().unwrap_or(obj)))
+            });
+        }
+    }
+    *state
+        .registry
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+}
+
+fn ns_key(target: &Target) -> String {
+    target.namespace.clone().unwrap_or_default()
+}
+
+fn get(state: &AppState, target: &Target, headers: &HeaderMap) -> Result<Response<Body>, ApiError> {
+    let def = &target.def;
+    let name = target.name.as_deref().unwrap_or_default();
+    let obj = state
+        .store
+        .get(&def.group_resource(), &ns_key(target), name)
+        .ok_or_else(|| ApiError::not_found(&def.group, &def.plural, name))?;
+    let obj = with_version(def, obj);
+    if target.sub.as_deref() == Some("scale") {
+        return Ok(respond(StatusCode::OK, JSON, &scale_of(def, &obj)));
+    }
+    Ok(match shape(headers) {
+        Shape::Table => respond(
+            StatusCode::OK,
+            TABLE_CT,
+            &table::render(
+                def,
+                std::slice::from_ref(&obj),
+                IncludeObject::Metadata,
+                true,
+                obj["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap_or_default(),
+                Utc::now(),
+            ),
+        ),
+        Shape::Partial => respond(StatusCode::OK, PARTIAL_CT, &table::partial_metadata(&obj)),
+        Shape::Object => respond(StatusCode::OK, JSON, &obj),
+    })
+}
+
+/// A client's filter on a list or watch.
+struct Filter {
+    labels: LabelSelector,
+    fields: FieldSelector,
+}
+
+impl Filter {
+    fn parse(def: &ResourceDef, query: &Query) -> Result<Self, ApiError> {
+        let labels = LabelSelector::parse(query.get("labelSelector").map_or("", String::as_str))
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        let fields = FieldSelector::parse(
+            query.get("fieldSelector").map_or("", String::as_str),
+            &def.group,
+            &def.plural,
+        )
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        Ok(Self { labels, fields })
+    }
+
+    fn matches(&self, obj: &Value) -> bool {
+        self.labels.matches(obj) && self.fields.matches(obj)
+    }
+}
+
+/// The continue token: the list's resourceVersion and the last key returned.
+fn encode_continue(rv: u64, ns: &str, name: &str) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .encode(json!({"rv": rv, "ns": ns, "name": name}).to_string())
+}
+
+fn decode_continue(token: &str) -> Result<(u64, String, String), ApiError> {
+    let bad = || ApiError::bad_request(format!("continue key is not valid: {token}"));
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(token)
+        .map_err(|_| bad())?;
+    let v: Value = serde_json::from_slice(&raw).map_err(|_| bad())?;
+    Ok((
+        v["rv"].as_u64().ok_or_else(bad)?,
+        v["ns"].as_str().ok_or_else(bad)?.to_string(),
+        v["name"].as_str().ok_or_else(bad)?.to_string(),
+    ))
+}
+
+fn list(
+    state: &AppState,
+    target: &Target,
+    query: &Query,
+    headers: &HeaderMap,
+) -> Result<Response<Body>, ApiError> {
+    let def = &target.def;
+    let filter = Filter::parse(def, query)?;
+    let (items, current_rv) = state
+        .store
+        .list(&def.group_resource(), target.namespace.as_deref());
+    let mut list_rv = current_rv;
+    let mut items: Vec<Value> = items.into_iter().filter(|o| filter.matches(o)).collect();
+    if let Some(token) = query.get("continue").filter(|t| !t.is_empty()) {
+        let (rv, ns, name) = decode_continue(token)?;
+        if rv < state.store.compacted_rv() {
+            return Err(ApiError::expired(
+                "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+            ));
+        }
+        list_rv = rv;
+        items.retain(|o| {
+            let key = (
+                o["metadata"]["namespace"].as_str().unwrap_or_default(),
+                o["metadata"]["name"].as_str().unwrap_or_default(),
+            );
+            key > (ns.as_str(), name.as_str())
+        });
+    }
+    let mut metadata = json!({"resourceVersion": list_rv.to_string()});
+    if let Some(limit) = query
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .filter(|l| *l > 0)
+        && items.len() > limit
+    {
+        let remaining = items.len() - limit;
+        items.truncate(limit);
+        let last = &items[limit - 1]["metadata"];
+        metadata["continue"] = json!(encode_continue(
+            list_rv,
+            last["namespace"].as_str().unwrap_or_default(),
+            last["name"].as_str().unwrap_or_default(),
+        ));
+        metadata["remainingItemCount"] = json!(remaining);
+    }
+    let items: Vec<Value> = items.into_iter().map(|o| with_version(def, o)).collect();
+    Ok(match shape(headers) {
+        Shape::Table => {
+            let mut t = table::render(
+                def,
+                &items,
+                IncludeObject::parse(query.get("includeObject").map(String::as_str)),
+                true,
+                &list_rv.to_string(),
+                Utc::now(),
+            );
+            t["metadata"] = metadata;
+            respond(StatusCode::OK, TABLE_CT, &t)
+        }
+        Shape::Partial => respond(
+            StatusCode::OK,
+            PARTIAL_LIST_CT,
+            &json!({
+                "kind": "PartialObjectMetadataList",
+                "apiVersion": "meta.k8s.io/v1",
+                "metadata": metadata,
+                "items": items.iter().map(table::partial_metadata).collect::<Vec<_>>(),
+            }),
+        ),
+        Shape::Object => respond(
+            StatusCode::OK,
+            JSON,
+            &json!({
+                "kind": def.list_kind(),
+                "apiVersion": def.api_version(),
+                "metadata": metadata,
+                "items": items,
+            }),
+        ),
+    })
+}
+
+fn writer_time() -> String {
+    now()
+}
+
+fn create(
+    state: &AppState,
+    target: &Target,
+    query: &Query,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let def = &target.def;
+    if target.sub.is_some() {
+        return Err(ApiError::method_not_allowed(
+            "create is not allowed on this subresource",
+        ));
+    }
+    let mut obj = parse_body(body)?;
+    rules::check_type(def, &mut obj)?;
+    let suffix = name_suffix();
+    let name = match obj["metadata"]["name"].as_str().filter(|n| !n.is_empty()) {
+        Some(n) => n.to_string(),
+        None => format!(
+            "{}{suffix}",
+            obj["metadata"]["generateName"].as_str().unwrap_or_default()
+        ),
+    };
+    let ns = ns_key(target);
+    let time = writer_time();
+    let uid = uuid::Uuid::new_v4().to_string();
+    let manager = manager(query, headers);
+    let api_version = def.api_version();
+    let kinds = kinds_for(def);
+    let created = state
+        .store
+        .mutate(&def.group_resource(), &ns, &name, |objs, cur| {
+            if cur.is_some() {
+                return Err(ApiError::already_exists(&def.group, &def.plural, &name));
+            }
+            let ctx = Context {
+                now: &time,
+                uid: &uid,
+                suffix: &suffix,
+            };
+            let mut obj = rules::prepare_create(def, obj, target.namespace.as_deref(), objs, &ctx)?;
+            if let Some(m) = obj["metadata"].as_object_mut() {
+                m.remove("managedFields");
+            }
+            let w = Writer {
+                manager: &manager,
+                api_version: &api_version,
+                subresource: "",
+                time: &time,
+                with_status: true,
+            };
+            fields::record_update(None, &mut obj, &w, &kinds);
+            Ok(Outcome::Put(obj))
+        })?;
+    Ok(respond(
+        StatusCode::CREATED,
+        JSON,
+        &with_version(def, created),
+    ))
+}
+
+/// Updates an existing object with `change`, which computes the new object from the current one.
+fn modify(
+    state: &AppState,
+    target: &Target,
+    change: impl FnOnce(&Value) -> Result<Value, ApiError>,
+    manager: &str,
+) -> Result<Value, ApiError> {
+    let def = &target.def;
+    let name = target.name.clone().unwrap_or_default();
+    let time = writer_time();
+    let api_version = def.api_version();
+    let kinds = kinds_for(def);
+    let sub = target.sub.as_deref();
+    state
+        .store
+        .mutate(&def.group_resource(), &ns_key(target), &name, |_, cur| {
+            let cur = cur.ok_or_else(|| ApiError::not_found(&def.group, &def.plural, &name))?;
+            let cur = with_version(def, cur.clone());
+            let wanted = change(&cur)?;
+            let mut new = match sub {
+                Some("finalize") => {
+                    let mut out = cur.clone();
+                    out["spec"]["finalizers"] = wanted["spec"]["finalizers"].clone();
+                    out
+                }
+                _ => rules::prepare_update(def, &cur, wanted, sub)?,
+            };
+            let w = Writer {
+                manager,
+                api_version: &api_version,
+                subresource: sub.unwrap_or_default(),
+                time: &time,
+                with_status: sub == Some("status") || !def.status,
+            };
+            fields::record_update(Some(&cur), &mut new, &w, &kinds);
+            Ok(rules::finish_update(&cur, new))
+        })
+        .map(|v| with_version(def, v))
+}
+
+fn update(
+    state: &AppState,
+    target: &Target,
+    query: &Query,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let body = parse_body(body)?;
+    if let Some(n) = body["metadata"]["name"].as_str()
+        && Some(n) != target.name.as_deref()
+    {
+        return Err(ApiError::bad_request(
+            "the name of the object does not match the name on the URL",
+        ));
+    }
+    if target.sub.as_deref() == Some("scale") {
+        let obj = set_scale(
+            state,
+            target,
+            &body["spec"]["replicas"],
+            &manager(query, headers),
+        )?;
+        return Ok(respond(StatusCode::OK, JSON, &scale_of(&target.def, &obj)));
+    }
+    let obj = modify(state, target, |_| Ok(body), &manager(query, headers))?;
+    Ok(respond(StatusCode::OK, JSON, &obj))
+}
+
+fn content_type(headers: &HeaderMap) -> String {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+fn patch(
+    state: &AppState,
+    target: &Target,
+    query: &Query,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let def = &target.def;
+    let ct = content_type(headers);
+    if ct == "application/apply-patch+yaml" {
+        return server_side_apply(state, target, query, body);
+    }
+    let patch_doc = parse_body(body)?;
+    let apply_patch = |cur: &Value| -> Result<Value, ApiError> {
+        let bad = |e: patch::PatchError| ApiError::new(422, "Invalid", e.to_string());
+        match ct.as_str() {
+            "application/json-patch+json" => patch::json_patch(cur, &patch_doc).map_err(bad),
+            "application/merge-patch+json" => Ok(patch::merge_patch(cur, &patch_doc)),
+            "application/strategic-merge-patch+json" if !def.custom => {
+                patch::strategic_merge_patch(cur, &patch_doc).map_err(bad)
+            }
+            other => Err(ApiError::unsupported_media_type(other)),
+        }
+    };
+    let manager = manager(query, headers);
+    if target.sub.as_deref() == Some("scale") {
+        let cur = state
+            .store
+            .get(
+                &def.group_resource(),
+                &ns_key(target),
+                target.name.as_deref().unwrap_or_default(),
+            )
+            .ok_or_else(|| {
+                ApiError::not_found(
+                    &def.group,
+                    &def.plural,
+                    target.name.as_deref().unwrap_or_default(),
+                )
+            })?;
+        let scale = apply_patch(&scale_of(def, &cur))?;
+        let obj = set_scale(state, target, &scale["spec"]["replicas"], &manager)?;
+        return Ok(respond(StatusCode::OK, JSON, &scale_of(def, &obj)));
+    }
+    let obj = modify(state, target, apply_patch, &manager)?;
+    Ok(respond(StatusCode::OK, JSON, &obj))
+}
+
+fn server_side_apply(
+    state: &AppState,
+    target: &Target,
+    query: &Query,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let def = &target.def;
+    let manager = query
+        .get("fieldManager")
+        .filter(|m| !m.is_empty())
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "PATCH, application/apply-patch+yaml requests require a fieldManager parameter",
+            )
+        })?;
+    let force = query.get("force").is_some_and(|f| f == "true");
+    let mut applied: Value = serde_yaml::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
+    rules::check_type(def, &mut applied)?;
+    let name = target.name.clone().unwrap_or_default();
+    if applied["metadata"]["name"].as_str() != Some(name.as_str()) {
+        return Err(ApiError::bad_request(
+            "the name of the object does not match the name on the URL",
+        ));
+    }
+    let sub = target.sub.as_deref();
+    if sub.is_none()
+        && def.status
+        && let Some(m) = applied.as_object_mut()
+    {
+        m.remove("status");
+    }
+    let ns = ns_key(target);
+    let time = writer_time();
+    let uid = uuid::Uuid::new_v4().to_string();
+    let api_version = def.api_version();
+    let kinds = kinds_for(def);
+    let w = Writer {
+        manager: &manager,
+        api_version: &api_version,
+        subresource: sub.unwrap_or_default(),
+        time: &time,
+        with_status: sub == Some("status") || !def.status,
+    };
+    let conflict = |conflicts: Vec<fields::Conflict>| {
+        let text: Vec<String> = conflicts
+            .iter()
+            .map(|c| format!("conflict with \"{}\": {}", c.manager, c.path))
+            .collect();
+        let causes: Vec<Value> = conflicts
+            .iter()
+            .map(|c| json!({"reason": "FieldManagerConflict", "message": format!("conflict with \"{}\"", c.manager), "field": c.path}))
+            .collect();
+        ApiError::new(
+            409,
+            "Conflict",
+            format!(
+                "Apply failed with {} conflict{}: {}",
+                conflicts.len(),
+                if conflicts.len() == 1 { "" } else { "s" },
+                text.join("\n")
+            ),
+        )
+        .with_details(
+            json!({"name": name, "group": def.group, "kind": def.plural, "causes": causes}),
+        )
+    };
+    let mut created = false;
+    let obj = state
+        .store
+        .mutate(&def.group_resource(), &ns, &name, |objs, cur| match cur {
+            None => {
+                if sub.is_some() {
+                    return Err(ApiError::not_found(&def.group, &def.plural, &name));
+                }
+                let merged = fields::apply(None, &applied, &w, force, &kinds).map_err(conflict)?;
+                let ctx = Context {
+                    now: &time,
+                    uid: &uid,
+                    suffix: "",
+                };
+                let obj =
+                    rules::prepare_create(def, merged, target.namespace.as_deref(), objs, &ctx)?;
+                created = true;
+                Ok(Outcome::Put(obj))
+            }
+            Some(cur) => {
+                let cur = with_version(def, cur.clone());
+                let merged =
+                    fields::apply(Some(&cur), &applied, &w, force, &kinds).map_err(conflict)?;
+                let managed = merged["metadata"]["managedFields"].clone();
+                let mut new = rules::prepare_update(def, &cur, merged, sub)?;
+                new["metadata"]["managedFields"] = managed;
+                Ok(rules::finish_update(&cur, new))
+            }
+        })?;
+    let code = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok(respond(code, JSON, &with_version(def, obj)))
+}
+
+fn delete_options(query: &Query, body: &Bytes) -> Result<DeleteOptions, ApiError> {
+    let mut opts = DeleteOptions::from_body(&parse_body(body)?);
+    if let Some(g) = query.get("gracePeriodSeconds").and_then(|g| g.parse().ok()) {
+        opts.grace_period_seconds = Some(g);
+    }
+    if let Some(p) = query.get("propagationPolicy") {
+        opts.propagation_policy = Some(p.clone());
+    }
+    Ok(opts)
+}
+
+fn delete_one(
+    state: &AppState,
+    def: &ResourceDef,
+    ns: &str,
+    name: &str,
+    opts: &DeleteOptions,
+) -> Result<Value, ApiError> {
+    let time = now();
+    state
+        .store
+        .mutate(&def.group_resource(), ns, name, |_, cur| {
+            let cur = cur.ok_or_else(|| ApiError::not_found(&def.group, &def.plural, name))?;
+            rules::prepare_delete(def, cur, opts, &time, state.gc_finalizers)
+        })
+        .map(|v| with_version(def, v))
+}
+
+fn delete(
+    state: &AppState,
+    target: &Target,
+    query: &Query,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    if target.sub.is_some() {
+        return Err(ApiError::method_not_allowed(
+            "delete is not allowed on a subresource",
+        ));
+    }
+    let opts = delete_options(query, body)?;
+    let obj = delete_one(
+        state,
+        &target.def,
+        &ns_key(target),
+        target.name.as_deref().unwrap_or_default(),
+        &opts,
+    )?;
+    Ok(respond(StatusCode::OK, JSON, &obj))
+}
+
+fn delete_collection(
+    state: &AppState,
+    target: &Target,
+    query: &Query,
+    body: &Bytes,
+) -> Result<Response<Body>, ApiError> {
+    let def = &target.def;
+    let filter = Filter::parse(def, query)?;
+    let opts = delete_options(query, body)?;
+    let (items, _) = state
+        .store
+        .list(&def.group_resource(), target.namespace.as_deref());
+    let mut deleted = Vec::new();
+    for obj in items.iter().filter(|o| filter.matches(o)) {
+        let ns = obj["metadata"]["namespace"].as_str().unwrap_or_default();
+        let name = obj["metadata"]["name"].as_str().unwrap_or_default();
+        match delete_one(state, def, ns, name, &opts) {
+            Ok(v) => deleted.push(v),
+            Err(e) if e.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(respond(
+        StatusCode::OK,
+        JSON,
+        &json!({"kind": def.list_kind(), "apiVersion": def.api_version(),
+                "metadata": {"resourceVersion": state.store.current_rv().to_string()}, "items": deleted}),
+    ))
+}
+
+fn bind(state: &AppState, target: &Target, body: &Bytes) -> Result<Response<Body>, ApiError> {
+    let binding = parse_body(body)?;
+    let node = binding["target"]["name"]
+        .as_str()
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "Binding",
+                "",
+                &[("target.name".into(), "Required value".into())],
+            )
+        })?
+        .to_string();
+    let def = &target.def;
+    let name = target.name.clone().unwrap_or_default();
+    let time = now();
+    state
+        .store
+        .mutate(&def.group_resource(), &ns_key(target), &name, |_, cur| {
+            let cur = cur.ok_or_else(|| ApiError::not_found(&def.group, &def.plural, &name))?;
+            if let Some(existing) = cur["spec"]["nodeName"].as_str().filter(|n| !n.is_empty()) {
+                return Err(ApiError::conflict(
+                    "",
+                    "pods",
+                    &name,
+                    &format!("pod {name} is already assigned to node \"{existing}\""),
+                ));
+            }
+            if cur["metadata"]["deletionTimestamp"].is_string() {
+                return Err(ApiError::conflict(
+                    "",
+                    "pods",
+                    &name,
+                    "pod is being deleted, cannot be assigned to a host",
+                ));
+            }
+            let mut pod = cur.clone();
+            pod["spec"]["nodeName"] = json!(node);
+            let mut conditions = pod["status"]["conditions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            conditions.retain(|c| c["type"] != "PodScheduled");
+            conditions.push(
+                json!({"type": "PodScheduled", "status": "True", "lastTransitionTime": time}),
+            );
+            pod["status"]["conditions"] = Value::Array(conditions);
+            Ok(Outcome::Put(pod))
+        })?;
+    Ok(respond(
+        StatusCode::CREATED,
+        JSON,
+        &json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+    ))
+}
+
+fn path_fields(path: &str) -> Vec<&str> {
+    path.trim_start_matches('.')
+        .split('.')
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// The autoscaling/v1 Scale view of an object with a scale subresource.
+fn scale_of(def: &ResourceDef, obj: &Value) -> Value {
+    let scale = def
+        .scale
+        .clone()
+        .unwrap_or_else(|| crate::resources::ScaleSpec {
+            spec_replicas_path: ".spec.replicas".into(),
+            status_replicas_path: ".status.replicas".into(),
+            label_selector_path: None,
+        });
+    let spec = table::json_path(obj, &scale.spec_replicas_path)
+        .cloned()
+        .unwrap_or(json!(0));
+    let status = table::json_path(obj, &scale.status_replicas_path)
+        .cloned()
+        .unwrap_or(json!(0));
+    let mut status_obj = json!({"replicas": status});
+    if let Some(sel) = scale
+        .label_selector_path
+        .as_deref()
+        .and_then(|p| table::json_path(obj, p))
+    {
+        status_obj["selector"] = sel.clone();
+    }
+    json!({
+        "kind": "Scale",
+        "apiVersion": "autoscaling/v1",
+        "metadata": {
+            "name": obj["metadata"]["name"],
+            "namespace": obj["metadata"]["namespace"],
+            "uid": obj["metadata"]["uid"],
+            "resourceVersion": obj["metadata"]["resourceVersion"],
+            "creationTimestamp": obj["metadata"]["creationTimestamp"],
+        },
+        "spec": {"replicas": spec},
+        "status": status_obj,
+    })
+}
+
+fn set_scale(
+    state: &AppState,
+    target: &Target,
+    replicas: &Value,
+    manager: &str,
+) -> Result<Value, ApiError> {
+    let def = &target.def;
+    let replicas = replicas.as_i64().ok_or_else(|| {
+        ApiError::invalid(
+            "Scale",
+            target.name.as_deref().unwrap_or_default(),
+            &[("spec.replicas".into(), "Required value".into())],
+        )
+    })?;
+    let spec_path = def
+        .scale
+        .as_ref()
+        .map_or(".spec.replicas".to_string(), |s| {
+            s.spec_replicas_path.clone()
+        });
+    let mut main = target.clone();
+    main.sub = None;
+    modify(
+        state,
+        &main,
+        |cur| {
+            let mut obj = cur.clone();
+            let fields = path_fields(&spec_path);
+            let mut node = &mut obj;
+            for f in &fields {
+                node = &mut node[*f];
+            }
+            *node = json!(replicas);
+            Ok(obj)
+        },
+        manager,
+    )
+}
+
+/// How a watch presents objects.
+struct WatchView {
+    def: ResourceDef,
+    shape: Shape,
+    include: IncludeObject,
+}
+
+impl WatchView {
+    fn object(&self, obj: &Value, first: &mut bool) -> Value {
+        let obj = with_version(&self.def, obj.clone());
+        match self.shape {
+            Shape::Object => obj,
+            Shape::Partial => table::partial_metadata(&obj),
+            Shape::Table => {
+                let t = table::render(
+                    &self.def,
+                    std::slice::from_ref(&obj),
+                    self.include,
+                    *first,
+                    obj["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap_or_default(),
+                    Utc::now(),
+                );
+                *first = false;
+                t
+            }
+        }
+    }
+
+    fn bookmark(&self, rv: u64, initial_end: bool) -> Value {
+        let (kind, api_version) = match self.shape {
+            Shape::Partial => (
+                "PartialObjectMetadata".to_string(),
+                "meta.k8s.io/v1".to_string(),
+            ),
+            _ => (self.def.kind.clone(), self.def.api_version()),
+        };
+        let mut meta = json!({"resourceVersion": rv.to_string()});
+        if initial_end {
+            meta["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+        }
+        json!({"type": "BOOKMARK", "object": {"kind": kind, "apiVersion": api_version, "metadata": meta}})
+    }
+}
+
+/// The event a watcher with this filter sees for a change, if any: objects moving into the
+/// selection are ADDED, those moving out DELETED.
+fn visible(event: &Event, filter: &Filter) -> Option<EventType> {
+    let now_in = filter.matches(&event.object);
+    let was_in = event.old.as_ref().is_some_and(|o| filter.matches(o));
+    match (event.type_, was_in, now_in) {
+        (EventType::Added | EventType::Modified, false, true) => Some(EventType::Added),
+        (EventType::Modified, true, true) => Some(EventType::Modified),
+        (EventType::Modified, true, false)
+        | (EventType::Deleted, true, _)
+        | (EventType::Deleted, _, true) => Some(EventType::Deleted),
+        _ => None,
+    }
+}
+
+fn line(v: &Value) -> Bytes {
+    let mut s = v.to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+fn watch_response(
+    state: &Arc<AppState>,
+    target: &Target,
+    query: &Query,
+    headers: &HeaderMap,
+) -> Result<Response<Body>, ApiError> {
+    let def = target.def.clone();
+    let filter = Filter::parse(&def, query)?;
+    let shape = shape(headers);
+    let view = WatchView {
+        def: def.clone(),
+        shape,
+        include: IncludeObject::parse(query.get("includeObject").map(String::as_str)),
+    };
+    let bookmarks = query
+        .get("allowWatchBookmarks")
+        .is_some_and(|b| b == "true");
+    let initial = query.get("sendInitialEvents").is_some_and(|b| b == "true");
+    let rv = query
+        .get("resourceVersion")
+        .filter(|r| !r.is_empty() && *r != "0");
+    let from = match (initial, rv) {
+        (true, _) | (false, None) => None,
+        (false, Some(r)) => Some(
+            r.parse::<u64>()
+                .map_err(|_| ApiError::bad_request(format!("invalid resource version: {r}")))?,
+        ),
+    };
+    let timeout = query
+        .get("timeoutSeconds")
+        .and_then(|t| t.parse::<u64>().ok())
+        .map_or(Duration::from_secs(1800), Duration::from_secs);
+    let gr = def.group_resource();
+    let namespace = target.namespace.clone();
+    let (tx, rx) = futures::channel::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(64);
+    let started = state.store.watch(&gr, namespace.as_deref(), from);
+    let interval = state.bookmark_interval;
+    tokio::spawn(async move {
+        let mut tx = tx;
+        let (start, mut live) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = tx
+                    .send(Ok(line(&json!({"type": "ERROR", "object": e.status()}))))
+                    .await;
+                return;
+            }
+        };
+        let mut first = true;
+        let mut seen = from.unwrap_or(0);
+        match start {
+            WatchStart::Snapshot { objects, rv } => {
+                seen = rv;
+                for obj in objects.iter().filter(|o| filter.matches(o)) {
+                    let ev = json!({"type": "ADDED", "object": view.object(obj, &mut first)});
+                    if tx.send(Ok(line(&ev))).await.is_err() {
+                        return;
+                    }
+                }
+                if initial
+                    && bookmarks
+                    && tx.send(Ok(line(&view.bookmark(rv, true)))).await.is_err()
+                {
+                    return;
+                }
+            }
+            WatchStart::Backlog(events) => {
+                for ev in events {
+                    seen = seen.max(ev.rv);
+                    if let Some(t) = visible(&ev, &filter) {
+                        let out = json!({"type": t.as_str(), "object": view.object(&ev.object, &mut first)});
+                        if tx.send(Ok(line(&out))).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+        let deadline = tokio::time::sleep(timeout);
+        tokio::pin!(deadline);
+        let mut ticker = tokio::time::interval(interval);
+        ticker.tick().await;
+        loop {
+            tokio::select! {
+                () = &mut deadline => return,
+                _ = ticker.tick(), if bookmarks => {
+                    if tx.send(Ok(line(&view.bookmark(seen, false)))).await.is_err() {
+                        return;
+                    }
+                }
+                received = live.recv() => match received {
+                    Ok(ev) => {
+                        if ev.rv <= seen {
+                            continue;
+                        }
+                        seen = ev.rv;
+                        if ev.gr != gr || namespace.as_deref().is_some_and(|ns| ns != ev.namespace) {
+                            continue;
+                        }
+                        if let Some(t) = visible(&ev, &filter) {
+                            let out = json!({"type": t.as_str(), "object": view.object(&ev.object, &mut first)});
+                            if tx.send(Ok(line(&out))).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    Err(RecvError::Lagged(_)) => {
+                        let e = ApiError::expired("the watch fell behind the event history; relist");
+                        let _ = tx.send(Ok(line(&json!({"type": "ERROR", "object": e.status()})))).await;
+                        return;
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+            }
+        }
+    });
+    let ct = match shape {
+        Shape::Table => TABLE_CT,
+        _ => JSON,
+    };
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, ct)
+        .header(header::CACHE_CONTROL, "no-cache, private")
+        .body(Body::from_stream(rx))
+        .expect("static response parts are valid"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_strings_decode() {
+        let pairs = url_pairs("labelSelector=app%20in%20(a%2Cb)&watch=true&x");
+        assert_eq!(
+            pairs,
+            vec![
+                ("labelSelector".into(), "app in (a,b)".into()),
+                ("watch".into(), "true".into()),
+                ("x".into(), String::new()),
+            ]
+        );
+    }
+
+    #[test]
+    fn routes_resolve() {
+        let reg = Registry::default();
+        let Ok(Route::Resource(t)) = route(&reg, "/api/v1/namespaces/default/pods/p/status") else {
+            panic!("pod status route");
+        };
+        assert_eq!(
+            (t.namespace.as_deref(), t.name.as_deref(), t.sub.as_deref()),
+            (Some("default"), Some("p"), Some("status"))
+        );
+        let Ok(Route::Resource(t)) = route(&reg, "/api/v1/namespaces/default/status") else {
+            panic!("namespace status route");
+        };
+        assert_eq!(
+            (t.def.plural.as_str(), t.name.as_deref()),
+            ("namespaces", Some("default"))
+        );
+        assert!(route(&reg, "/apis/apps/v1/namespaces/x/nodes").is_err());
+        assert!(route(&reg, "/api/v1/pods/p/bogus").is_err());
+        let Ok(Route::Resource(t)) = route(&reg, "/apis/apps/v1/watch/namespaces/d/deployments")
+        else {
+            panic!("legacy watch route");
+        };
+        assert!(t.legacy_watch);
+    }
+
+    #[test]
+    fn selector_transitions() {
+        let filter = Filter {
+            labels: LabelSelector::parse("app=a").unwrap(),
+            fields: FieldSelector::default(),
+        };
+        let gr = GroupResource {
+            group: String::new(),
+            resource: "pods".into(),
+        };
+        let mk = |type_, old: Option<Value>, new: Value| Event {
+            rv: 1,
+            gr: gr.clone(),
+            namespace: String::new(),
+            type_,
+            object: new,
+            old,
+        };
+        let a = json!({"metadata": {"labels": {"app": "a"}}});
+        let b = json!({"metadata": {"labels": {"app": "b"}}});
+        assert_eq!(
+            visible(
+                &mk(EventType::Modified, Some(b.clone()), a.clone()),
+                &filter
+            ),
+            Some(EventType::Added)
+        );
+        assert_eq!(
+            visible(
+                &mk(EventType::Modified, Some(a.clone()), b.clone()),
+                &filter
+            ),
+            Some(EventType::Deleted)
+        );
+        assert_eq!(
+            visible(
+                &mk(EventType::Modified, Some(b.clone()), b.clone()),
+                &filter
+            ),
+            None
+        );
+        assert_eq!(
+            visible(&mk(EventType::Deleted, Some(a.clone()), a), &filter),
+            Some(EventType::Deleted)
+        );
+    }
+
+    #[test]
+    fn continue_tokens_round_trip() {
+        let t = encode_continue(42, "ns", "n");
+        assert_eq!(decode_continue(&t).unwrap(), (42, "ns".into(), "n".into()));
+        assert_eq!(decode_continue("!!").unwrap_err().code, 400);
+    }
+}

@@ -343,17 +343,15 @@ fn set_timer_defaults(spec: &mut VirtualMachineInstanceSpec) {
     let Some(timer) = spec.domain.clock.as_mut().and_then(|c| c.timer.as_mut()) else {
         return;
     };
-    for t in [
-        &mut timer.hpet,
-        &mut timer.kvm,
-        &mut timer.pit,
-        &mut timer.rtc,
-        &mut timer.hyperv,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        t.present.get_or_insert(true);
+    let presences = [
+        timer.hpet.as_mut().map(|t| &mut t.present),
+        timer.kvm.as_mut().map(|t| &mut t.present),
+        timer.pit.as_mut().map(|t| &mut t.present),
+        timer.rtc.as_mut().map(|t| &mut t.present),
+        timer.hyperv.as_mut().map(|t| &mut t.present),
+    ];
+    for present in presences.into_iter().flatten() {
+        present.get_or_insert(true);
     }
 }
 

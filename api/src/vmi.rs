@@ -432,27 +432,47 @@ pub struct ClockOffsetUtc {
 #[serde(rename_all = "camelCase")]
 pub struct Timer {
     /// High Precision Event Timer.
-    pub hpet: Option<TimerSettings>,
+    pub hpet: Option<TickTimer>,
     /// KVM clock.
-    pub kvm: Option<TimerSettings>,
+    pub kvm: Option<PresenceTimer>,
     /// Programmable Interval Timer.
-    pub pit: Option<TimerSettings>,
+    pub pit: Option<TickTimer>,
     /// Real Time Clock.
-    pub rtc: Option<TimerSettings>,
+    pub rtc: Option<RtcTimer>,
     /// Hyper-V clock.
-    pub hyperv: Option<TimerSettings>,
+    pub hyperv: Option<PresenceTimer>,
 }
 
-/// One timer's settings (the union of KubeVirt's per-timer structs).
+/// A timer that can only be present or not (kvm, hyperv).
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
-pub struct TimerSettings {
-    /// `false` removes the timer.
+pub struct PresenceTimer {
+    /// `false` removes the timer; defaults to true.
     pub present: Option<bool>,
-    /// delay, catchup, merge, discard.
+}
+
+/// A ticking timer (hpet, pit).
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TickTimer {
+    /// `false` removes the timer; defaults to true.
+    pub present: Option<bool>,
+    /// delay, catchup, merge (hpet), discard.
     pub tick_policy: Option<String>,
-    /// RTC only: `guest` or `wall`.
+}
+
+/// The real time clock.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RtcTimer {
+    /// `false` removes the timer; defaults to true.
+    pub present: Option<bool>,
+    /// delay or catchup.
+    pub tick_policy: Option<String>,
+    /// `guest` or `wall`.
     pub track: Option<String>,
 }
 

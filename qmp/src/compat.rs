@@ -6,7 +6,7 @@
 //!
 //! Measured against QEMU 7.2: `query-machines` lacks `acpi` (8.0), `query-blockstats` lacks the
 //! zone-append counters (8.1), `query-migrate-capabilities` names capabilities 9.1 removed
-//! (`compress`, `block`, ...).
+//! (`compress`, `block`, ...), `query-cpu-model-expansion` lacks `deprecated-props` (9.1).
 
 #![allow(non_camel_case_types)] // command types are named after the command, as in `qapi`
 
@@ -113,6 +113,30 @@ impl qapi::Command for query_migrate_capabilities {
 pub struct MigrationCapabilityStatus {
     pub capability: String,
     pub state: bool,
+}
+
+/// `query-cpu-model-expansion`: what a CPU model (e.g. `max`, `host`) expands to.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct query_cpu_model_expansion {
+    #[serde(rename = "type")]
+    pub type_: qapi::qmp::CpuModelExpansionType,
+    pub model: qapi::qmp::CpuModelInfo,
+}
+
+impl qapi::Command for query_cpu_model_expansion {
+    type Ok = CpuModelExpansionInfo;
+    const NAME: &'static str = "query-cpu-model-expansion";
+    const ALLOW_OOB: bool = false;
+}
+
+/// The expanded model.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct CpuModelExpansionInfo {
+    pub model: qapi::qmp::CpuModelInfo,
+    /// Added in QEMU 9.1.
+    #[serde(default)]
+    pub deprecated_props: Vec<String>,
 }
 
 #[cfg(test)]

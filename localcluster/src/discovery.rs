@@ -284,6 +284,43 @@ fn aggregated_resource(d: &ResourceDef) -> Value {
     r
 }
 
+impl Registry {
+    /// The PATCH operation of every kind, declaring the `fieldValidation` parameter: kubectl reads
+    /// it to decide that the server validates fields itself (and skips client-side validation).
+    fn openapi_paths(&self, group: &str, version: &str) -> Value {
+        let mut paths = serde_json::Map::new();
+        for d in self
+            .defs
+            .iter()
+            .filter(|d| d.group == group && d.version == version)
+        {
+            let ns = if d.namespaced {
+                "namespaces/{namespace}/"
+            } else {
+                ""
+            };
+            let path = format!(
+                "/{}/{ns}{}/{{name}}",
+                openapi_path(group, version),
+                d.plural
+            );
+            let query =
+                |name: &str| json!({"name": name, "in": "query", "schema": {"type": "string"}});
+            paths.insert(
+                path,
+                json!({"patch": {
+                    "operationId": format!("patch{}", d.kind),
+                    "x-kubernetes-action": "patch",
+                    "x-kubernetes-group-version-kind": {"group": d.group, "version": d.version, "kind": d.kind},
+                    "parameters": [query("fieldValidation"), query("fieldManager"), query("force")],
+                    "responses": {"200": {"description": "OK"}},
+                }}),
+            );
+        }
+        Value::Object(paths)
+    }
+}
+
 /// The OpenAPI v3 path of a group/version (`api/v1`, `apis/apps/v1`).
 pub fn openapi_path(group: &str, version: &str) -> String {
     if group.is_empty() {
@@ -359,7 +396,7 @@ impl Registry {
         Some(json!({
             "openapi": "3.0.0",
             "info": {"title": "Kubernetes", "version": "v1.32.0"},
-            "paths": {},
+            "paths": self.openapi_paths(group, version),
             "components": {"schemas": schemas},
         }))
     }

@@ -153,7 +153,11 @@ pub fn prepare_create(
     meta.insert("name".into(), json!(name));
     meta.insert("uid".into(), json!(ctx.uid));
     meta.insert("creationTimestamp".into(), json!(ctx.now));
-    meta.insert("generation".into(), json!(1));
+    if tracks_generation(def) {
+        meta.insert("generation".into(), json!(1));
+    } else {
+        meta.remove("generation");
+    }
     for server_owned in [
         "resourceVersion",
         "deletionTimestamp",
@@ -182,6 +186,20 @@ pub fn prepare_create(
     }
     apply_schema(def, &mut obj);
     Ok(obj)
+}
+
+/// Whether a kind counts spec changes in `metadata.generation`: custom resources always; among
+/// the built-ins, the workload-like kinds whose controllers report `observedGeneration`.
+pub fn tracks_generation(def: &ResourceDef) -> bool {
+    def.custom
+        || matches!(
+            (def.group.as_str(), def.plural.as_str()),
+            ("apps", _)
+                | ("policy", "poddisruptionbudgets")
+                | ("apiextensions.k8s.io", _)
+                | ("admissionregistration.k8s.io", _)
+                | ("scheduling.k8s.io", _)
+        )
 }
 
 /// The QoS class of a pod from its containers' requests and limits.
@@ -341,7 +359,7 @@ pub fn prepare_update(
             .to_string();
         out["status"] = crd_status(&out, &now);
     }
-    if spec_part(&out) != spec_part(old) {
+    if tracks_generation(def) && spec_part(&out) != spec_part(old) {
         let generation = old["metadata"]["generation"].as_i64().unwrap_or(1);
         out["metadata"]["generation"] = json!(generation + 1);
     }
@@ -534,7 +552,7 @@ mod tests {
         });
         let obj = obj.unwrap();
         assert_eq!(obj["metadata"]["name"], "x-abcde");
-        assert_eq!(obj["metadata"]["generation"], 1);
+        assert!(obj["metadata"].get("generation").is_none());
         assert_eq!(obj["metadata"]["uid"], "u-1");
         assert_eq!(obj["kind"], "ConfigMap");
         let missing = store.read(|objs| {

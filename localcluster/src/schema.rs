@@ -11,12 +11,15 @@ fn is_true(schema: &Value, key: &str) -> bool {
 }
 
 /// Removes the fields the schema does not know, as the API server does on every write.
-/// The top-level `apiVersion`, `kind` and `metadata` always stay.
-pub fn prune(obj: &mut Value, schema: &Value) {
-    prune_at(obj, schema, true);
+/// The top-level `apiVersion`, `kind` and `metadata` always stay. Returns the paths removed
+/// (`.spec.bogus`, `.spec.list[0].x`), which strict field validation reports.
+pub fn prune(obj: &mut Value, schema: &Value) -> Vec<String> {
+    let mut removed = Vec::new();
+    prune_at(obj, schema, true, "", &mut removed);
+    removed
 }
 
-fn prune_at(value: &mut Value, schema: &Value, root: bool) {
+fn prune_at(value: &mut Value, schema: &Value, root: bool, at: &str, removed: &mut Vec<String>) {
     match value {
         Value::Object(map) => {
             let preserve = is_true(schema, "x-kubernetes-preserve-unknown-fields");
@@ -32,20 +35,21 @@ fn prune_at(value: &mut Value, schema: &Value, root: bool) {
                 match sub {
                     Some(sub) => {
                         if let Some(v) = map.get_mut(&key) {
-                            prune_at(v, sub, false);
+                            prune_at(v, sub, false, &format!("{at}.{key}"), removed);
                         }
                     }
                     None if preserve => {}
                     None => {
                         map.remove(&key);
+                        removed.push(format!("{at}.{key}"));
                     }
                 }
             }
         }
         Value::Array(items) => {
             if let Some(item_schema) = schema.get("items") {
-                for item in items {
-                    prune_at(item, item_schema, false);
+                for (i, item) in items.iter_mut().enumerate() {
+                    prune_at(item, item_schema, false, &format!("{at}[{i}]"), removed);
                 }
             }
         }
@@ -170,7 +174,17 @@ mod tests {
                      "items": [{"name": "n", "extra": 1}],
                      "labels": {"k": "v"}},
             "status": {"phase": "Ok", "other": 1}});
-        prune(&mut obj, &schema());
+        let removed = prune(&mut obj, &schema());
+        assert_eq!(
+            removed,
+            vec![
+                ".junk",
+                ".spec.bogus",
+                ".spec.free.known.b",
+                ".spec.items[0].extra",
+                ".status.other"
+            ]
+        );
         assert_eq!(
             obj,
             json!({"apiVersion": "x/v1", "kind": "W", "metadata": {"name": "a"},

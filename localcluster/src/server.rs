@@ -356,6 +356,33 @@ fn parse_body(body: &Bytes) -> Result<Value, ApiError> {
     })
 }
 
+/// `fieldValidation=Strict` for custom resources: fields the schema does not declare are an error
+/// instead of being pruned silently.
+fn strict_check(def: &ResourceDef, strict: bool, obj: &Value) -> Result<(), ApiError> {
+    let Some(s) = def.schema.as_ref().filter(|_| strict && def.custom) else {
+        return Ok(());
+    };
+    let mut copy = obj.clone();
+    let removed = schema::prune(&mut copy, s);
+    if removed.is_empty() {
+        return Ok(());
+    }
+    let fields: Vec<String> = removed
+        .iter()
+        .map(|p| format!("unknown field \"{}\"", p.trim_start_matches('.')))
+        .collect();
+    Err(ApiError::bad_request(format!(
+        "{kind} in version \"{version}\" cannot be handled as a {kind}: strict decoding error: {}",
+        fields.join(", "),
+        kind = def.kind,
+        version = def.version,
+    )))
+}
+
+fn is_strict(query: &Query) -> bool {
+    query.get("fieldValidation").is_some_and(|v| v == "Strict")
+}
+
 fn with_version(def: &ResourceDef, mut obj: Value) -> Value {
     obj["apiVersion"] = json!(def.api_version());
     obj
@@ -641,6 +668,7 @@ fn create(
     }
     let mut obj = parse_body(body)?;
     rules::check_type(def, &mut obj)?;
+    strict_check(def, is_strict(query), &obj)?;
     let suffix = name_suffix();
     let name = match obj["metadata"]["name"].as_str().filter(|n| !n.is_empty()) {
         Some(n) => n.to_string(),
@@ -751,7 +779,16 @@ fn update(
         )?;
         return Ok(respond(StatusCode::OK, JSON, &scale_of(&target.def, &obj)));
     }
-    let obj = modify(state, target, |_| Ok(body), &manager(query, headers))?;
+    let strict = is_strict(query);
+    let obj = modify(
+        state,
+        target,
+        |_| {
+            strict_check(&target.def, strict, &body)?;
+            Ok(body)
+        },
+        &manager(query, headers),
+    )?;
     Ok(respond(StatusCode::OK, JSON, &obj))
 }
 
@@ -811,7 +848,17 @@ fn patch(
         let obj = set_scale(state, target, &scale["spec"]["replicas"], &manager)?;
         return Ok(respond(StatusCode::OK, JSON, &scale_of(def, &obj)));
     }
-    let obj = modify(state, target, apply_patch, &manager)?;
+    let strict = is_strict(query);
+    let obj = modify(
+        state,
+        target,
+        |cur| {
+            let patched = apply_patch(cur)?;
+            strict_check(def, strict, &patched)?;
+            Ok(patched)
+        },
+        &manager,
+    )?;
     Ok(respond(StatusCode::OK, JSON, &obj))
 }
 
@@ -835,6 +882,7 @@ fn server_side_apply(
     let mut applied: Value = serde_yaml::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
     rules::check_type(def, &mut applied)?;
+    strict_check(def, is_strict(query), &applied)?;
     let name = target.name.clone().unwrap_or_default();
     if applied["metadata"]["name"].as_str() != Some(name.as_str()) {
         return Err(ApiError::bad_request(

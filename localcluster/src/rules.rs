@@ -192,13 +192,10 @@ pub fn prepare_create(
 /// the built-ins, the workload-like kinds whose controllers report `observedGeneration`.
 pub fn tracks_generation(def: &ResourceDef) -> bool {
     def.custom
+        || (def.group == "policy" && def.plural == "poddisruptionbudgets")
         || matches!(
-            (def.group.as_str(), def.plural.as_str()),
-            ("apps", _)
-                | ("policy", "poddisruptionbudgets")
-                | ("apiextensions.k8s.io", _)
-                | ("admissionregistration.k8s.io", _)
-                | ("scheduling.k8s.io", _)
+            def.group.as_str(),
+            "apps" | "apiextensions.k8s.io" | "admissionregistration.k8s.io" | "scheduling.k8s.io"
         )
 }
 

@@ -8,6 +8,7 @@
 //! - Hyper-V feature dependencies are not defaulted: Hyper-V features are refused by validation.
 
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use crate::common::{Empty, PullPolicy};
 use crate::config::{ClusterConfig, DefaultNetworkInterface};
@@ -35,7 +36,11 @@ pub const DEFAULT_NETWORK_NAME: &str = "default";
 /// The CPU model used when neither the VMI nor the cluster names one.
 pub const DEFAULT_CPU_MODEL: &str = "host-model";
 /// Finalizer KubeVirt puts on every VMI.
-pub const VMI_FINALIZER: &str = "foregroundDeleteVirtualMachine";
+pub const VMI_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
+/// Annotation recording the PCI topology a VMI was created with.
+pub const PCI_TOPOLOGY_VERSION_ANNOTATION: &str = "kubevirt.io/pci-topology-version";
+/// The PCI topology version new VMIs get (PCIe root ports for hotplug).
+pub const PCI_TOPOLOGY_VERSION: &str = "v3";
 /// UID QEMU runs as when the `Root` feature gate is off.
 pub const NON_ROOT_UID: u64 = 107;
 /// Upper bound of vCPUs when defaulting `maxSockets`.
@@ -136,6 +141,9 @@ pub fn apply_vmi(
             fw.uuid = Some(uid.clone());
         }
     }
+    if supports_pcie_hotplug(&vmi.spec) {
+        set_pci_topology_version(&mut vmi.metadata);
+    }
     let finalizers = vmi.metadata.finalizers.get_or_insert_with(Vec::new);
     if !finalizers.iter().any(|f| f == VMI_FINALIZER) {
         finalizers.push(VMI_FINALIZER.to_owned());
@@ -175,6 +183,53 @@ pub fn apply_vm(vm: &mut VirtualMachine, cfg: &ClusterConfig) {
         spec.architecture = Some(cfg.default_architecture.clone());
     }
     set_machine_type(spec, cfg);
+}
+
+/// The VM mutator on create: [`apply_vm`], plus a firmware UUID and serial for the template
+/// when it has none (KubeVirt draws random ones; `new_id` supplies them so this stays a pure
+/// function of its inputs) and the PCI topology annotation.
+pub fn apply_vm_create(
+    vm: &mut VirtualMachine,
+    cfg: &ClusterConfig,
+    new_id: &mut dyn FnMut() -> String,
+) {
+    apply_vm(vm, cfg);
+    let template = &mut vm.spec.template;
+    let Some(spec) = &mut template.spec else {
+        return;
+    };
+    let fw = spec.domain.firmware.get_or_insert_with(Firmware::default);
+    if fw.uuid.as_deref().is_none_or(str::is_empty) {
+        fw.uuid = Some(new_id());
+    }
+    if fw.serial.as_deref().is_none_or(str::is_empty) {
+        fw.serial = Some(new_id());
+    }
+    if supports_pcie_hotplug(spec) {
+        set_pci_topology_version(template.metadata.get_or_insert_with(Default::default));
+    }
+}
+
+/// KubeVirt's `SupportsPCIeHotplug`: amd64 / arm64 with a PCIe machine type (q35, virt).
+pub fn supports_pcie_hotplug(spec: &VirtualMachineInstanceSpec) -> bool {
+    if !matches!(
+        spec.architecture.as_deref(),
+        None | Some("" | "amd64" | "arm64")
+    ) {
+        return false;
+    }
+    spec.domain
+        .machine
+        .as_ref()
+        .and_then(|m| m.machine_type.as_deref())
+        .is_none_or(|t| t.contains("q35") || t.starts_with("virt"))
+}
+
+fn set_pci_topology_version(meta: &mut ObjectMeta) {
+    meta.annotations
+        .get_or_insert_with(Default::default)
+        .entry(PCI_TOPOLOGY_VERSION_ANNOTATION.to_owned())
+        .or_insert_with(|| PCI_TOPOLOGY_VERSION.to_owned());
 }
 
 fn set_machine_type(spec: &mut VirtualMachineInstanceSpec, cfg: &ClusterConfig) {

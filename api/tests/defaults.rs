@@ -402,7 +402,11 @@ fn vmi_metadata_and_status_on_create() {
     let v = serde_json::to_value(&vmi).unwrap();
     assert_eq!(
         v["metadata"]["finalizers"],
-        json!(["foregroundDeleteVirtualMachine"])
+        json!(["kubevirt.io/foregroundDeleteVirtualMachine"])
+    );
+    assert_eq!(
+        v["metadata"]["annotations"],
+        json!({"kubevirt.io/pci-topology-version": "v3"})
     );
     assert_eq!(
         v["spec"]["domain"]["firmware"]["uuid"],
@@ -471,4 +475,37 @@ spec:
         ClusterConfig::from_kubevirt(&api::KubeVirt::new("kv", api::KubeVirtSpec::default())),
         ClusterConfig::default()
     );
+}
+
+#[test]
+fn vm_create_gets_firmware_ids_and_the_pci_topology() {
+    let mut vm: api::VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": "vm"},
+        "spec": {"runStrategy": "Always", "template": {"spec": spec(json!({}))}}
+    }))
+    .unwrap();
+    let mut n = 0;
+    let mut ids = || {
+        n += 1;
+        format!("id-{n}")
+    };
+    defaults::apply_vm_create(&mut vm, &ClusterConfig::default(), &mut ids);
+    let v = serde_json::to_value(&vm).unwrap();
+    let t = &v["spec"]["template"];
+    assert_eq!(
+        t["spec"]["domain"]["firmware"],
+        json!({"uuid": "id-1", "serial": "id-2"})
+    );
+    assert_eq!(t["spec"]["domain"]["machine"], json!({"type": "q35"}));
+    assert_eq!(t["spec"]["architecture"], json!("amd64"));
+    assert_eq!(
+        t["metadata"]["annotations"],
+        json!({"kubevirt.io/pci-topology-version": "v3"})
+    );
+    // Given ids are kept.
+    let before = vm.clone();
+    defaults::apply_vm_create(&mut vm, &ClusterConfig::default(), &mut || unreachable!());
+    assert_eq!(vm, before);
 }

@@ -10,6 +10,10 @@ use crate::SeedFile;
 pub(crate) const SECTOR: usize = 2048;
 /// Sectors 0-15 are the system area, left empty.
 const FIRST_DESCRIPTOR: usize = 16;
+/// Padding after the last file, as genisoimage and xorriso add by default: probers such as
+/// busybox's `findfs` read the first 68 KiB of a device and give up on a smaller one, and
+/// Linux reads ahead past the end of the last file.
+const PADDING_SECTORS: usize = 150;
 /// A recording date of 1970-01-01 00:00 UTC, fixed so that the same seed gives the same bytes.
 const RECORD_DATE: [u8; 7] = [70, 1, 1, 0, 0, 0, 0];
 
@@ -64,7 +68,7 @@ pub(crate) fn build(label: &str, files: &[SeedFile]) -> Vec<u8> {
         file_starts.push(next);
         next += f.content.len().div_ceil(SECTOR);
     }
-    let total = next;
+    let total = next + PADDING_SECTORS;
 
     let mut image = vec![0u8; total * SECTOR];
     let layout = Layout {

@@ -5,6 +5,30 @@
 //! deserialize unchanged. Fields kubevirt-rs does not interpret yet are kept as [`Preserved`]
 //! subtrees (never pruned by an API server) and refused by [`validation`] when they would change
 //! the guest.
+//!
+//! The admission flow of a new VMI, as KubeVirt's webhooks run it:
+//!
+//! ```
+//! use api::{ClusterConfig, VirtualMachineInstance, defaults, validation};
+//!
+//! let mut vmi: VirtualMachineInstance = serde_yaml::from_str(r"
+//! apiVersion: kubevirt.io/v1
+//! kind: VirtualMachineInstance
+//! metadata: {name: demo}
+//! spec:
+//!   domain:
+//!     resources: {requests: {memory: 128Mi}}
+//!     devices: {disks: [{name: root, disk: {bus: virtio}}]}
+//!   volumes:
+//!     - {name: root, containerDisk: {image: kubevirt-rs/test-guest-disk:latest}}
+//! ").unwrap();
+//! let cfg = ClusterConfig::default();
+//! defaults::apply_vmi(&mut vmi, &cfg).unwrap();
+//! assert!(validation::validate_vmi(&vmi, &cfg).is_empty());
+//! let (disk, volume) = vmi.spec.disks_with_volumes().next().unwrap();
+//! assert_eq!(disk.bus(), Some(&api::vmi::DiskBus::Virtio));
+//! assert!(matches!(volume.source(), Some(api::vmi::VolumeSource::ContainerDisk(_))));
+//! ```
 
 pub mod common;
 pub mod config;

@@ -173,3 +173,65 @@ fn status_round_trips() {
             .is_some()
     );
 }
+
+fn assert_round_trip<T: DeserializeOwned + Serialize>(value: &serde_json::Value) {
+    let typed: T = serde_json::from_value(value.clone()).unwrap();
+    assert_eq!(&serde_json::to_value(&typed).unwrap(), value);
+}
+
+#[test]
+fn every_kinds_status_round_trips() {
+    assert_round_trip::<VirtualMachine>(&serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "vm"},
+        "spec": {"running": false, "template": {"spec": {"domain": {"devices": {}}}}},
+        "status": {
+            "printableStatus": "Stopped",
+            "ready": false,
+            "created": false,
+            "runStrategy": "Halted",
+            "observedGeneration": 2,
+            "desiredGeneration": 2,
+            "conditions": [{"type": "Failure", "status": "False", "lastTransitionTime": "2026-01-01T00:00:00Z"}],
+            "stateChangeRequests": [{"action": "Start", "uid": "1234"}],
+            "startFailure": {"consecutiveFailCount": 2, "lastFailedVMIUID": "abc", "retryAfterTimestamp": "2026-01-01T00:05:00Z"},
+            "volumeSnapshotStatuses": [{"name": "root", "enabled": false, "reason": "containerDisk"}]
+        }
+    }));
+    assert_round_trip::<VirtualMachineInstanceReplicaSet>(&serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceReplicaSet",
+        "metadata": {"name": "rs"},
+        "spec": {"replicas": 3, "paused": true, "selector": {"matchLabels": {"a": "b"}},
+                 "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"domain": {"devices": {}}}}},
+        "status": {"replicas": 2, "readyReplicas": 1, "labelSelector": "a=b",
+                   "conditions": [{"type": "ReplicaPaused", "status": "True", "reason": "Paused"}]}
+    }));
+    assert_round_trip::<VirtualMachineInstanceMigration>(&serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
+        "metadata": {"name": "m"},
+        "spec": {"vmiName": "v", "addedNodeSelector": {"zone": "a"}},
+        "status": {
+            "phase": "Running",
+            "phaseTransitionTimestamps": [{"phase": "Pending", "phaseTransitionTimestamp": "2026-01-01T00:00:00Z"}],
+            "migrationState": {"sourceNode": "n1", "targetNode": "n2", "mode": "PreCopy",
+                               "targetDirectMigrationNodePorts": {"49152": 0}}
+        }
+    }));
+    assert_round_trip::<KubeVirt>(&serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "KubeVirt",
+        "metadata": {"name": "kubevirt", "namespace": "kubevirt"},
+        "spec": {"imageTag": "v1", "imageRegistry": "quay.io/kubevirt-rs",
+                 "infra": {"replicas": 2, "nodePlacement": {"nodeSelector": {"role": "infra"}}},
+                 "configuration": {"developerConfiguration": {"useEmulation": true},
+                                   "network": {"defaultNetworkInterface": "masquerade"}}},
+        "status": {
+            "phase": "Deployed",
+            "conditions": [{"type": "Available", "status": "True", "reason": "AllComponentsReady", "message": "All components are ready."}],
+            "operatorVersion": "v0.1.0",
+            "observedKubeVirtVersion": "v0.1.0",
+            "targetKubeVirtVersion": "v0.1.0",
+            "observedDeploymentID": "abc",
+            "generations": [{"group": "apps", "resource": "daemonsets", "namespace": "kubevirt", "name": "virt-handler", "lastGeneration": 1, "hash": "h"}]
+        }
+    }));
+}

@@ -1,0 +1,742 @@
+//! VMI -> [`QemuConfig`] plus the files that must exist before QEMU starts. Pure: host facts
+//! (accelerator, firmware paths, which volumes are block devices) come in as arguments.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use api::VirtualMachineInstance;
+use api::vmi::{
+    BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskTargetKind,
+    HostDiskType, InterfaceBinding, InterfaceModel, VolumeSource,
+};
+
+use crate::paths::Dirs;
+use crate::prepare::{Prep, Seed};
+use crate::qemu::{
+    Accel, AgentChannel, CacheMode, Controllers, Cpu, Disk, DiskSource, Firmware, Frontend,
+    ImageFormat, KernelBoot, Machine, MachineKind, Memory, Nic, NicModel, QemuConfig, SATA_PORTS,
+    SerialPort, Smbios, Vnc,
+};
+use crate::quantity;
+
+/// A VMI the launcher cannot run, with the field that says why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ConvertError {
+    pub field: String,
+    pub message: String,
+}
+
+fn err(field: impl Into<String>, message: impl Into<String>) -> ConvertError {
+    ConvertError {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// What the converter needs to know about the host.
+#[derive(Debug, Clone)]
+pub struct Host {
+    pub accel: Accel,
+    /// Where Debian's `ovmf` package puts its images (`/usr/share/OVMF`).
+    pub ovmf_dir: PathBuf,
+    /// A hugetlbfs mount for guests that ask for hugepages.
+    pub hugepages_dir: PathBuf,
+    /// Volumes whose PVC is a block device (`<block-device-dir>/<volume>` exists as one).
+    pub block_volumes: BTreeSet<String>,
+}
+
+/// How many empty PCIe root ports a q35 machine keeps for hotplugged virtio disks.
+pub const SPARE_HOTPLUG_PORTS: usize = 4;
+
+pub fn hotplug_port(i: usize) -> String {
+    format!("hotplug-port{i}")
+}
+
+/// The launcher's plan for one VMI.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub config: QemuConfig,
+    pub preps: Vec<Prep>,
+    /// Names of disks placed where they can be unplugged later.
+    pub hotpluggable: BTreeSet<String>,
+}
+
+pub fn machine_kind(vmi: &VirtualMachineInstance) -> Result<MachineKind, ConvertError> {
+    let ty = vmi
+        .spec
+        .domain
+        .machine
+        .as_ref()
+        .and_then(|m| m.machine_type.as_deref())
+        .unwrap_or("q35");
+    // KubeVirt's defaults name RHEL machine types (pc-q35-rhel9.4.0); upstream QEMU has no such
+    // versions, so the family is what counts.
+    if ty == "q35" || ty.starts_with("pc-q35") {
+        Ok(MachineKind::Q35)
+    } else if ty == "pc" || ty.starts_with("pc-i440fx") {
+        Ok(MachineKind::Pc)
+    } else {
+        Err(err(
+            "spec.domain.machine.type",
+            format!("machine type {ty:?} is not supported: use q35 or pc"),
+        ))
+    }
+}
+
+pub fn convert(
+    vmi: &VirtualMachineInstance,
+    dirs: &Dirs,
+    host: &Host,
+) -> Result<Plan, ConvertError> {
+    let uid = vmi
+        .metadata
+        .uid
+        .clone()
+        .filter(|u| !u.is_empty())
+        .ok_or_else(|| err("metadata.uid", "is required"))?;
+    let name = vmi.metadata.name.clone().unwrap_or_default();
+    let namespace = vmi
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let spec = &vmi.spec;
+    let domain = &spec.domain;
+    let kind = machine_kind(vmi)?;
+    let mut preps = Vec::new();
+
+    let firmware = match domain
+        .firmware
+        .as_ref()
+        .and_then(|f| f.bootloader.as_ref())
+        .and_then(api::vmi::Bootloader::kind)
+    {
+        None | Some(BootloaderKind::Bios(_)) => Firmware::Bios,
+        Some(BootloaderKind::Efi(efi)) => {
+            let secure_boot = efi.secure_boot_enabled();
+            if secure_boot && kind == MachineKind::Pc {
+                return Err(err(
+                    "spec.domain.firmware.bootloader.efi.secureBoot",
+                    "secure boot needs SMM, which OVMF supports on q35 only: use machine type \
+                     q35 or set secureBoot: false",
+                ));
+            }
+            let smm_off = domain
+                .features
+                .as_ref()
+                .and_then(|f| f.smm.as_ref())
+                .is_some_and(|s| s.enabled == Some(false));
+            if secure_boot && smm_off {
+                return Err(err(
+                    "spec.domain.features.smm.enabled",
+                    "secure boot needs SMM: enable it or set secureBoot: false",
+                ));
+            }
+            let (code, vars_template) = if secure_boot {
+                ("OVMF_CODE_4M.secboot.fd", "OVMF_VARS_4M.ms.fd")
+            } else {
+                ("OVMF_CODE_4M.fd", "OVMF_VARS_4M.fd")
+            };
+            let code = host.ovmf_dir.join(code);
+            let vars = dirs.efi_vars(&uid);
+            preps.push(Prep::RequireFile {
+                path: code.clone(),
+                field: "spec.domain.firmware.bootloader.efi".into(),
+            });
+            preps.push(Prep::CopyFile {
+                from: host.ovmf_dir.join(vars_template),
+                to: vars.clone(),
+                field: "spec.domain.firmware.bootloader.efi".into(),
+            });
+            Firmware::Efi {
+                code,
+                vars,
+                secure_boot,
+            }
+        }
+    };
+    let smm = match (
+        &firmware,
+        domain.features.as_ref().and_then(|f| f.smm.as_ref()),
+    ) {
+        (
+            Firmware::Efi {
+                secure_boot: true, ..
+            },
+            _,
+        ) => Some(true),
+        (_, Some(s)) => Some(s.enabled.unwrap_or(true)),
+        _ => None,
+    };
+
+    let cpu = cpu(vmi, host.accel);
+    let memory = memory(vmi, host)?;
+
+    // QEMU wants a real UUID; Kubernetes uids are, and so must firmware.uuid be.
+    let (uuid_field, uuid) = match domain.firmware.as_ref().and_then(|f| f.uuid.clone()) {
+        Some(u) => ("spec.domain.firmware.uuid", u),
+        None => ("metadata.uid", uid.clone()),
+    };
+    if uuid::Uuid::parse_str(&uuid).is_err() {
+        return Err(err(uuid_field, format!("{uuid:?} is not a UUID")));
+    }
+    let smbios = Smbios {
+        uuid,
+        serial: domain.firmware.as_ref().and_then(|f| f.serial.clone()),
+        manufacturer: "KubeVirt".into(),
+        product: "None".into(),
+        family: "KubeVirt".into(),
+    };
+
+    let kernel_boot = match spec.kernel_boot() {
+        None => None,
+        Some(kb) => {
+            let field = "spec.domain.firmware.kernelBoot.container";
+            let c = kb.container.as_ref().ok_or_else(|| {
+                err(
+                    field,
+                    "kernelBoot needs a container with kernelPath and/or initrdPath",
+                )
+            })?;
+            let artifact = |p: &Option<String>, what: &str| -> Result<Option<PathBuf>, _> {
+                match p.as_deref() {
+                    None | Some("") => Ok(None),
+                    Some(p) => {
+                        let base = Path::new(p).file_name().ok_or_else(|| {
+                            err(format!("{field}.{what}"), format!("{p:?} names no file"))
+                        })?;
+                        Ok(Some(dirs.container_disks.join("kernel-boot").join(base)))
+                    }
+                }
+            };
+            let kernel = artifact(&c.kernel_path, "kernelPath")?
+                .ok_or_else(|| err(format!("{field}.kernelPath"), "is required"))?;
+            let initrd = artifact(&c.initrd_path, "initrdPath")?;
+            preps.push(Prep::RequireFile {
+                path: kernel.clone(),
+                field: format!("{field}.kernelPath"),
+            });
+            if let Some(i) = &initrd {
+                preps.push(Prep::RequireFile {
+                    path: i.clone(),
+                    field: format!("{field}.initrdPath"),
+                });
+            }
+            Some(KernelBoot {
+                kernel,
+                initrd,
+                cmdline: kb.kernel_args.clone(),
+            })
+        }
+    };
+
+    let mut controllers = Controllers::default();
+    let mut disks = Vec::new();
+    let mut hotpluggable = BTreeSet::new();
+    let mut sata_units = 0u32;
+    let mut scsi_luns = 0u32;
+    let mut ports_used = 0usize;
+    for (i, d) in domain.devices.disks.iter().enumerate() {
+        let field = format!("spec.domain.devices.disks[{i}]");
+        let (mut disk, plug, prep) = disk_for(vmi, d, &field, dirs, host, &namespace, &name)?;
+        preps.extend(prep);
+        match disk.frontend {
+            Frontend::Sata { .. } | Frontend::SataCdrom { .. } => {
+                if sata_units >= SATA_PORTS {
+                    return Err(err(
+                        format!("{field}.bus"),
+                        format!("at most {SATA_PORTS} disks fit on the sata bus"),
+                    ));
+                }
+                disk.frontend = if matches!(disk.frontend, Frontend::Sata { .. }) {
+                    Frontend::Sata { unit: sata_units }
+                } else {
+                    Frontend::SataCdrom { unit: sata_units }
+                };
+                sata_units += 1;
+                controllers.sata = true;
+            }
+            Frontend::Scsi { .. } | Frontend::ScsiCdrom { .. } => {
+                disk.frontend = if matches!(disk.frontend, Frontend::Scsi { .. }) {
+                    Frontend::Scsi { lun: scsi_luns }
+                } else {
+                    Frontend::ScsiCdrom { lun: scsi_luns }
+                };
+                scsi_luns += 1;
+                controllers.scsi = true;
+            }
+            Frontend::Virtio => {
+                // Devices on q35's root complex cannot be unplugged; those that may be get a
+                // root port of their own.
+                if plug && kind == MachineKind::Q35 {
+                    disk.pci_bus = Some(hotplug_port(ports_used));
+                    ports_used += 1;
+                }
+            }
+        }
+        if plug {
+            hotpluggable.insert(disk.name.clone());
+        }
+        disks.push(disk);
+    }
+    // A SCSI controller is always there (unless hotplug is disabled) so that SCSI disks can be
+    // hotplugged later, as in KubeVirt.
+    if !domain.devices.disable_hotplug.unwrap_or(false) {
+        controllers.scsi = true;
+    }
+    if kind == MachineKind::Q35 {
+        controllers.hotplug_ports = (0..ports_used + SPARE_HOTPLUG_PORTS)
+            .map(hotplug_port)
+            .collect();
+    }
+
+    let mut nics = Vec::new();
+    for (i, iface) in domain.devices.interfaces.iter().enumerate() {
+        let field = format!("spec.domain.devices.interfaces[{i}]");
+        if spec.network(&iface.name).is_none() {
+            return Err(err(
+                format!("{field}.name"),
+                format!("no network named {:?} in spec.networks", iface.name),
+            ));
+        }
+        match iface.binding_method() {
+            Some(InterfaceBinding::Bridge | InterfaceBinding::Masquerade) => {}
+            Some(other) => {
+                return Err(err(
+                    format!("{field}.{}", other.field()),
+                    "binding is not supported by this launcher: use bridge or masquerade",
+                ));
+            }
+            None => {
+                return Err(err(
+                    field,
+                    "needs exactly one binding (bridge or masquerade)",
+                ));
+            }
+        }
+        let model = match iface.model_or_default() {
+            InterfaceModel::Virtio => NicModel::Virtio,
+            InterfaceModel::E1000 => NicModel::E1000,
+            InterfaceModel::E1000e => NicModel::E1000e,
+            InterfaceModel::Rtl8139 => NicModel::Rtl8139,
+            other => {
+                return Err(err(
+                    format!("{field}.model"),
+                    format!("model {other} is not supported: use virtio, e1000, e1000e or rtl8139"),
+                ));
+            }
+        };
+        let tap = format!("tap{i}");
+        preps.push(Prep::RequireTap {
+            name: tap.clone(),
+            field: field.clone(),
+        });
+        nics.push(Nic {
+            name: iface.name.clone(),
+            model,
+            tap,
+            mac: iface.mac_address.clone(),
+            boot_index: iface.boot_order,
+        });
+    }
+
+    let devices = &domain.devices;
+    let config = QemuConfig {
+        name: format!("{namespace}_{name}"),
+        machine: Machine {
+            kind,
+            accel: host.accel,
+            smm,
+        },
+        cpu,
+        memory,
+        smbios,
+        firmware,
+        kernel_boot,
+        controllers,
+        disks,
+        nics,
+        qmp_socket: dirs.qmp_socket(&uid),
+        serial: devices
+            .autoattach_serial_console
+            .unwrap_or(true)
+            .then(|| SerialPort {
+                socket: dirs.serial_backend_socket(&uid),
+            }),
+        agent: Some(AgentChannel {
+            socket: dirs.agent_socket(&uid),
+        }),
+        vnc: devices
+            .autoattach_graphics_device
+            .unwrap_or(true)
+            .then(|| Vnc {
+                socket: dirs.vnc_socket(&uid),
+            }),
+        rng: devices.rng.is_some(),
+        balloon: devices.autoattach_mem_balloon.unwrap_or(true),
+    };
+    Ok(Plan {
+        config,
+        preps,
+        hotpluggable,
+    })
+}
+
+/// Under TCG there is no host CPU to pass through; `max` enables every feature TCG emulates,
+/// which is the closest meaning of "as much of the host as possible".
+fn cpu(vmi: &VirtualMachineInstance, accel: Accel) -> Cpu {
+    let c = vmi.spec.domain.cpu.clone().unwrap_or_default();
+    let model = match (c.model.as_deref(), accel) {
+        (None | Some("" | "host-model" | "host-passthrough"), Accel::Kvm) => "host".to_owned(),
+        (None | Some("" | "host-model" | "host-passthrough"), Accel::Tcg) => "max".to_owned(),
+        (Some(named), _) => named.to_owned(),
+    };
+    Cpu {
+        model,
+        sockets: c.sockets.unwrap_or(1).max(1),
+        cores: c.cores.unwrap_or(1).max(1),
+        threads: c.threads.unwrap_or(1).max(1),
+    }
+}
+
+fn memory(vmi: &VirtualMachineInstance, host: &Host) -> Result<Memory, ConvertError> {
+    let domain = &vmi.spec.domain;
+    let (field, q) = if let Some(g) = domain.memory.as_ref().and_then(|m| m.guest.as_ref()) {
+        ("spec.domain.memory.guest", g)
+    } else if let Some(r) = domain.resources.requests.get("memory") {
+        ("spec.domain.resources.requests.memory", r)
+    } else if let Some(l) = domain.resources.limits.get("memory") {
+        ("spec.domain.resources.limits.memory", l)
+    } else {
+        return Err(err(
+            "spec.domain.memory.guest",
+            "no guest memory size: set memory.guest or resources.requests.memory",
+        ));
+    };
+    let bytes = quantity::bytes(&q.0).map_err(|m| err(field, m))?;
+    let size_mib = bytes.div_ceil(1 << 20);
+    if size_mib < 16 {
+        return Err(err(field, format!("{} is too little for a guest", q.0)));
+    }
+    let hugepages = match domain.memory.as_ref().and_then(|m| m.hugepages.as_ref()) {
+        None => None,
+        Some(h) => {
+            let hfield = "spec.domain.memory.hugepages.pageSize";
+            let page = quantity::bytes(h.page_size.as_deref().unwrap_or("2Mi"))
+                .map_err(|m| err(hfield, m))?;
+            if page == 0 || bytes % page != 0 {
+                return Err(err(
+                    field,
+                    format!("{} is not a multiple of the hugepage size", q.0),
+                ));
+            }
+            Some(host.hugepages_dir.clone())
+        }
+    };
+    Ok(Memory {
+        size_mib,
+        hugepages,
+    })
+}
+
+fn cache(d: &VmiDisk) -> CacheMode {
+    match d.cache {
+        Some(DiskCache::None) => CacheMode::None,
+        Some(DiskCache::WriteThrough) => CacheMode::Writethrough,
+        // Unset: write-back through the host page cache. KubeVirt picks `none` where the file
+        // system supports O_DIRECT; tmpfs (common in tests and emptyDir) does not.
+        _ => CacheMode::Writeback,
+    }
+}
+
+/// One VMI disk to a QEMU disk, whether it is cold-plugged or hotplugged. Returns whether the
+/// volume is hotpluggable and the file preparations it needs. SATA units and SCSI LUNs are
+/// placeholders (0) that the caller numbers.
+#[allow(clippy::too_many_arguments)]
+pub fn disk_for(
+    vmi: &VirtualMachineInstance,
+    d: &VmiDisk,
+    field: &str,
+    dirs: &Dirs,
+    host: &Host,
+    namespace: &str,
+    name: &str,
+) -> Result<(Disk, bool, Vec<Prep>), ConvertError> {
+    let spec = &vmi.spec;
+    if d.name.is_empty()
+        || !d
+            .name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err(err(
+            format!("{field}.name"),
+            format!(
+                "{:?} is not a valid disk name (letters, digits, '-', '_', '.')",
+                d.name
+            ),
+        ));
+    }
+    let (vol_index, volume) = spec
+        .volumes
+        .iter()
+        .enumerate()
+        .find(|(_, v)| v.name == d.name)
+        .ok_or_else(|| {
+            err(
+                format!("{field}.name"),
+                format!("no volume named {:?} in spec.volumes", d.name),
+            )
+        })?;
+    let vfield = format!("spec.volumes[{vol_index}]");
+    let default_target = api::vmi::DiskTarget::default();
+    let target = d.target().unwrap_or(DiskTargetKind::Disk(&default_target));
+    let cdrom = match target {
+        DiskTargetKind::Disk(_) => false,
+        DiskTargetKind::Cdrom(_) => true,
+        DiskTargetKind::Lun(_) => {
+            return Err(err(
+                format!("{field}.lun"),
+                "LUN passthrough is not supported by this launcher: use disk",
+            ));
+        }
+    };
+    let bus_field = format!("{field}.{}.bus", target.field());
+    let bus = target.bus().cloned().unwrap_or(if cdrom {
+        DiskBus::Sata
+    } else {
+        DiskBus::Virtio
+    });
+    let frontend = match (bus, cdrom) {
+        (DiskBus::Virtio, false) => Frontend::Virtio,
+        (DiskBus::Sata, false) => Frontend::Sata { unit: 0 },
+        (DiskBus::Scsi, false) => Frontend::Scsi { lun: 0 },
+        (DiskBus::Sata, true) => Frontend::SataCdrom { unit: 0 },
+        (DiskBus::Scsi, true) => Frontend::ScsiCdrom { lun: 0 },
+        (DiskBus::Virtio, true) => {
+            return Err(err(
+                bus_field,
+                "a cdrom cannot use the virtio bus: use sata or scsi",
+            ));
+        }
+        (other, _) => {
+            return Err(err(
+                bus_field,
+                format!("bus {other:?} is not supported: use virtio, sata or scsi"),
+            ));
+        }
+    };
+    let mut read_only = target.readonly();
+    let mut preps = Vec::new();
+    let mut hotplug = false;
+    let source = volume.source().ok_or_else(|| {
+        err(
+            vfield.clone(),
+            format!(
+                "needs exactly one source, has {}",
+                volume
+                    .sources()
+                    .iter()
+                    .map(VolumeSource::field)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )
+    })?;
+    let vol = volume.name.as_str();
+    let pvc_source = |claim_hot: bool| -> DiskSource {
+        let block = host.block_volumes.contains(vol);
+        let path = match (claim_hot, block) {
+            (true, true) => dirs.hotplug_block(vol),
+            (true, false) => dirs.hotplug_file(vol),
+            (false, true) => dirs.pvc_block(vol),
+            (false, false) => dirs.pvc_file(vol),
+        };
+        DiskSource {
+            path,
+            block_device: block,
+            format: ImageFormat::Raw,
+        }
+    };
+    let source = match source {
+        VolumeSource::ContainerDisk(_) => {
+            let overlay = dirs.container_disk_overlay(vol);
+            preps.push(Prep::Overlay {
+                path: overlay.clone(),
+                backing: dirs.container_disk(vol_index),
+                backing_format: None,
+                field: format!("{vfield}.containerDisk"),
+            });
+            DiskSource {
+                path: overlay,
+                block_device: false,
+                format: ImageFormat::Qcow2,
+            }
+        }
+        VolumeSource::EmptyDisk(e) => {
+            let size = quantity::bytes(&e.capacity.0)
+                .map_err(|m| err(format!("{vfield}.emptyDisk.capacity"), m))?;
+            let path = dirs.empty_disk(vol);
+            preps.push(Prep::EmptyDisk {
+                path: path.clone(),
+                size,
+                field: format!("{vfield}.emptyDisk"),
+            });
+            DiskSource {
+                path,
+                block_device: false,
+                format: ImageFormat::Qcow2,
+            }
+        }
+        VolumeSource::HostDisk(h) => {
+            let hfield = format!("{vfield}.hostDisk");
+            if !Path::new(&h.path).is_absolute() {
+                return Err(err(format!("{hfield}.path"), "must be an absolute path"));
+            }
+            match &h.disk_type {
+                HostDiskType::Disk => preps.push(Prep::RequireFile {
+                    path: h.path.clone().into(),
+                    field: format!("{hfield}.path"),
+                }),
+                HostDiskType::DiskOrCreate => {
+                    let cap = h.capacity.as_ref().ok_or_else(|| {
+                        err(format!("{hfield}.capacity"), "is required for DiskOrCreate")
+                    })?;
+                    let size = quantity::bytes(&cap.0)
+                        .map_err(|m| err(format!("{hfield}.capacity"), m))?;
+                    preps.push(Prep::RawIfMissing {
+                        path: h.path.clone().into(),
+                        size,
+                        field: hfield.clone(),
+                    });
+                }
+                HostDiskType::Other(t) => {
+                    return Err(err(
+                        format!("{hfield}.type"),
+                        format!("{t:?} is not a host disk type: use Disk or DiskOrCreate"),
+                    ));
+                }
+            }
+            DiskSource {
+                path: h.path.clone().into(),
+                block_device: false,
+                format: ImageFormat::Raw,
+            }
+        }
+        VolumeSource::PersistentVolumeClaim(p) => {
+            hotplug = p.hotpluggable.unwrap_or(false);
+            read_only |= p.read_only.unwrap_or(false);
+            let s = pvc_source(hotplug);
+            preps.push(Prep::RequireFile {
+                path: s.path.clone(),
+                field: format!("{vfield}.persistentVolumeClaim"),
+            });
+            s
+        }
+        VolumeSource::DataVolume(dv) => {
+            hotplug = dv.hotpluggable.unwrap_or(false);
+            let s = pvc_source(hotplug);
+            preps.push(Prep::RequireFile {
+                path: s.path.clone(),
+                field: format!("{vfield}.dataVolume"),
+            });
+            s
+        }
+        VolumeSource::Ephemeral(_) => {
+            let base = pvc_source(false);
+            let overlay = dirs.ephemeral_pvc_overlay(vol);
+            preps.push(Prep::Overlay {
+                path: overlay.clone(),
+                backing: base.path,
+                backing_format: Some(ImageFormat::Raw),
+                field: format!("{vfield}.ephemeral"),
+            });
+            DiskSource {
+                path: overlay,
+                block_device: false,
+                format: ImageFormat::Qcow2,
+            }
+        }
+        VolumeSource::CloudInitNoCloud(src) | VolumeSource::CloudInitConfigDrive(src) => {
+            let config_drive = matches!(source, VolumeSource::CloudInitConfigDrive(_));
+            let sfield = format!("{vfield}.{}", source.field());
+            let (user_data, network_data) = cloud_init_data(src, &sfield)?;
+            let path = dirs.cloud_init_seed(namespace, name, config_drive);
+            let hostname = spec.hostname.clone().unwrap_or_else(|| name.to_owned());
+            let instance_id = if config_drive {
+                vmi.metadata.uid.clone().unwrap_or_default()
+            } else {
+                format!("{name}.{namespace}")
+            };
+            preps.push(Prep::CloudInit {
+                path: path.clone(),
+                seed: Seed {
+                    config_drive,
+                    instance_id,
+                    hostname,
+                    user_data,
+                    network_data,
+                },
+                field: sfield,
+            });
+            DiskSource {
+                path,
+                block_device: false,
+                format: ImageFormat::Raw,
+            }
+        }
+        other => {
+            return Err(err(
+                format!("{vfield}.{}", other.field()),
+                "this volume source is not supported by this launcher",
+            ));
+        }
+    };
+    Ok((
+        Disk {
+            name: d.name.clone(),
+            source,
+            frontend,
+            read_only,
+            cache: cache(d),
+            boot_index: d.boot_order,
+            serial: d.serial.clone(),
+            pci_bus: None,
+        },
+        hotplug,
+        preps,
+    ))
+}
+
+fn cloud_init_data(
+    src: &CloudInitNoCloudSource,
+    field: &str,
+) -> Result<(Vec<u8>, Option<Vec<u8>>), ConvertError> {
+    use base64::Engine as _;
+    let b64 = |s: &str, f: &str| {
+        base64::engine::general_purpose::STANDARD
+            .decode(s.trim())
+            .map_err(|e| err(format!("{field}.{f}"), format!("is not valid base64: {e}")))
+    };
+    if src.user_data_secret_ref.is_some() || src.network_data_secret_ref.is_some() {
+        return Err(err(
+            format!("{field}.secretRef"),
+            "secret references are not supported by this launcher yet: inline the data",
+        ));
+    }
+    let user = match (&src.user_data, &src.user_data_base64) {
+        (Some(u), _) => u.clone().into_bytes(),
+        (None, Some(b)) => b64(b, "userDataBase64")?,
+        (None, None) => Vec::new(),
+    };
+    let network = match (&src.network_data, &src.network_data_base64) {
+        (Some(n), _) => Some(n.clone().into_bytes()),
+        (None, Some(b)) => Some(b64(b, "networkDataBase64")?),
+        (None, None) => None,
+    };
+    Ok((user, network))
+}
+
+#[cfg(test)]
+mod tests;

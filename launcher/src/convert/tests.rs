@@ -1,0 +1,388 @@
+use super::*;
+use pretty_assertions::assert_eq;
+use proptest::prelude::*;
+
+fn dirs() -> Dirs {
+    Dirs {
+        share: "/s".into(),
+        private: "/p".into(),
+        ephemeral: "/e".into(),
+        container_disks: "/c".into(),
+        hotplug_disks: "/h".into(),
+        block_devices: "/dev".into(),
+    }
+}
+
+fn host() -> Host {
+    Host {
+        accel: Accel::Tcg,
+        ovmf_dir: "/usr/share/OVMF".into(),
+        hugepages_dir: "/dev/hugepages".into(),
+        block_volumes: BTreeSet::new(),
+    }
+}
+
+fn vmi(spec: serde_json::Value) -> VirtualMachineInstance {
+    let mut v = serde_json::json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {"name": "vm1", "namespace": "ns", "uid": "0b3d1c52-5a8e-4d4e-9a61-4b1f8e0c2a11"},
+    });
+    v["spec"] = spec;
+    serde_json::from_value(v).unwrap()
+}
+
+type Mutation = Box<dyn Fn(&mut serde_json::Value)>;
+
+fn base_spec() -> serde_json::Value {
+    serde_json::json!({
+        "domain": {
+            "resources": {"requests": {"memory": "128Mi"}},
+            "devices": {
+                "disks": [
+                    {"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1},
+                    {"name": "cd", "cdrom": {}},
+                    {"name": "scratch", "disk": {"bus": "sata"}, "cache": "none"},
+                    {"name": "ci", "disk": {}},
+                ],
+            },
+        },
+        "volumes": [
+            {"name": "root", "containerDisk": {"image": "x"}},
+            {"name": "cd", "hostDisk": {"path": "/images/a,b.iso", "type": "Disk"}},
+            {"name": "scratch", "emptyDisk": {"capacity": "1Gi"}},
+            {"name": "ci", "cloudInitNoCloud": {"userData": "#!/bin/sh\necho hi\n"}},
+        ],
+    })
+}
+
+fn conv(spec: serde_json::Value) -> Result<Plan, ConvertError> {
+    convert(&vmi(spec), &dirs(), &host())
+}
+
+#[test]
+fn full_vmi_converts() {
+    let plan = conv(base_spec()).unwrap();
+    let c = &plan.config;
+    assert_eq!(c.machine.kind, MachineKind::Q35);
+    assert_eq!(c.cpu.model, "max");
+    assert_eq!(c.memory.size_mib, 128);
+    assert_eq!(c.smbios.uuid, "0b3d1c52-5a8e-4d4e-9a61-4b1f8e0c2a11");
+    let fronts: Vec<_> = c.disks.iter().map(|d| d.frontend).collect();
+    assert_eq!(
+        fronts,
+        vec![
+            Frontend::Virtio,
+            Frontend::SataCdrom { unit: 0 },
+            Frontend::Sata { unit: 1 },
+            Frontend::Virtio,
+        ]
+    );
+    assert!(c.disks[1].read_only, "cdroms default to read-only");
+    assert_eq!(c.disks[2].cache, CacheMode::None);
+    assert_eq!(
+        c.disks[0].source.path,
+        PathBuf::from("/e/disk-data/root/disk.qcow2")
+    );
+    assert!(plan.preps.contains(&Prep::Overlay {
+        path: "/e/disk-data/root/disk.qcow2".into(),
+        backing: "/c/disk_0.img".into(),
+        backing_format: None,
+        field: "spec.volumes[0].containerDisk".into(),
+    }));
+    assert!(plan.preps.contains(&Prep::EmptyDisk {
+        path: "/e/empty-disks/scratch.qcow2".into(),
+        size: 1 << 30,
+        field: "spec.volumes[2].emptyDisk".into(),
+    }));
+    let seed = plan
+        .preps
+        .iter()
+        .find_map(|p| match p {
+            Prep::CloudInit { path, seed, .. } => Some((path, seed)),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        seed.0,
+        &PathBuf::from("/e/cloud-init-data/ns/vm1/noCloud.iso")
+    );
+    assert_eq!(seed.1.user_data, b"#!/bin/sh\necho hi\n");
+
+    let argv = c.argv();
+    let joined = argv.join(" ");
+    assert!(
+        joined.contains("file.filename=/images/a,,b.iso"),
+        "{joined}"
+    );
+    assert!(joined.contains("-device ahci,id=sata0"));
+    assert!(joined.contains("-machine q35"));
+    assert!(joined.contains("-accel tcg"));
+    assert!(argv.contains(&"-S".to_owned()));
+    assert!(joined.contains("pcie-root-port,id=hotplug-port0"));
+    assert!(joined.contains("path=/p/0b3d1c52-5a8e-4d4e-9a61-4b1f8e0c2a11/qmp.sock"));
+}
+
+#[test]
+fn host_cpu_models_map_to_max_under_tcg_and_host_under_kvm() {
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"model": "host-passthrough", "sockets": 2, "cores": 2});
+    let p = conv(s.clone()).unwrap();
+    assert_eq!(p.config.cpu.model, "max");
+    assert_eq!(p.config.cpu.vcpus(), 4);
+    let mut kvm = host();
+    kvm.accel = Accel::Kvm;
+    let p = convert(&vmi(s), &dirs(), &kvm).unwrap();
+    assert_eq!(p.config.cpu.model, "host");
+}
+
+#[test]
+fn efi_secure_boot_uses_secboot_code_and_smm() {
+    let mut s = base_spec();
+    s["domain"]["firmware"] = serde_json::json!({"bootloader": {"efi": {}}, "serial": "S1"});
+    let p = conv(s.clone()).unwrap();
+    assert_eq!(
+        p.config.firmware,
+        Firmware::Efi {
+            code: "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd".into(),
+            vars: "/e/efi/0b3d1c52-5a8e-4d4e-9a61-4b1f8e0c2a11_VARS.fd".into(),
+            secure_boot: true
+        }
+    );
+    assert_eq!(p.config.machine.smm, Some(true));
+    let joined = p.config.argv().join(" ");
+    assert!(joined.contains("smm=on"), "{joined}");
+    assert!(joined.contains("pflash0=pflash0-code,pflash1=pflash1-vars"));
+    assert!(joined.contains("property=secure,value=on"));
+    assert!(joined.contains("serial=S1"));
+
+    s["domain"]["machine"] = serde_json::json!({"type": "pc"});
+    let e = conv(s.clone()).unwrap_err();
+    assert_eq!(e.field, "spec.domain.firmware.bootloader.efi.secureBoot");
+    s["domain"]["firmware"]["bootloader"]["efi"]["secureBoot"] = false.into();
+    let p = conv(s).unwrap();
+    assert_eq!(p.config.machine.kind, MachineKind::Pc);
+    assert!(p.config.controllers.hotplug_ports.is_empty());
+}
+
+#[test]
+fn kernel_boot_paths_come_from_the_container_disk_dir() {
+    let mut s = base_spec();
+    s["domain"]["firmware"] = serde_json::json!({"kernelBoot": {
+        "kernelArgs": "console=ttyS0",
+        "container": {"image": "k", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}
+    }});
+    let p = conv(s).unwrap();
+    let k = p.config.kernel_boot.unwrap();
+    assert_eq!(k.kernel, PathBuf::from("/c/kernel-boot/vmlinuz"));
+    assert_eq!(k.initrd, Some(PathBuf::from("/c/kernel-boot/initrd.img")));
+    assert_eq!(k.cmdline.as_deref(), Some("console=ttyS0"));
+}
+
+#[test]
+fn hugepages_need_whole_pages() {
+    let mut s = base_spec();
+    s["domain"]["memory"] = serde_json::json!({"guest": "129Mi", "hugepages": {"pageSize": "2Mi"}});
+    assert_eq!(
+        conv(s.clone()).unwrap_err().field,
+        "spec.domain.memory.guest"
+    );
+    s["domain"]["memory"]["guest"] = "128Mi".into();
+    let p = conv(s).unwrap();
+    assert_eq!(p.config.memory.hugepages, Some("/dev/hugepages".into()));
+    assert!(
+        p.config
+            .argv()
+            .join(" ")
+            .contains("memory-backend=guest-ram")
+    );
+}
+
+#[test]
+fn pvcs_are_files_or_block_devices_and_hotpluggable_ones_get_a_port() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["disks"] = serde_json::json!([
+        {"name": "fs", "disk": {}}, {"name": "blk", "disk": {}}, {"name": "hot", "disk": {}}
+    ]);
+    s["volumes"] = serde_json::json!([
+        {"name": "fs", "persistentVolumeClaim": {"claimName": "a"}},
+        {"name": "blk", "persistentVolumeClaim": {"claimName": "b", "readOnly": true}},
+        {"name": "hot", "persistentVolumeClaim": {"claimName": "c", "hotpluggable": true}},
+    ]);
+    let mut h = host();
+    h.block_volumes.insert("blk".into());
+    let p = convert(&vmi(s), &dirs(), &h).unwrap();
+    let d = &p.config.disks;
+    assert_eq!(d[0].source.path, PathBuf::from("/p/vmi-disks/fs/disk.img"));
+    assert!(!d[0].source.block_device);
+    assert_eq!(d[1].source.path, PathBuf::from("/dev/blk"));
+    assert!(d[1].source.block_device && d[1].read_only);
+    assert_eq!(d[2].source.path, PathBuf::from("/h/hot.img"));
+    assert_eq!(d[2].pci_bus.as_deref(), Some("hotplug-port0"));
+    assert!(p.hotpluggable.contains("hot"));
+    assert_eq!(
+        p.config.controllers.hotplug_ports.len(),
+        1 + SPARE_HOTPLUG_PORTS
+    );
+}
+
+#[test]
+fn bad_input_names_the_field() {
+    let cases: Vec<(Mutation, &str)> = vec![
+        (
+            Box::new(|s| {
+                s["volumes"].as_array_mut().unwrap().remove(0);
+            }),
+            "spec.domain.devices.disks[0].name",
+        ),
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][0]["disk"]["bus"] = "usb".into()),
+            "spec.domain.devices.disks[0].disk.bus",
+        ),
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][0]["disk"]["bus"] = "ide".into()),
+            "spec.domain.devices.disks[0].disk.bus",
+        ),
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][1]["cdrom"]["bus"] = "virtio".into()),
+            "spec.domain.devices.disks[1].cdrom.bus",
+        ),
+        (
+            Box::new(|s| s["domain"]["machine"] = serde_json::json!({"type": "virt"})),
+            "spec.domain.machine.type",
+        ),
+        (
+            Box::new(|s| s["domain"]["resources"] = serde_json::json!({})),
+            "spec.domain.memory.guest",
+        ),
+        (
+            Box::new(|s| s["domain"]["resources"]["requests"]["memory"] = "lots".into()),
+            "spec.domain.resources.requests.memory",
+        ),
+        (
+            Box::new(|s| s["volumes"][2]["emptyDisk"]["capacity"] = "1Qi".into()),
+            "spec.volumes[2].emptyDisk.capacity",
+        ),
+        (
+            Box::new(|s| s["volumes"][1]["hostDisk"]["path"] = "relative.img".into()),
+            "spec.volumes[1].hostDisk.path",
+        ),
+        (
+            Box::new(|s| {
+                s["volumes"][1]["hostDisk"] =
+                    serde_json::json!({"path": "/x.img", "type": "DiskOrCreate"});
+            }),
+            "spec.volumes[1].hostDisk.capacity",
+        ),
+        (
+            Box::new(|s| {
+                s["volumes"][3]["cloudInitNoCloud"] = serde_json::json!({"userDataBase64": "!!!"});
+            }),
+            "spec.volumes[3].cloudInitNoCloud.userDataBase64",
+        ),
+        (
+            Box::new(|s| {
+                s["volumes"][1] = serde_json::json!({"name": "cd", "configMap": {"name": "x"}});
+            }),
+            "spec.volumes[1].configMap",
+        ),
+        (
+            Box::new(|s| {
+                s["domain"]["devices"]["disks"][1] = serde_json::json!({"name": "cd", "lun": {}});
+            }),
+            "spec.domain.devices.disks[1].lun",
+        ),
+        (
+            Box::new(|s| {
+                s["domain"]["devices"]["interfaces"] =
+                    serde_json::json!([{"name": "default", "masquerade": {}}]);
+            }),
+            "spec.domain.devices.interfaces[0].name",
+        ),
+        (
+            Box::new(|s| {
+                s["domain"]["devices"]["interfaces"] =
+                    serde_json::json!([{"name": "default", "sriov": {}}]);
+                s["networks"] = serde_json::json!([{"name": "default", "pod": {}}]);
+            }),
+            "spec.domain.devices.interfaces[0].sriov",
+        ),
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][0]["name"] = "a b".into()),
+            "spec.domain.devices.disks[0].name",
+        ),
+    ];
+    for (i, (mutate, field)) in cases.into_iter().enumerate() {
+        let mut s = base_spec();
+        mutate(&mut s);
+        let e = conv(s).expect_err(&format!("case {i} should fail"));
+        assert_eq!(e.field, field, "case {i}: {e}");
+        assert!(!e.message.is_empty());
+    }
+}
+
+#[test]
+fn interfaces_use_taps_by_position() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["interfaces"] = serde_json::json!([
+        {"name": "default", "masquerade": {}, "macAddress": "02:00:00:00:00:01"},
+        {"name": "second", "bridge": {}, "model": "e1000"},
+    ]);
+    s["networks"] = serde_json::json!([
+        {"name": "default", "pod": {}},
+        {"name": "second", "multus": {"networkName": "n"}},
+    ]);
+    let p = conv(s).unwrap();
+    assert_eq!(p.config.nics[0].tap, "tap0");
+    assert_eq!(p.config.nics[1].tap, "tap1");
+    assert_eq!(p.config.nics[1].model, NicModel::E1000);
+    let joined = p.config.argv().join(" ");
+    assert!(joined.contains("-netdev tap,id=netdev-default,ifname=tap0,script=no,downscript=no"));
+    assert!(
+        joined.contains("virtio-net-pci,id=ua-default,netdev=netdev-default,mac=02:00:00:00:00:01")
+    );
+}
+
+proptest! {
+    /// Whatever strings a VMI carries, conversion returns (never panics), and every value that
+    /// reaches an option list comes back intact when the list is split.
+    #[test]
+    fn never_panics_and_escapes(
+        path in "/[ -~]{0,40}",
+        serial in "[ -~]{0,20}",
+        args in "[ -~]{0,40}",
+        name in "[a-z0-9]{1,10}",
+        mem in "[0-9]{0,6}[KMG]?i?",
+    ) {
+        let mut s = base_spec();
+        s["volumes"][1]["hostDisk"]["path"] = path.clone().into();
+        s["domain"]["devices"]["disks"][1]["serial"] = serial.clone().into();
+        s["domain"]["firmware"] = serde_json::json!({"serial": serial.clone(),
+            "kernelBoot": {"kernelArgs": args.clone(),
+            "container": {"image": "k", "kernelPath": "/k"}}});
+        s["domain"]["resources"]["requests"]["memory"] = mem.into();
+        let mut v = vmi(s);
+        v.metadata.name = Some(name);
+        if let Ok(plan) = convert(&v, &dirs(), &host()) {
+            let argv = plan.config.argv();
+            let mut found_path = false;
+            for pair in argv.windows(2) {
+                if pair[0] == "-blockdev" || pair[0] == "-device" || pair[0] == "-smbios" {
+                    let parts = crate::qemu::opts::split_keyval(&pair[1]);
+                    let want_path = format!("file.filename={path}");
+                    if parts.contains(&want_path) {
+                        found_path = true;
+                    }
+                    if pair[0] == "-smbios" && !serial.is_empty() {
+                        let want = format!("serial={serial}");
+                        prop_assert!(parts.contains(&want));
+                    }
+                }
+                if pair[0] == "-append" {
+                    prop_assert_eq!(&pair[1], &args);
+                }
+            }
+            prop_assert!(found_path, "{:?}", argv);
+        }
+    }
+}

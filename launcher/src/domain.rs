@@ -1,0 +1,92 @@
+//! The domain state the launcher reports over its API: what virt-handler turns into VMI status.
+
+use serde::{Deserialize, Serialize};
+
+/// Libvirt's state names, which KubeVirt's phase logic is written against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum DomainState {
+    /// No sync has been received yet.
+    #[default]
+    NoState,
+    /// QEMU is being prepared or started; not yet running guest code.
+    Starting,
+    Running,
+    Paused,
+    Shutoff,
+    Crashed,
+}
+
+impl DomainState {
+    /// Shutoff and Crashed are final: QEMU is gone and the launcher will not start it again.
+    pub fn is_final(self) -> bool {
+        matches!(self, DomainState::Shutoff | DomainState::Crashed)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DiskStatus {
+    pub name: String,
+    pub bus: String,
+    pub source: String,
+    pub read_only: bool,
+    pub hotplugged: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InterfaceStatus {
+    pub name: String,
+    pub tap: String,
+    pub mac: Option<String>,
+    pub model: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Domain {
+    /// Increases with every change, so a watcher can tell it has seen a state.
+    pub generation: u64,
+    pub state: DomainState,
+    /// Why the domain is in this state: `Booted`, `Paused`, `Unpaused`, `Shutdown`,
+    /// `Destroyed`, `Crashed`, `FailedStart`, ...
+    pub reason: String,
+    /// Details for a person when something went wrong.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qemu_pid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accelerator: Option<String>,
+    pub vcpu_threads: Vec<i64>,
+    pub disks: Vec<DiskStatus>,
+    pub interfaces: Vec<InterfaceStatus>,
+    pub agent_connected: bool,
+    /// The last error from applying a sync (e.g. a hotplug that was rolled back). The domain
+    /// keeps running; this says what was not applied and why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_error: Option<String>,
+}
+
+/// The body of every error response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    pub code: String,
+    pub message: String,
+}
+
+/// `GET /v1/info`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Info {
+    pub launcher_version: String,
+    pub qemu_binary: String,
+    pub qemu_version: Option<String>,
+    pub uid: Option<String>,
+}

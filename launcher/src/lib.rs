@@ -1,0 +1,15 @@
+//! virt-launcher: turns a VirtualMachineInstance into a QEMU process and supervises it over QMP,
+//! with a small HTTP+JSON command API on a unix socket. No libvirt.
+
+pub mod accel;
+pub mod console;
+pub mod convert;
+pub mod domain;
+pub mod error;
+pub mod paths;
+pub mod prepare;
+pub mod qemu;
+pub mod quantity;
+pub mod server;
+pub mod state;
+pub mod vm;

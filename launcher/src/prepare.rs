@@ -1,0 +1,397 @@
+//! The files a plan needs before QEMU starts: overlays, empty disks, seed images, the EFI
+//! variable store. The only I/O step between the pure converter and QEMU; images are made with
+//! `qemu-img`, the tool that knows the formats QEMU will open.
+
+use std::path::{Path, PathBuf};
+
+use tokio::process::Command;
+
+use crate::qemu::ImageFormat;
+
+/// What a cloud-init seed image carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Seed {
+    pub config_drive: bool,
+    pub instance_id: String,
+    pub hostname: String,
+    pub user_data: Vec<u8>,
+    pub network_data: Option<Vec<u8>>,
+}
+
+/// One preparation step. `field` names the part of the VMI that asked for it, for errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prep {
+    /// The file (or block device) must already exist.
+    RequireFile { path: PathBuf, field: String },
+    /// Copy a template unless the target exists (the EFI variable store survives reboots).
+    CopyFile {
+        from: PathBuf,
+        to: PathBuf,
+        field: String,
+    },
+    /// A fresh qcow2 overlay over `backing`. With no format given the backing file is probed,
+    /// as KubeVirt does for container disks.
+    Overlay {
+        path: PathBuf,
+        backing: PathBuf,
+        backing_format: Option<ImageFormat>,
+        field: String,
+    },
+    /// A sparse qcow2 of `size` bytes unless one exists.
+    EmptyDisk {
+        path: PathBuf,
+        size: u64,
+        field: String,
+    },
+    /// A sparse raw file of `size` bytes unless the path exists (hostDisk DiskOrCreate).
+    RawIfMissing {
+        path: PathBuf,
+        size: u64,
+        field: String,
+    },
+    CloudInit {
+        path: PathBuf,
+        seed: Seed,
+        field: String,
+    },
+    /// The tap device for an interface must exist in this network namespace.
+    RequireTap { name: String, field: String },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("{field}: {} does not exist", path.display())]
+    Missing { field: String, path: PathBuf },
+    #[error("{field}: {} is not a usable disk image: {message}", path.display())]
+    BadImage {
+        field: String,
+        path: PathBuf,
+        message: String,
+    },
+    #[error("{field}: qemu-img could not create {}: {message}", path.display())]
+    QemuImg {
+        field: String,
+        path: PathBuf,
+        message: String,
+    },
+    #[error("{field}: {}", path.display())]
+    Io {
+        field: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{field}: cannot write the seed image")]
+    Seed {
+        field: String,
+        #[source]
+        source: cloudinit::Error,
+    },
+    #[error(
+        "{field}: tap device {name} does not exist in the launcher's network namespace \
+         (the node's network setup creates it)"
+    )]
+    NoTap { field: String, name: String },
+}
+
+fn io(field: &str, path: &Path) -> impl FnOnce(std::io::Error) -> PrepareError {
+    let (field, path) = (field.to_owned(), path.to_owned());
+    move |source| PrepareError::Io {
+        field,
+        path,
+        source,
+    }
+}
+
+fn ensure_parent(path: &Path, field: &str) -> Result<(), PrepareError> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(io(field, parent))?;
+    }
+    Ok(())
+}
+
+async fn qemu_img(qemu_img: &Path, args: &[&std::ffi::OsStr]) -> Result<Vec<u8>, String> {
+    let out = Command::new(qemu_img)
+        .args(args)
+        .output()
+        .await
+        .map_err(|e| format!("cannot run {}: {e}", qemu_img.display()))?;
+    if out.status.success() {
+        Ok(out.stdout)
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
+}
+
+/// The format `qemu-img info` detects.
+async fn probe_format(qemu_img: &Path, image: &Path) -> Result<String, String> {
+    let out = qemu_img_info(qemu_img, image).await?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&out).map_err(|e| format!("unreadable qemu-img info: {e}"))?;
+    v["format"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| "qemu-img info reported no format".to_owned())
+}
+
+async fn qemu_img_info(bin: &Path, image: &Path) -> Result<Vec<u8>, String> {
+    qemu_img(
+        bin,
+        &["info".as_ref(), "--output=json".as_ref(), image.as_os_str()],
+    )
+    .await
+}
+
+pub async fn run(qemu_img_bin: &Path, preps: &[Prep]) -> Result<(), PrepareError> {
+    for p in preps {
+        run_one(qemu_img_bin, p).await?;
+    }
+    Ok(())
+}
+
+async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
+    match prep {
+        Prep::RequireFile { path, field } => {
+            if !path.exists() {
+                return Err(PrepareError::Missing {
+                    field: field.clone(),
+                    path: path.clone(),
+                });
+            }
+        }
+        Prep::CopyFile { from, to, field } => {
+            if !to.exists() {
+                ensure_parent(to, field)?;
+                std::fs::copy(from, to).map_err(io(field, from))?;
+            }
+        }
+        Prep::Overlay {
+            path,
+            backing,
+            backing_format,
+            field,
+        } => {
+            if !backing.exists() {
+                return Err(PrepareError::Missing {
+                    field: field.clone(),
+                    path: backing.clone(),
+                });
+            }
+            let format =
+                match backing_format {
+                    Some(f) => f.as_str().to_owned(),
+                    None => probe_format(bin, backing).await.map_err(|message| {
+                        PrepareError::BadImage {
+                            field: field.clone(),
+                            path: backing.clone(),
+                            message,
+                        }
+                    })?,
+                };
+            ensure_parent(path, field)?;
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io(field, path)(e));
+                }
+                _ => {}
+            }
+            qemu_img(
+                bin,
+                &[
+                    "create".as_ref(),
+                    "-q".as_ref(),
+                    "-f".as_ref(),
+                    "qcow2".as_ref(),
+                    "-F".as_ref(),
+                    format.as_ref(),
+                    "-b".as_ref(),
+                    backing.as_os_str(),
+                    path.as_os_str(),
+                ],
+            )
+            .await
+            .map_err(|message| PrepareError::BadImage {
+                field: field.clone(),
+                path: backing.clone(),
+                message,
+            })?;
+        }
+        Prep::EmptyDisk { path, size, field } => {
+            if !path.exists() {
+                ensure_parent(path, field)?;
+                let size = size.to_string();
+                qemu_img(
+                    bin,
+                    &[
+                        "create".as_ref(),
+                        "-q".as_ref(),
+                        "-f".as_ref(),
+                        "qcow2".as_ref(),
+                        path.as_os_str(),
+                        size.as_ref(),
+                    ],
+                )
+                .await
+                .map_err(|message| PrepareError::QemuImg {
+                    field: field.clone(),
+                    path: path.clone(),
+                    message,
+                })?;
+            }
+        }
+        Prep::RawIfMissing { path, size, field } => {
+            if !path.exists() {
+                ensure_parent(path, field)?;
+                let f = std::fs::File::create_new(path).map_err(io(field, path))?;
+                f.set_len(*size).map_err(io(field, path))?;
+            }
+        }
+        Prep::CloudInit { path, seed, field } => {
+            ensure_parent(path, field)?;
+            let r = if seed.config_drive {
+                cloudinit::write_config_drive(
+                    path,
+                    &cloudinit::ConfigDriveSeed {
+                        instance_id: seed.instance_id.clone(),
+                        hostname: seed.hostname.clone(),
+                        user_data: seed.user_data.clone(),
+                        network_data: seed.network_data.clone(),
+                    },
+                )
+            } else {
+                cloudinit::write_nocloud(
+                    path,
+                    &cloudinit::NoCloudSeed {
+                        instance_id: seed.instance_id.clone(),
+                        hostname: seed.hostname.clone(),
+                        user_data: seed.user_data.clone(),
+                        network_config: seed.network_data.clone(),
+                    },
+                )
+            };
+            r.map_err(|source| PrepareError::Seed {
+                field: field.clone(),
+                source,
+            })?;
+        }
+        Prep::RequireTap { name, field } => {
+            if !Path::new("/sys/class/net").join(name).exists() {
+                return Err(PrepareError::NoTap {
+                    field: field.clone(),
+                    name: name.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qemu_img_bin() -> PathBuf {
+        PathBuf::from("qemu-img")
+    }
+
+    #[tokio::test]
+    async fn overlay_over_a_qcow2_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.qcow2");
+        run(
+            &qemu_img_bin(),
+            &[Prep::EmptyDisk {
+                path: base.clone(),
+                size: 1 << 20,
+                field: "f".into(),
+            }],
+        )
+        .await
+        .unwrap();
+        let overlay = dir.path().join("o/disk.qcow2");
+        let prep = Prep::Overlay {
+            path: overlay.clone(),
+            backing: base.clone(),
+            backing_format: None,
+            field: "f".into(),
+        };
+        run(&qemu_img_bin(), std::slice::from_ref(&prep))
+            .await
+            .unwrap();
+        // Recreated, not reused: a second start gets a fresh overlay.
+        run(&qemu_img_bin(), &[prep]).await.unwrap();
+        let info = qemu_img_info(&qemu_img_bin(), &overlay).await.unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&info).unwrap();
+        assert_eq!(v["backing-filename"], base.to_str().unwrap());
+        assert_eq!(v["backing-filename-format"], "qcow2");
+    }
+
+    #[tokio::test]
+    async fn corrupt_qcow2_base_is_refused_with_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("disk_0.img");
+        let mut bytes = b"QFI\xfb".to_vec();
+        bytes.extend([0xff; 508]);
+        std::fs::write(&base, bytes).unwrap();
+        let e = run(
+            &qemu_img_bin(),
+            &[Prep::Overlay {
+                path: dir.path().join("o.qcow2"),
+                backing: base.clone(),
+                backing_format: None,
+                field: "spec.volumes[0].containerDisk".into(),
+            }],
+        )
+        .await
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, PrepareError::BadImage { .. }), "{msg}");
+        assert!(msg.starts_with("spec.volumes[0].containerDisk: "), "{msg}");
+        assert!(msg.contains("disk_0.img"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn missing_files_and_taps_are_named() {
+        let e = run(
+            &qemu_img_bin(),
+            &[Prep::RequireFile {
+                path: "/nonexistent/vmlinuz".into(),
+                field: "spec.domain.firmware.kernelBoot.container.kernelPath".into(),
+            }],
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.domain.firmware.kernelBoot.container.kernelPath: /nonexistent/vmlinuz does \
+             not exist"
+        );
+        let e = run(
+            &qemu_img_bin(),
+            &[Prep::RequireTap {
+                name: "tap-nope9".into(),
+                field: "spec.domain.devices.interfaces[0]".into(),
+            }],
+        )
+        .await
+        .unwrap_err();
+        assert!(e.to_string().contains("tap-nope9"));
+    }
+
+    #[tokio::test]
+    async fn disk_or_create_makes_a_sparse_file_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("h/disk.img");
+        let prep = Prep::RawIfMissing {
+            path: path.clone(),
+            size: 64 << 20,
+            field: "f".into(),
+        };
+        run(&qemu_img_bin(), std::slice::from_ref(&prep))
+            .await
+            .unwrap();
+        std::fs::write(&path, b"kept").unwrap();
+        run(&qemu_img_bin(), &[prep]).await.unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+    }
+}

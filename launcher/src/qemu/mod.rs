@@ -1,0 +1,775 @@
+//! A typed QEMU configuration: one struct per device, each rendering its own arguments.
+//!
+//! [`QemuConfig::argv`] is a pure function; nothing here touches the file system. Disks also
+//! render the QMP form of their properties so that hotplug uses exactly what a cold boot would.
+
+pub mod opts;
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value as Json;
+
+pub use opts::{Props, Value, escape};
+
+/// Something that contributes arguments to QEMU's command line.
+pub trait Args {
+    fn push_args(&self, argv: &mut Vec<String>);
+}
+
+fn push(argv: &mut Vec<String>, flag: &str, value: String) {
+    argv.push(flag.to_owned());
+    argv.push(value);
+}
+
+fn path_str(p: &std::path::Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MachineKind {
+    Q35,
+    Pc,
+}
+
+impl MachineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MachineKind::Q35 => "q35",
+            MachineKind::Pc => "pc",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl fmt::Display for Accel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Machine {
+    pub kind: MachineKind,
+    pub accel: Accel,
+    /// `None` leaves QEMU's default (on where the machine supports it).
+    pub smm: Option<bool>,
+}
+
+impl Machine {
+    fn props(&self, memory: &Memory, firmware: &Firmware) -> Props {
+        let mut p = Props::new().set_opt("smm", self.smm);
+        if memory.hugepages.is_some() {
+            p = p.set("memory-backend", Memory::BACKEND_ID);
+        }
+        if let Firmware::Efi { .. } = firmware {
+            p = p
+                .set("pflash0", Firmware::CODE_NODE)
+                .set("pflash1", Firmware::VARS_NODE);
+        }
+        p
+    }
+}
+
+/// vCPU model and topology.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cpu {
+    pub model: String,
+    pub sockets: u32,
+    pub cores: u32,
+    pub threads: u32,
+}
+
+impl Cpu {
+    pub fn vcpus(&self) -> u32 {
+        self.sockets * self.cores * self.threads
+    }
+}
+
+impl Args for Cpu {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        push(argv, "-cpu", escape(&self.model));
+        let smp = Props::new()
+            .set("sockets", self.sockets)
+            .set("cores", self.cores)
+            .set("threads", self.threads);
+        push(argv, "-smp", format!("{},{}", self.vcpus(), smp.keyval()));
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Memory {
+    pub size_mib: u64,
+    /// Back guest RAM with a file on this hugetlbfs mount.
+    pub hugepages: Option<PathBuf>,
+}
+
+impl Memory {
+    const BACKEND_ID: &'static str = "guest-ram";
+}
+
+impl Args for Memory {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        push(argv, "-m", format!("{}M", self.size_mib));
+        if let Some(dir) = &self.hugepages {
+            let backend = Props::new()
+                .set("id", Self::BACKEND_ID)
+                .set("size", format!("{}M", self.size_mib))
+                .set("mem-path", path_str(dir))
+                .set("prealloc", true);
+            push(argv, "-object", backend.keyval_with("memory-backend-file"));
+        }
+    }
+}
+
+/// SMBIOS type 1 (system information), which is where guests read their serial and UUID.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Smbios {
+    pub uuid: String,
+    pub serial: Option<String>,
+    pub manufacturer: String,
+    pub product: String,
+    pub family: String,
+}
+
+impl Args for Smbios {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        push(argv, "-uuid", self.uuid.clone());
+        let p = Props::new()
+            .set("manufacturer", &self.manufacturer)
+            .set("product", &self.product)
+            .set("family", &self.family)
+            .set_opt("serial", self.serial.as_ref())
+            .set("uuid", &self.uuid);
+        push(argv, "-smbios", p.keyval_with("type=1"));
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Firmware {
+    /// SeaBIOS, QEMU's default.
+    Bios,
+    /// OVMF: read-only code plus this VM's own copy of the variable store.
+    Efi {
+        code: PathBuf,
+        vars: PathBuf,
+        secure_boot: bool,
+    },
+}
+
+impl Firmware {
+    const CODE_NODE: &'static str = "pflash0-code";
+    const VARS_NODE: &'static str = "pflash1-vars";
+}
+
+impl Args for Firmware {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        if let Firmware::Efi {
+            code,
+            vars,
+            secure_boot,
+        } = self
+        {
+            let code = Props::new()
+                .set("driver", "file")
+                .set("filename", path_str(code))
+                .set("node-name", Self::CODE_NODE)
+                .set("read-only", true);
+            let vars = Props::new()
+                .set("driver", "file")
+                .set("filename", path_str(vars))
+                .set("node-name", Self::VARS_NODE);
+            push(argv, "-blockdev", code.keyval());
+            push(argv, "-blockdev", vars.keyval());
+            if *secure_boot {
+                // Only SMM code may write the variable store, or the guest could disable
+                // secure boot from its own kernel.
+                push(
+                    argv,
+                    "-global",
+                    "driver=cfi.pflash01,property=secure,value=on".to_owned(),
+                );
+            }
+        }
+    }
+}
+
+/// Direct kernel boot. `-kernel`, `-initrd` and `-append` take their argument verbatim (they
+/// are not option lists), so nothing is escaped here: escaping would change the value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelBoot {
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: Option<String>,
+}
+
+impl Args for KernelBoot {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        push(argv, "-kernel", path_str(&self.kernel));
+        if let Some(initrd) = &self.initrd {
+            push(argv, "-initrd", path_str(initrd));
+        }
+        if let Some(cmdline) = &self.cmdline {
+            push(argv, "-append", cmdline.clone());
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageFormat {
+    Qcow2,
+    Raw,
+}
+
+impl ImageFormat {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ImageFormat::Qcow2 => "qcow2",
+            ImageFormat::Raw => "raw",
+        }
+    }
+}
+
+/// KubeVirt's cache modes, mapped to QEMU's two knobs: host page cache bypass
+/// (`cache.direct`) and the guest-visible write cache (`write-cache`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheMode {
+    None,
+    Writethrough,
+    Writeback,
+}
+
+impl CacheMode {
+    fn direct(self) -> bool {
+        self == CacheMode::None
+    }
+    fn write_cache(self) -> bool {
+        self != CacheMode::Writethrough
+    }
+}
+
+/// Where a disk's bytes live on the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskSource {
+    pub path: PathBuf,
+    /// A block device (`host_device`) rather than a regular file.
+    pub block_device: bool,
+    pub format: ImageFormat,
+}
+
+/// The guest-facing side of a disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", tag = "bus")]
+pub enum Frontend {
+    Virtio,
+    Sata { unit: u32 },
+    Scsi { lun: u32 },
+    SataCdrom { unit: u32 },
+    ScsiCdrom { lun: u32 },
+}
+
+impl Frontend {
+    pub fn is_scsi(self) -> bool {
+        matches!(self, Frontend::Scsi { .. } | Frontend::ScsiCdrom { .. })
+    }
+    pub fn is_sata(self) -> bool {
+        matches!(self, Frontend::Sata { .. } | Frontend::SataCdrom { .. })
+    }
+    fn is_cdrom(self) -> bool {
+        matches!(
+            self,
+            Frontend::SataCdrom { .. } | Frontend::ScsiCdrom { .. }
+        )
+    }
+}
+
+pub const SATA_CONTROLLER: &str = "sata0";
+pub const SCSI_CONTROLLER: &str = "scsi0";
+/// AHCI has six ports.
+pub const SATA_PORTS: u32 = 6;
+
+/// One disk: a block node (format over protocol) and the device the guest sees.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Disk {
+    /// The VMI's disk name.
+    pub name: String,
+    pub source: DiskSource,
+    pub frontend: Frontend,
+    pub read_only: bool,
+    pub cache: CacheMode,
+    pub boot_index: Option<u32>,
+    pub serial: Option<String>,
+    /// PCI bus for the device (a hotplug root port on q35); `None` lets QEMU choose.
+    pub pci_bus: Option<String>,
+}
+
+impl Disk {
+    /// The device id: KubeVirt's user alias convention, `ua-<name>`.
+    pub fn device_id(&self) -> String {
+        device_id(&self.name)
+    }
+
+    /// The format node's name. QEMU limits node names to 31 characters while disk names may be
+    /// 63, so the name is hashed (FNV-1a) rather than embedded.
+    pub fn node_name(&self) -> String {
+        node_name(&self.name)
+    }
+
+    /// The block node tree, protocol node inline as `file`.
+    pub fn blockdev(&self) -> Props {
+        let direct = self.cache.direct();
+        Props::new()
+            .set("node-name", self.node_name())
+            .set("driver", self.source.format.as_str())
+            .set("read-only", self.read_only)
+            .set("discard", "unmap")
+            .set("cache.direct", direct)
+            .set("cache.no-flush", false)
+            .set(
+                "file.driver",
+                if self.source.block_device {
+                    "host_device"
+                } else {
+                    "file"
+                },
+            )
+            .set("file.filename", path_str(&self.source.path))
+            .set("file.aio", "threads")
+    }
+
+    /// The guest device, without its driver name (see [`Disk::driver`]).
+    pub fn device(&self) -> Props {
+        let mut p = Props::new()
+            .set("id", self.device_id())
+            .set("drive", self.node_name());
+        p = match self.frontend {
+            Frontend::Virtio => p.set_opt("bus", self.pci_bus.as_ref()),
+            Frontend::Sata { unit } | Frontend::SataCdrom { unit } => {
+                p.set("bus", format!("{SATA_CONTROLLER}.{unit}"))
+            }
+            Frontend::Scsi { lun } | Frontend::ScsiCdrom { lun } => p
+                .set("bus", format!("{SCSI_CONTROLLER}.0"))
+                .set("channel", 0u32)
+                .set("scsi-id", 0u32)
+                .set("lun", lun),
+        };
+        if !self.frontend.is_cdrom() {
+            p = p.set("write-cache", self.cache.write_cache());
+        }
+        p.set_opt("serial", self.serial.as_ref())
+            .set_opt("bootindex", self.boot_index)
+    }
+
+    pub fn driver(&self) -> &'static str {
+        match self.frontend {
+            Frontend::Virtio => "virtio-blk-pci",
+            Frontend::Sata { .. } => "ide-hd",
+            Frontend::SataCdrom { .. } => "ide-cd",
+            Frontend::Scsi { .. } => "scsi-hd",
+            Frontend::ScsiCdrom { .. } => "scsi-cd",
+        }
+    }
+
+    /// Arguments for `blockdev-add`.
+    pub fn blockdev_json(&self) -> Json {
+        self.blockdev().json()
+    }
+
+    /// Arguments for `device_add`.
+    pub fn device_json(&self) -> Json {
+        let mut v = self.device().json();
+        v["driver"] = Json::String(self.driver().to_owned());
+        v
+    }
+}
+
+impl Args for Disk {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        push(argv, "-blockdev", self.blockdev().keyval());
+        push(argv, "-device", self.device().keyval_with(self.driver()));
+    }
+}
+
+pub fn device_id(name: &str) -> String {
+    format!("ua-{name}")
+}
+
+pub fn node_name(name: &str) -> String {
+    let mut hash: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        hash ^= u32::from(b);
+        hash = hash.wrapping_mul(0x0100_0193);
+    }
+    format!("drive-{hash:08x}")
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NicModel {
+    Virtio,
+    E1000,
+    E1000e,
+    Rtl8139,
+}
+
+impl NicModel {
+    fn driver(self) -> &'static str {
+        match self {
+            NicModel::Virtio => "virtio-net-pci",
+            NicModel::E1000 => "e1000",
+            NicModel::E1000e => "e1000e",
+            NicModel::Rtl8139 => "rtl8139",
+        }
+    }
+}
+
+/// A NIC on a tap device that already exists in the launcher's network namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nic {
+    pub name: String,
+    pub model: NicModel,
+    pub tap: String,
+    pub mac: Option<String>,
+    pub boot_index: Option<u32>,
+}
+
+impl Args for Nic {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        let netdev_id = format!("netdev-{}", self.name);
+        let netdev = Props::new()
+            .set("id", netdev_id.as_str())
+            .set("ifname", &self.tap)
+            .set("script", "no")
+            .set("downscript", "no");
+        push(argv, "-netdev", netdev.keyval_with("tap"));
+        let dev = Props::new()
+            .set("id", device_id(&self.name))
+            .set("netdev", netdev_id)
+            .set_opt("mac", self.mac.as_ref())
+            .set_opt("bootindex", self.boot_index);
+        push(argv, "-device", dev.keyval_with(self.model.driver()));
+    }
+}
+
+/// A unix socket server chardev that QEMU listens on without waiting for a client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SocketChardev {
+    pub id: &'static str,
+    pub path: PathBuf,
+}
+
+impl Args for SocketChardev {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        let p = Props::new()
+            .set("id", self.id)
+            .set("path", path_str(&self.path))
+            .set("server", true)
+            .set("wait", false);
+        push(argv, "-chardev", p.keyval_with("socket"));
+    }
+}
+
+/// The first serial port (ttyS0). QEMU serves it on a socket that only the launcher connects
+/// to; the launcher keeps a bounded log and relays it to the public console socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SerialPort {
+    pub socket: PathBuf,
+}
+
+impl Args for SerialPort {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        SocketChardev {
+            id: "charserial0",
+            path: self.socket.clone(),
+        }
+        .push_args(argv);
+        push(
+            argv,
+            "-device",
+            "isa-serial,chardev=charserial0,id=serial0".to_owned(),
+        );
+    }
+}
+
+/// The guest agent's virtio-serial port, named as qemu-ga expects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentChannel {
+    pub socket: PathBuf,
+}
+
+impl Args for AgentChannel {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        SocketChardev {
+            id: "charchannel0",
+            path: self.socket.clone(),
+        }
+        .push_args(argv);
+        push(
+            argv,
+            "-device",
+            "virtio-serial-pci,id=virtio-serial0".to_owned(),
+        );
+        push(
+            argv,
+            "-device",
+            "virtserialport,bus=virtio-serial0.0,nr=1,chardev=charchannel0,id=channel0,\
+             name=org.qemu.guest_agent.0"
+                .to_owned(),
+        );
+    }
+}
+
+/// VNC on a unix socket plus a standard VGA adapter to show.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vnc {
+    pub socket: PathBuf,
+}
+
+impl Args for Vnc {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        push(
+            argv,
+            "-vnc",
+            format!("unix:{}", escape(&path_str(&self.socket))),
+        );
+        push(argv, "-device", "VGA,id=video0".to_owned());
+    }
+}
+
+/// Controllers that exist only when something needs them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Controllers {
+    pub sata: bool,
+    pub scsi: bool,
+    /// Empty PCIe root ports kept free for hotplugging virtio disks (q35 only: on pc the root
+    /// bus itself takes hotplugged devices).
+    pub hotplug_ports: Vec<String>,
+}
+
+impl Args for Controllers {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        if self.sata {
+            push(argv, "-device", format!("ahci,id={SATA_CONTROLLER}"));
+        }
+        if self.scsi {
+            push(
+                argv,
+                "-device",
+                format!("virtio-scsi-pci,id={SCSI_CONTROLLER}"),
+            );
+        }
+        for (i, port) in self.hotplug_ports.iter().enumerate() {
+            let p = Props::new()
+                .set("id", port)
+                .set("bus", "pcie.0")
+                .set("chassis", u32::try_from(i + 1).unwrap_or(u32::MAX));
+            push(argv, "-device", p.keyval_with("pcie-root-port"));
+        }
+    }
+}
+
+/// The whole machine. `argv()` is what the launcher executes (after the binary name).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QemuConfig {
+    /// `<namespace>_<name>`, shown in process listings and thread names.
+    pub name: String,
+    pub machine: Machine,
+    pub cpu: Cpu,
+    pub memory: Memory,
+    pub smbios: Smbios,
+    pub firmware: Firmware,
+    pub kernel_boot: Option<KernelBoot>,
+    pub controllers: Controllers,
+    pub disks: Vec<Disk>,
+    pub nics: Vec<Nic>,
+    pub qmp_socket: PathBuf,
+    pub serial: Option<SerialPort>,
+    pub agent: Option<AgentChannel>,
+    pub vnc: Option<Vnc>,
+    pub rng: bool,
+    pub balloon: bool,
+}
+
+impl QemuConfig {
+    pub fn argv(&self) -> Vec<String> {
+        let mut a = Vec::with_capacity(96);
+        let name = Props::new()
+            .set("guest", &self.name)
+            .set("debug-threads", true);
+        push(&mut a, "-name", name.keyval());
+        // Paused until the launcher has checked the machine over QMP; no defaults or user
+        // config files, so the command line is the whole truth about the device model.
+        for flag in ["-S", "-nodefaults", "-no-user-config"] {
+            a.push(flag.to_owned());
+        }
+        push(&mut a, "-display", "none".to_owned());
+        push(&mut a, "-vga", "none".to_owned());
+        push(&mut a, "-msg", "timestamp=on".to_owned());
+        push(&mut a, "-accel", self.machine.accel.to_string());
+        push(
+            &mut a,
+            "-machine",
+            self.machine
+                .props(&self.memory, &self.firmware)
+                .keyval_with(self.machine.kind.as_str()),
+        );
+        self.cpu.push_args(&mut a);
+        self.memory.push_args(&mut a);
+        self.smbios.push_args(&mut a);
+        self.firmware.push_args(&mut a);
+        if let Some(k) = &self.kernel_boot {
+            k.push_args(&mut a);
+        }
+        SocketChardev {
+            id: "charmonitor",
+            path: self.qmp_socket.clone(),
+        }
+        .push_args(&mut a);
+        push(
+            &mut a,
+            "-mon",
+            "chardev=charmonitor,id=monitor,mode=control".to_owned(),
+        );
+        self.controllers.push_args(&mut a);
+        for d in &self.disks {
+            d.push_args(&mut a);
+        }
+        for n in &self.nics {
+            n.push_args(&mut a);
+        }
+        if let Some(s) = &self.serial {
+            s.push_args(&mut a);
+        }
+        if let Some(c) = &self.agent {
+            c.push_args(&mut a);
+        }
+        if let Some(v) = &self.vnc {
+            v.push_args(&mut a);
+        }
+        if self.rng {
+            push(
+                &mut a,
+                "-object",
+                "rng-random,id=rng0,filename=/dev/urandom".to_owned(),
+            );
+            push(
+                &mut a,
+                "-device",
+                "virtio-rng-pci,rng=rng0,id=rng0-dev".to_owned(),
+            );
+        }
+        if self.balloon {
+            push(
+                &mut a,
+                "-device",
+                "virtio-balloon-pci,id=balloon0".to_owned(),
+            );
+        }
+        // A panicking guest kernel reports it (GUEST_PANICKED) instead of hanging silently.
+        push(&mut a, "-device", "pvpanic".to_owned());
+        a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn disk(name: &str, frontend: Frontend) -> Disk {
+        Disk {
+            name: name.to_owned(),
+            source: DiskSource {
+                path: "/var/run/kubevirt-private/vmi-disks/x,y/disk.img".into(),
+                block_device: false,
+                format: ImageFormat::Raw,
+            },
+            frontend,
+            read_only: true,
+            cache: CacheMode::Writethrough,
+            boot_index: Some(1),
+            serial: Some("SER,1".to_owned()),
+            pci_bus: None,
+        }
+    }
+
+    #[test]
+    fn virtio_disk_renders_blockdev_and_device() {
+        let mut argv = Vec::new();
+        disk("root", Frontend::Virtio).push_args(&mut argv);
+        let node = node_name("root");
+        assert_eq!(
+            argv,
+            vec![
+                "-blockdev".to_owned(),
+                format!(
+                    "node-name={node},driver=raw,read-only=on,discard=unmap,cache.direct=off,\
+                     cache.no-flush=off,file.driver=file,\
+                     file.filename=/var/run/kubevirt-private/vmi-disks/x,,y/disk.img,\
+                     file.aio=threads"
+                ),
+                "-device".to_owned(),
+                format!(
+                    "virtio-blk-pci,id=ua-root,drive={node},write-cache=off,serial=SER,,1,\
+                     bootindex=1"
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn device_json_is_typed() {
+        let d = disk("data", Frontend::Scsi { lun: 2 });
+        let j = d.device_json();
+        assert_eq!(j["driver"], "scsi-hd");
+        assert_eq!(j["lun"], 2);
+        assert_eq!(j["bootindex"], 1);
+        assert_eq!(j["bus"], "scsi0.0");
+        let b = d.blockdev_json();
+        assert_eq!(
+            b["file"]["filename"],
+            "/var/run/kubevirt-private/vmi-disks/x,y/disk.img"
+        );
+        assert_eq!(b["read-only"], true);
+    }
+
+    #[test]
+    fn node_names_fit_qemu_limit() {
+        let long = "a".repeat(63);
+        assert!(node_name(&long).len() <= 31);
+        assert_ne!(node_name("a"), node_name("b"));
+    }
+
+    #[test]
+    fn cdrom_has_no_write_cache() {
+        let d = disk("cd", Frontend::SataCdrom { unit: 3 });
+        let rendered = d.device().keyval_with(d.driver());
+        assert!(rendered.starts_with("ide-cd,id=ua-cd,drive="));
+        assert!(rendered.contains("bus=sata0.3"));
+        assert!(!rendered.contains("write-cache"));
+    }
+
+    #[test]
+    fn kernel_args_are_verbatim() {
+        let mut argv = Vec::new();
+        KernelBoot {
+            kernel: "/k,1".into(),
+            initrd: None,
+            cmdline: Some("console=ttyS0,115200".into()),
+        }
+        .push_args(&mut argv);
+        assert_eq!(argv, ["-kernel", "/k,1", "-append", "console=ttyS0,115200"]);
+    }
+}

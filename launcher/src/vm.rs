@@ -1,0 +1,848 @@
+//! The supervisor: starts QEMU paused, checks it over QMP, lets it run, follows its events and
+//! its exit, and applies what a later sync may change (hotplugged disks).
+
+use std::collections::{BTreeSet, VecDeque};
+use std::os::unix::fs::FileTypeExt as _;
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use api::VirtualMachineInstance;
+use api::vmi::VolumeSource;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value as Json, json};
+use tokio::io::{AsyncBufReadExt as _, BufReader};
+use tokio::process::Command;
+use tokio::sync::{Mutex, OnceCell, watch};
+
+use crate::console::Console;
+use crate::convert::{self, Host};
+use crate::domain::{DiskStatus, Domain, DomainState, InterfaceStatus};
+use crate::error::Error;
+use crate::paths::Dirs;
+use crate::prepare;
+use crate::qemu::{Accel, Disk, Frontend, MachineKind, QemuConfig};
+use crate::state::{LastWords, Requested, final_state};
+
+/// Everything the launcher is told on its command line.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub dirs: Dirs,
+    pub qemu_binary: PathBuf,
+    pub qemu_img: PathBuf,
+    pub ovmf_dir: PathBuf,
+    pub hugepages_dir: PathBuf,
+    pub allow_emulation: bool,
+    /// How long QEMU may take to come up (process start to QMP ready).
+    pub qemu_timeout: Duration,
+    /// How long the guest gets to power off after the ACPI button before `quit`.
+    pub grace_period: Duration,
+    /// When set (`--uid`), the only VMI uid this launcher accepts.
+    pub uid: Option<String>,
+}
+
+const STDERR_TAIL: usize = 20;
+const DEVICE_DELETED_TIMEOUT: Duration = Duration::from_secs(120);
+const QUIT_WAIT: Duration = Duration::from_secs(10);
+
+/// The launcher: one VMI, at most one QEMU.
+#[derive(Debug)]
+pub struct Launcher {
+    cfg: Config,
+    state: watch::Sender<Domain>,
+    ops: Mutex<Ops>,
+    accel: OnceCell<Result<(Accel, Option<String>), String>>,
+    qemu_version: StdMutex<Option<String>>,
+}
+
+#[derive(Debug, Default)]
+struct Ops {
+    uid: Option<String>,
+    vm: Option<Vm>,
+}
+
+#[derive(Debug)]
+struct Vm {
+    qmp: qmp::QmpClient,
+    agent: qmp::GuestAgent,
+    pid: Pid,
+    kind: MachineKind,
+    disks: Vec<Disk>,
+    hotpluggable: BTreeSet<String>,
+    hotplug_ports: Vec<String>,
+    requested: Arc<StdMutex<Option<Requested>>>,
+    exit: watch::Receiver<Option<ExitStatus>>,
+    _console: Option<Console>,
+}
+
+impl Vm {
+    fn exited(&self) -> bool {
+        self.exit.borrow().is_some()
+    }
+
+    async fn wait_exit(&mut self, limit: Duration) -> bool {
+        tokio::time::timeout(limit, self.exit.wait_for(Option::is_some))
+            .await
+            .is_ok()
+    }
+
+    fn request(&self, r: Requested) {
+        *self.requested.lock().expect("poisoned") = Some(r);
+    }
+}
+
+fn disk_status(d: &Disk, hotpluggable: &BTreeSet<String>) -> DiskStatus {
+    let bus = match d.frontend {
+        Frontend::Virtio => "virtio",
+        Frontend::Sata { .. } | Frontend::SataCdrom { .. } => "sata",
+        Frontend::Scsi { .. } | Frontend::ScsiCdrom { .. } => "scsi",
+    };
+    DiskStatus {
+        name: d.name.clone(),
+        bus: bus.into(),
+        source: d.source.path.display().to_string(),
+        read_only: d.read_only,
+        hotplugged: hotpluggable.contains(&d.name),
+    }
+}
+
+/// Which PVC volumes are block devices here (KubeVirt decides the same way: by what the
+/// launcher finds at the volume's path).
+fn block_volumes(vmi: &VirtualMachineInstance, dirs: &Dirs) -> BTreeSet<String> {
+    let is_block = |p: PathBuf| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_block_device());
+    vmi.spec
+        .volumes
+        .iter()
+        .filter(|v| {
+            matches!(
+                v.source(),
+                Some(
+                    VolumeSource::PersistentVolumeClaim(_)
+                        | VolumeSource::DataVolume(_)
+                        | VolumeSource::Ephemeral(_)
+                )
+            )
+        })
+        .filter(|v| is_block(dirs.pvc_block(&v.name)) || is_block(dirs.hotplug_block(&v.name)))
+        .map(|v| v.name.clone())
+        .collect()
+}
+
+impl Launcher {
+    pub fn new(cfg: Config) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            state: watch::Sender::new(Domain::default()),
+            ops: Mutex::new(Ops::default()),
+            accel: OnceCell::new(),
+            qemu_version: StdMutex::new(None),
+        })
+    }
+
+    /// Starts the accelerator probe now, so that the first sync does not wait for it.
+    pub fn warm_up(self: &Arc<Self>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let _ = me.accel().await;
+        });
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn domain(&self) -> Domain {
+        self.state.borrow().clone()
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Domain> {
+        self.state.subscribe()
+    }
+
+    pub fn qemu_version(&self) -> Option<String> {
+        self.qemu_version.lock().expect("poisoned").clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Domain)) {
+        self.state.send_modify(|d| {
+            f(d);
+            d.generation += 1;
+        });
+    }
+
+    async fn accel(&self) -> Result<Accel, Error> {
+        let r = self
+            .accel
+            .get_or_init(|| async {
+                let scratch = std::env::temp_dir();
+                crate::accel::choose(&self.cfg.qemu_binary, self.cfg.allow_emulation, &scratch)
+                    .await
+            })
+            .await;
+        match r {
+            Ok((accel, why)) => {
+                if let Some(why) = why {
+                    tracing::info!(reason = %why, "KVM unusable; emulating with TCG");
+                }
+                Ok(*accel)
+            }
+            Err(why) => Err(Error::NoAccelerator(why.clone())),
+        }
+    }
+
+    fn host(&self, vmi: &VirtualMachineInstance, accel: Accel) -> Host {
+        Host {
+            accel,
+            ovmf_dir: self.cfg.ovmf_dir.clone(),
+            hugepages_dir: self.cfg.hugepages_dir.clone(),
+            block_volumes: block_volumes(vmi, &self.cfg.dirs),
+        }
+    }
+
+    /// `PUT /v1/sync`: the first call starts the domain; later ones apply hotplug changes.
+    pub async fn sync(self: &Arc<Self>, vmi: &VirtualMachineInstance) -> Result<Domain, Error> {
+        let offered = vmi.metadata.uid.clone().unwrap_or_default();
+        let mut ops = self.ops.lock().await;
+        let running = ops.uid.clone().or_else(|| self.cfg.uid.clone());
+        if let Some(running) = running {
+            if running != offered {
+                return Err(Error::UidMismatch { running, offered });
+            }
+        }
+        let live = ops.vm.as_ref().is_some_and(|vm| !vm.exited());
+        if live {
+            let vm = ops.vm.as_mut().expect("checked");
+            let result = self.hotplug(vm, vmi).await;
+            let disks: Vec<_> = vm
+                .disks
+                .iter()
+                .map(|d| disk_status(d, &vm.hotpluggable))
+                .collect();
+            let sync_error = result.as_ref().err().map(ToString::to_string);
+            self.update(|d| {
+                d.disks = disks;
+                d.sync_error = sync_error;
+            });
+            result?;
+            return Ok(self.domain());
+        }
+        if ops.vm.is_some() {
+            // QEMU has ended: the domain is final and a launcher never restarts it.
+            return Ok(self.domain());
+        }
+        self.update(|d| {
+            d.state = DomainState::Starting;
+            d.reason = "Starting".into();
+            d.message = None;
+            d.uid = Some(offered.clone());
+            d.name.clone_from(&vmi.metadata.name);
+            d.namespace.clone_from(&vmi.metadata.namespace);
+        });
+        match self.start(vmi).await {
+            Ok(vm) => {
+                ops.vm = Some(vm);
+                ops.uid = Some(offered);
+                Ok(self.domain())
+            }
+            Err(e) => {
+                let message = e.to_string();
+                self.update(|d| {
+                    d.state = DomainState::NoState;
+                    d.reason = "FailedSync".into();
+                    d.message = Some(message);
+                    d.qemu_pid = None;
+                });
+                Err(e)
+            }
+        }
+    }
+
+    async fn start(self: &Arc<Self>, vmi: &VirtualMachineInstance) -> Result<Vm, Error> {
+        let accel = self.accel().await?;
+        let plan = convert::convert(vmi, &self.cfg.dirs, &self.host(vmi, accel))?;
+        let uid = vmi.metadata.uid.clone().unwrap_or_default();
+        let dirs = &self.cfg.dirs;
+        let vm_dir = dirs.vm_dir(&uid);
+        std::fs::create_dir_all(&vm_dir).map_err(Error::io(format!(
+            "creating the VM directory {}",
+            vm_dir.display()
+        )))?;
+        for stale in [
+            dirs.qmp_socket(&uid),
+            dirs.agent_socket(&uid),
+            dirs.serial_backend_socket(&uid),
+            dirs.vnc_socket(&uid),
+        ] {
+            let _ = std::fs::remove_file(stale);
+        }
+        prepare::run(&self.cfg.qemu_img, &plan.preps).await?;
+        let config = plan.config;
+        let argv = config.argv();
+        tracing::info!(qemu = %self.cfg.qemu_binary.display(), argv = ?argv, "starting QEMU");
+
+        let mut cmd = Command::new(&self.cfg.qemu_binary);
+        cmd.args(&argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the
+        // parent; it makes the kernel kill QEMU if the launcher dies without cleaning up.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| Error::QemuStart {
+            binary: self.cfg.qemu_binary.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let pid = Pid::from_raw(
+            child
+                .id()
+                .and_then(|p| i32::try_from(p).ok())
+                .unwrap_or_default(),
+        );
+        let tail: Arc<StdMutex<VecDeque<String>>> = Arc::default();
+        let stderr = child.stderr.take().expect("piped");
+        let stderr_task = {
+            let tail = tail.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    tracing::info!(target: "qemu", "{line}");
+                    let mut t = tail.lock().expect("poisoned");
+                    if t.len() == STDERR_TAIL {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            })
+        };
+        let (exit_tx, mut exit_rx) = watch::channel(None);
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            // Drain stderr first so the exit is reported with QEMU's last words.
+            let _ = tokio::time::timeout(Duration::from_secs(2), stderr_task).await;
+            if let Ok(s) = status {
+                let _ = exit_tx.send(Some(s));
+            }
+        });
+        let tail_text = {
+            let tail = tail.clone();
+            move || {
+                tail.lock()
+                    .expect("poisoned")
+                    .iter()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            }
+        };
+
+        let started = self
+            .connect_and_verify(&config, accel, &mut exit_rx, &tail_text)
+            .await;
+        let (qmp, vcpus) = match started {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = kill(pid, Signal::SIGKILL);
+                let _ = exit_rx.wait_for(Option::is_some).await;
+                return Err(e);
+            }
+        };
+        *self.qemu_version.lock().expect("poisoned") = Some(qmp.version().to_string());
+
+        let requested = Arc::new(StdMutex::new(None));
+        let words = Arc::new(StdMutex::new(LastWords::default()));
+        let events_task = self.follow_events(qmp.events(), words.clone());
+        let console = match &config.serial {
+            None => None,
+            Some(s) => Some(
+                Console::start(&s.socket, &dirs.serial_socket(&uid), &dirs.serial_log(&uid))
+                    .await
+                    .map_err(Error::io(format!("serial console {}", s.socket.display())))?,
+            ),
+        };
+
+        if let Err(e) = qmp.execute(qmp::qapi::qmp::cont {}).await {
+            let _ = kill(pid, Signal::SIGKILL);
+            return Err(e.into());
+        }
+        let disks: Vec<_> = config
+            .disks
+            .iter()
+            .map(|d| disk_status(d, &plan.hotpluggable))
+            .collect();
+        let interfaces = config
+            .nics
+            .iter()
+            .map(|n| InterfaceStatus {
+                name: n.name.clone(),
+                tap: n.tap.clone(),
+                mac: n.mac.clone(),
+                model: format!("{:?}", n.model).to_lowercase(),
+            })
+            .collect();
+        let pid_u32 = u32::try_from(pid.as_raw()).unwrap_or_default();
+        self.update(|d| {
+            d.state = DomainState::Running;
+            d.reason = "Booted".into();
+            d.message = None;
+            d.qemu_pid = Some(pid_u32);
+            d.accelerator = Some(accel.to_string());
+            d.vcpu_threads = vcpus;
+            d.disks = disks;
+            d.interfaces = interfaces;
+        });
+        tracing::info!(pid = pid_u32, "domain running");
+
+        let me = self.clone();
+        let (req, mut exit_watch) = (requested.clone(), exit_rx.clone());
+        tokio::spawn(async move {
+            let _ = exit_watch.wait_for(Option::is_some).await;
+            let status = exit_watch.borrow().expect("waited for it");
+            // The QMP connection closes with QEMU; its last events (SHUTDOWN) are in by then.
+            let _ = tokio::time::timeout(Duration::from_secs(2), events_task).await;
+            let mut w = words.lock().expect("poisoned").clone();
+            w.stderr_tail = tail.lock().expect("poisoned").iter().cloned().collect();
+            let requested = *req.lock().expect("poisoned");
+            let (state, reason, message) = final_state(status, &w, requested);
+            tracing::info!(?state, %reason, ?message, %status, "QEMU ended");
+            me.update(|d| {
+                d.state = state;
+                d.reason = reason;
+                d.message = message;
+                d.agent_connected = false;
+                d.vcpu_threads.clear();
+            });
+        });
+
+        Ok(Vm {
+            agent: qmp::GuestAgent::new(dirs.agent_socket(&uid), qmp::AgentOptions::default()),
+            qmp,
+            pid,
+            kind: config.machine.kind,
+            disks: config.disks,
+            hotpluggable: plan.hotpluggable,
+            hotplug_ports: config.controllers.hotplug_ports,
+            requested,
+            exit: exit_rx,
+            _console: console,
+        })
+    }
+
+    async fn connect_and_verify(
+        &self,
+        config: &QemuConfig,
+        accel: Accel,
+        exit_rx: &mut watch::Receiver<Option<ExitStatus>>,
+        tail: &impl Fn() -> String,
+    ) -> Result<(qmp::QmpClient, Vec<i64>), Error> {
+        let opts = qmp::ConnectOptions {
+            connect_timeout: self.cfg.qemu_timeout,
+            ..qmp::ConnectOptions::default()
+        };
+        let exited = async {
+            let _ = exit_rx.wait_for(Option::is_some).await;
+        };
+        let qmp = tokio::select! {
+            r = qmp::QmpClient::connect(&config.qmp_socket, &opts) => r?,
+            () = exited => {
+                let status = exit_rx.borrow().map(|s| s.to_string()).unwrap_or_default();
+                return Err(Error::QemuExited(format!("{status}: {}", tail())));
+            }
+        };
+        let status = qmp.execute(qmp::qapi::qmp::query_status {}).await?;
+        if status.running {
+            return Err(Error::QemuExited(format!(
+                "QEMU is running before it was told to ({:?}); refusing to supervise it",
+                status.status
+            )));
+        }
+        let kvm = qmp.execute_raw("query-kvm", json!({})).await?;
+        let kvm_on = kvm["enabled"].as_bool().unwrap_or(false);
+        if kvm_on != (accel == Accel::Kvm) {
+            return Err(Error::QemuExited(format!(
+                "QEMU reports KVM enabled={kvm_on}, but {accel} was chosen"
+            )));
+        }
+        let cpus = qmp.execute_raw("query-cpus-fast", json!({})).await?;
+        let vcpus = cpus
+            .as_array()
+            .map(|a| a.iter().filter_map(|c| c["thread-id"].as_i64()).collect())
+            .unwrap_or_default();
+        Ok((qmp, vcpus))
+    }
+
+    fn follow_events(
+        self: &Arc<Self>,
+        mut events: qmp::EventStream,
+        words: Arc<StdMutex<LastWords>>,
+    ) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let ev = match events.recv().await {
+                    Ok(ev) => ev,
+                    Err(qmp::RecvError::Lagged(n)) => {
+                        tracing::warn!(dropped = n, "QMP events dropped");
+                        continue;
+                    }
+                    Err(_) => break,
+                };
+                tracing::debug!(event = %ev.name, data = %ev.data, "QMP event");
+                match ev.name.as_str() {
+                    "STOP" => me.update(|d| {
+                        if d.state == DomainState::Running {
+                            d.state = DomainState::Paused;
+                            d.reason = "Unknown".into();
+                        }
+                    }),
+                    "RESUME" => me.update(|d| {
+                        if d.state == DomainState::Paused {
+                            d.state = DomainState::Running;
+                            d.reason = "Unpaused".into();
+                        }
+                    }),
+                    "SHUTDOWN" => {
+                        words.lock().expect("poisoned").shutdown_reason =
+                            ev.data_str("reason").map(str::to_owned);
+                    }
+                    "GUEST_PANICKED" => words.lock().expect("poisoned").panicked = true,
+                    "VSERPORT_CHANGE" if ev.data_str("id") == Some("channel0") => {
+                        let open = ev.data.get("open").and_then(Json::as_bool) == Some(true);
+                        me.update(|d| d.agent_connected = open);
+                    }
+                    _ => {}
+                }
+            }
+        })
+    }
+
+    fn live_vm<'a>(&self, ops: &'a mut Ops, action: &'static str) -> Result<&'a mut Vm, Error> {
+        match ops.vm.as_mut() {
+            None => Err(Error::NoDomain),
+            Some(vm) if vm.exited() => Err(Error::WrongState {
+                state: format!("{:?}", self.state.borrow().state),
+                action,
+                needs: "running or paused",
+            }),
+            Some(vm) => Ok(vm),
+        }
+    }
+
+    pub async fn pause(&self) -> Result<Domain, Error> {
+        let mut ops = self.ops.lock().await;
+        let vm = self.live_vm(&mut ops, "pause")?;
+        vm.qmp.execute(qmp::qapi::qmp::stop {}).await?;
+        self.update(|d| {
+            d.state = DomainState::Paused;
+            d.reason = "User".into();
+        });
+        Ok(self.domain())
+    }
+
+    pub async fn unpause(&self) -> Result<Domain, Error> {
+        let mut ops = self.ops.lock().await;
+        let vm = self.live_vm(&mut ops, "unpause")?;
+        vm.qmp.execute(qmp::qapi::qmp::cont {}).await?;
+        self.update(|d| {
+            d.state = DomainState::Running;
+            d.reason = "Unpaused".into();
+        });
+        Ok(self.domain())
+    }
+
+    /// ACPI power button; the guest decides what to do with it.
+    pub async fn shutdown(&self) -> Result<Domain, Error> {
+        let mut ops = self.ops.lock().await;
+        let vm = self.live_vm(&mut ops, "shutdown")?;
+        vm.request(Requested::Powerdown);
+        vm.qmp.execute(qmp::qapi::qmp::system_powerdown {}).await?;
+        Ok(self.domain())
+    }
+
+    pub async fn kill(&self) -> Result<Domain, Error> {
+        let mut ops = self.ops.lock().await;
+        let vm = self.live_vm(&mut ops, "kill")?;
+        vm.request(Requested::Kill);
+        let _ = kill(vm.pid, Signal::SIGKILL);
+        vm.wait_exit(QUIT_WAIT).await;
+        drop(ops);
+        self.settle().await;
+        Ok(self.domain())
+    }
+
+    pub async fn reset(&self) -> Result<Domain, Error> {
+        let mut ops = self.ops.lock().await;
+        let vm = self.live_vm(&mut ops, "reset")?;
+        vm.qmp.execute(qmp::qapi::qmp::system_reset {}).await?;
+        Ok(self.domain())
+    }
+
+    async fn agent(&self, action: &'static str) -> Result<qmp::GuestAgent, Error> {
+        let mut ops = self.ops.lock().await;
+        let vm = self.live_vm(&mut ops, action)?;
+        if !self.state.borrow().agent_connected {
+            return Err(Error::AgentNotConnected);
+        }
+        Ok(vm.agent.clone())
+    }
+
+    pub async fn soft_reboot(&self) -> Result<Domain, Error> {
+        let agent = self.agent("softreboot").await?;
+        agent
+            .shutdown(Some(qmp::qapi::qga::GuestShutdownMode::Reboot))
+            .await
+            .map_err(Error::Agent)?;
+        Ok(self.domain())
+    }
+
+    pub async fn freeze(&self) -> Result<Json, Error> {
+        let n = self
+            .agent("freeze")
+            .await?
+            .fsfreeze_freeze()
+            .await
+            .map_err(Error::Agent)?;
+        Ok(json!({ "frozenFilesystems": n }))
+    }
+
+    pub async fn unfreeze(&self) -> Result<Json, Error> {
+        let n = self
+            .agent("unfreeze")
+            .await?
+            .fsfreeze_thaw()
+            .await
+            .map_err(Error::Agent)?;
+        Ok(json!({ "thawedFilesystems": n }))
+    }
+
+    pub async fn guest_info(&self) -> Result<Json, Error> {
+        let a = self.agent("guest info").await?;
+        to_json(a.info().await.map_err(Error::Agent)?)
+    }
+
+    pub async fn guest_osinfo(&self) -> Result<Json, Error> {
+        let a = self.agent("guest osinfo").await?;
+        to_json(a.osinfo().await.map_err(Error::Agent)?)
+    }
+
+    pub async fn guest_users(&self) -> Result<Json, Error> {
+        let a = self.agent("guest users").await?;
+        to_json(a.users().await.map_err(Error::Agent)?)
+    }
+
+    pub async fn guest_filesystems(&self) -> Result<Json, Error> {
+        let a = self.agent("guest filesystems").await?;
+        to_json(a.fsinfo().await.map_err(Error::Agent)?)
+    }
+
+    /// Waits (briefly) until the exit handler has published the final state.
+    async fn settle(&self) {
+        let mut rx = self.state.subscribe();
+        let _ = tokio::time::timeout(
+            Duration::from_secs(5),
+            rx.wait_for(|d| d.state.is_final() || d.state == DomainState::NoState),
+        )
+        .await;
+    }
+
+    /// The launcher is being terminated: ACPI power-down, the grace period, `quit`, then
+    /// SIGKILL. Returns once QEMU is gone and the final state is published.
+    pub async fn terminate(&self) {
+        let mut ops = self.ops.lock().await;
+        let Some(vm) = ops.vm.as_mut() else {
+            return;
+        };
+        if !vm.exited() {
+            tracing::info!(grace = ?self.cfg.grace_period, "powering the guest down");
+            vm.request(Requested::Powerdown);
+            let _ = vm.qmp.execute(qmp::qapi::qmp::system_powerdown {}).await;
+            if !vm.wait_exit(self.cfg.grace_period).await {
+                tracing::info!("grace period over; quitting QEMU");
+                vm.request(Requested::Quit);
+                let _ = vm.qmp.execute(qmp::qapi::qmp::quit {}).await;
+                if !vm.wait_exit(QUIT_WAIT).await {
+                    tracing::warn!("QEMU ignored quit; killing it");
+                    vm.request(Requested::Kill);
+                    let _ = kill(vm.pid, Signal::SIGKILL);
+                    vm.wait_exit(QUIT_WAIT).await;
+                }
+            }
+        }
+        drop(ops);
+        self.settle().await;
+    }
+
+    /// Applies the disks of a later sync: unplugs what is gone, plugs what is new.
+    async fn hotplug(&self, vm: &mut Vm, vmi: &VirtualMachineInstance) -> Result<(), Error> {
+        let wanted: BTreeSet<&str> = vmi
+            .spec
+            .domain
+            .devices
+            .disks
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        let gone: Vec<Disk> = vm
+            .disks
+            .iter()
+            .filter(|d| !wanted.contains(d.name.as_str()))
+            .cloned()
+            .collect();
+        for d in gone {
+            self.unplug(vm, &d).await?;
+        }
+        let name = vmi.metadata.name.clone().unwrap_or_default();
+        let namespace = vmi
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into());
+        let accel = self.accel().await?;
+        let host = self.host(vmi, accel);
+        for (i, d) in vmi.spec.domain.devices.disks.iter().enumerate() {
+            if vm.disks.iter().any(|have| have.name == d.name) {
+                continue;
+            }
+            let field = format!("spec.domain.devices.disks[{i}]");
+            let (mut disk, _, preps) =
+                convert::disk_for(vmi, d, &field, &self.cfg.dirs, &host, &namespace, &name)?;
+            match disk.frontend {
+                Frontend::Virtio => {
+                    if vm.kind == MachineKind::Q35 {
+                        let free = vm
+                            .hotplug_ports
+                            .iter()
+                            .find(|p| !vm.disks.iter().any(|d| d.pci_bus.as_ref() == Some(p)))
+                            .cloned()
+                            .ok_or_else(|| Error::Hotplug {
+                                disk: d.name.clone(),
+                                message: format!(
+                                    "all {} hotplug ports are in use",
+                                    vm.hotplug_ports.len()
+                                ),
+                            })?;
+                        disk.pci_bus = Some(free);
+                    }
+                }
+                Frontend::Scsi { .. } => {
+                    // virtio-scsi addresses up to 16384 LUNs per target; 256 is plenty.
+                    let lun = (0..256u32)
+                        .find(|l| {
+                            !vm.disks.iter().any(|d| {
+                                matches!(d.frontend, Frontend::Scsi { lun } | Frontend::ScsiCdrom { lun } if lun == *l)
+                            })
+                        })
+                        .ok_or_else(|| Error::Hotplug {
+                            disk: d.name.clone(),
+                            message: "no free SCSI LUN".into(),
+                        })?;
+                    disk.frontend = Frontend::Scsi { lun };
+                }
+                _ => {
+                    return Err(Error::Hotplug {
+                        disk: d.name.clone(),
+                        message: "only virtio and scsi disks can be hotplugged".into(),
+                    });
+                }
+            }
+            prepare::run(&self.cfg.qemu_img, &preps).await?;
+            self.plug(vm, disk).await?;
+        }
+        Ok(())
+    }
+
+    async fn plug(&self, vm: &mut Vm, disk: Disk) -> Result<(), Error> {
+        let fail = |e: qmp::Error| Error::Hotplug {
+            disk: disk.name.clone(),
+            message: e.to_string(),
+        };
+        vm.qmp
+            .execute_raw("blockdev-add", disk.blockdev_json())
+            .await
+            .map_err(fail)?;
+        if let Err(e) = vm.qmp.execute_raw("device_add", disk.device_json()).await {
+            // Roll back: the block node must not outlive a device that never appeared.
+            if let Err(undo) = vm
+                .qmp
+                .execute_raw("blockdev-del", json!({"node-name": disk.node_name()}))
+                .await
+            {
+                tracing::warn!(error = %undo, disk = %disk.name, "rollback of blockdev-add failed");
+            }
+            return Err(fail(e));
+        }
+        tracing::info!(disk = %disk.name, "disk hotplugged");
+        vm.hotpluggable.insert(disk.name.clone());
+        vm.disks.push(disk);
+        Ok(())
+    }
+
+    async fn unplug(&self, vm: &mut Vm, disk: &Disk) -> Result<(), Error> {
+        let fail = |message: String| Error::Hotplug {
+            disk: disk.name.clone(),
+            message,
+        };
+        let removable = match disk.frontend {
+            Frontend::Virtio => vm.kind == MachineKind::Pc || disk.pci_bus.is_some(),
+            Frontend::Scsi { .. } | Frontend::ScsiCdrom { .. } => true,
+            _ => false,
+        };
+        if !removable {
+            return Err(fail(
+                "this disk was not attached where it can be unplugged (sata, or virtio on q35's \
+                 root complex)"
+                    .into(),
+            ));
+        }
+        let id = disk.device_id();
+        let mut events = vm.qmp.events();
+        vm.qmp
+            .execute_raw("device_del", json!({ "id": id }))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        events
+            .wait_for(DEVICE_DELETED_TIMEOUT, |e| {
+                e.name == "DEVICE_DELETED" && e.data_str("device") == Some(id.as_str())
+            })
+            .await
+            .map_err(|e| {
+                fail(format!(
+                    "the guest did not release the device within {DEVICE_DELETED_TIMEOUT:?} ({e})"
+                ))
+            })?;
+        vm.qmp
+            .execute_raw("blockdev-del", json!({"node-name": disk.node_name()}))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        tracing::info!(disk = %disk.name, "disk unplugged");
+        vm.disks.retain(|d| d.name != disk.name);
+        vm.hotpluggable.remove(&disk.name);
+        Ok(())
+    }
+}
+
+fn to_json(v: impl serde::Serialize) -> Result<Json, Error> {
+    serde_json::to_value(v).map_err(|e| Error::BadRequest(e.to_string()))
+}
+
+/// Removes the per-VM sockets a finished QEMU leaves behind.
+pub fn cleanup_sockets(dirs: &Dirs, uid: &str) {
+    for p in [
+        dirs.qmp_socket(uid),
+        dirs.agent_socket(uid),
+        dirs.serial_backend_socket(uid),
+        dirs.serial_socket(uid),
+        dirs.vnc_socket(uid),
+    ] {
+        let _ = std::fs::remove_file(p);
+    }
+}

@@ -156,6 +156,11 @@ impl GuestAgent {
         self.settle(&mut slot, "guest-sync-delimited", timeout, result)
     }
 
+    /// `guest-ping`: succeeds when the agent answers.
+    pub async fn ping(&self) -> Result<()> {
+        self.execute(qga::guest_ping {}).await.map(drop)
+    }
+
     /// `guest-info`: agent version and supported commands.
     pub async fn info(&self) -> Result<qga::GuestAgentInfo> {
         self.execute(qga::guest_info {}).await

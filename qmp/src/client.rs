@@ -706,3 +706,22 @@ async fn write_loop(writer: Arc<Writer>, shared: Arc<Shared>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::QemuVersion;
+
+    #[test]
+    fn versions_order_for_gating() {
+        let v72 = QemuVersion {
+            package: "Debian 1:7.2+dfsg-7".into(),
+            ..QemuVersion::new(7, 2, 22)
+        };
+        assert!(v72 < QemuVersion::new(8, 0, 0));
+        assert!(v72 > QemuVersion::new(7, 2, 0));
+        assert!(v72.at_least(7, 2));
+        assert!(v72.at_least(6, 9));
+        assert!(!v72.at_least(7, 3));
+        assert_eq!(v72.to_string(), "7.2.22");
+    }
+}

@@ -244,6 +244,28 @@ mod tests {
         assert!(arguments(json!([1])).is_err());
     }
 
+    proptest::proptest! {
+        #[test]
+        fn parse_line_never_panics(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = parse_line(&bytes);
+        }
+
+        #[test]
+        fn any_json_object_with_a_numeric_id_routes_back(id in 0u64..u64::MAX, desc in ".*") {
+            let line = serde_json::to_vec(&json!({"error": {"class": "GenericError", "desc": desc}, "id": id})).unwrap();
+            let Ok(Incoming::Reply { id: Some(got), result: Err(failure) }) = parse_line(&line) else {
+                panic!("not a reply");
+            };
+            proptest::prop_assert_eq!(got.as_u64(), Some(id));
+            proptest::prop_assert_eq!(failure.desc, desc);
+        }
+
+        #[test]
+        fn truncation_never_panics(s in ".*", max in 0usize..64) {
+            let _ = truncate_for_display(&s, max);
+        }
+    }
+
     #[test]
     fn truncates_on_char_boundaries() {
         assert_eq!(truncate_for_display("abc", 10), "abc");

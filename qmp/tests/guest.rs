@@ -40,6 +40,7 @@ async fn guest_agent_answers_typed_queries() {
     let agent = agent(&qemu);
     wait_for_agent(&agent, &qemu).await;
 
+    agent.ping().await.unwrap();
     let info = agent.info().await.unwrap();
     assert!(info.version.starts_with("7."), "{info:?}");
     assert!(

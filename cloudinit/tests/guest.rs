@@ -217,25 +217,34 @@ impl Guest {
     }
 }
 
-fn agent_ping(sock: &Path) -> Result<(), String> {
+/// One guest-agent command on a fresh connection; the reply's `return` value.
+fn agent_call(sock: &Path, command: &str) -> Result<serde_json::Value, String> {
     let stream = UnixStream::connect(sock).map_err(|e| format!("connect: {e}"))?;
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .map_err(|e| e.to_string())?;
     let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
     writer
-        .write_all(b"{\"execute\":\"guest-ping\"}\n")
+        .write_all(format!("{{\"execute\":\"{command}\"}}\n").as_bytes())
         .map_err(|e| format!("write: {e}"))?;
     let mut line = String::new();
     BufReader::new(stream)
         .read_line(&mut line)
         .map_err(|e| format!("read: {e}"))?;
-    let reply: serde_json::Value =
+    let mut reply: serde_json::Value =
         serde_json::from_str(&line).map_err(|e| format!("reply {line:?}: {e}"))?;
-    if reply == serde_json::json!({"return": {}}) {
+    reply
+        .get_mut("return")
+        .map(serde_json::Value::take)
+        .ok_or_else(|| format!("{command}: unexpected reply {line:?}"))
+}
+
+fn agent_ping(sock: &Path) -> Result<(), String> {
+    let reply = agent_call(sock, "guest-ping")?;
+    if reply == serde_json::json!({}) {
         Ok(())
     } else {
-        Err(format!("unexpected reply {line:?}"))
+        Err(format!("guest-ping returned {reply}"))
     }
 }
 
@@ -256,9 +265,33 @@ fn guest_kernel_boot_pc() {
     boot_and_check("kernel boot, pc", "pc", &Boot::Kernel);
 }
 
+/// Beyond the ping: what the agent reports comes from the guest's /etc/os-release, its
+/// hostname and the console login recorded in utmp.
 #[test]
-fn guest_kernel_boot_q35() {
-    boot_and_check("kernel boot, q35", "q35", &Boot::Kernel);
+fn guest_kernel_boot_q35_agent_reports() {
+    let mut guest = Guest::start("q35", &Boot::Kernel, &[]);
+    let ready = guest.wait_for_console(READY);
+    let agent = guest.wait_for_agent();
+    eprintln!("kernel boot, q35: console ready after {ready:?}, agent answered after {agent:?}");
+    let sock = guest.path("qga.sock");
+    let osinfo = agent_call(&sock, "guest-get-osinfo").unwrap();
+    assert_eq!(osinfo["id"], "kubevirt-rs-guest", "{osinfo}");
+    assert_eq!(osinfo["version-id"], "12", "{osinfo}");
+    let host = agent_call(&sock, "guest-get-host-name").unwrap();
+    assert_eq!(host["host-name"], "testvm");
+    // The console login follows the ready marker: poll for it.
+    let start = Instant::now();
+    loop {
+        let users = agent_call(&sock, "guest-get-users").unwrap();
+        if users
+            .as_array()
+            .is_some_and(|u| u.iter().any(|u| u["user"] == "root"))
+        {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "users: {users}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 #[test]

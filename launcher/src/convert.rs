@@ -523,7 +523,7 @@ pub fn disk_for(
         (other, _) => {
             return Err(err(
                 bus_field,
-                format!("bus {other:?} is not supported: use virtio, sata or scsi"),
+                format!("bus {:?} is not supported: use virtio, sata or scsi", other.as_str()),
             ));
         }
     };

@@ -1,0 +1,437 @@
+//! Shared helpers for the launcher's integration tests: a launcher process rooted in a temp
+//! dir, a tiny HTTP/1.1 client for its unix socket, the serial console, and the test guest.
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// Boot deadlines are generous: TCG on a loaded two-core machine.
+pub const BOOT: Duration = Duration::from_secs(240);
+
+pub fn guest_dir() -> PathBuf {
+    std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
+        PathBuf::from,
+    )
+}
+
+/// The test guest's files, or a panic that says how to build them.
+pub fn guest_file(name: &str) -> PathBuf {
+    let p = guest_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run hack/guest/build.sh (or set KUBEVIRT_RS_GUEST_DIR)",
+        p.display()
+    );
+    p
+}
+
+pub fn uid() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
+/// A launcher with every directory flag rooted in its own temp dir. Dropping it kills the
+/// launcher and, through PR_SET_PDEATHSIG and an explicit kill, its QEMU.
+#[derive(Debug)]
+pub struct Launcher {
+    pub root: tempfile::TempDir,
+    pub child: Option<Child>,
+    pub socket: PathBuf,
+}
+
+impl Launcher {
+    pub fn dir(&self, name: &str) -> PathBuf {
+        self.root.path().join(name)
+    }
+
+    pub fn start(extra: &[&str]) -> Self {
+        Self::start_with(extra, |_| {})
+    }
+
+    /// `setup` may place files (container disks, kernels) before the launcher starts.
+    pub fn start_with(extra: &[&str], setup: impl FnOnce(&Path)) -> Self {
+        let root = tempfile::Builder::new()
+            .prefix("launcher-test")
+            .tempdir()
+            .unwrap();
+        let r = root.path();
+        for d in [
+            "share",
+            "private",
+            "ephemeral",
+            "container-disks",
+            "hotplug",
+            "log",
+        ] {
+            std::fs::create_dir_all(r.join(d)).unwrap();
+        }
+        setup(r);
+        let log = std::fs::File::create(r.join("log/launcher.log")).unwrap();
+        let mut args: Vec<String> = vec![
+            "--kubevirt-share-dir".into(),
+            r.join("share").display().to_string(),
+            "--private-dir".into(),
+            r.join("private").display().to_string(),
+            "--ephemeral-disk-dir".into(),
+            r.join("ephemeral").display().to_string(),
+            "--container-disk-dir".into(),
+            r.join("container-disks").display().to_string(),
+            "--hotplug-disk-dir".into(),
+            r.join("hotplug").display().to_string(),
+            "--allow-emulation".into(),
+            "--qemu-timeout".into(),
+            "120s".into(),
+        ];
+        args.extend(extra.iter().map(|s| (*s).to_owned()));
+        let child = Command::new(env!("CARGO_BIN_EXE_virt-launcher"))
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let socket = r.join("share/sockets/launcher-sock");
+        let l = Self {
+            root,
+            child: Some(child),
+            socket,
+        };
+        wait_until(Duration::from_secs(30), "the command socket", || {
+            l.socket.exists().then_some(())
+        });
+        l
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir("log/launcher.log")).unwrap_or_default()
+    }
+
+    pub fn request(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        http(&self.socket, method, path, body)
+    }
+
+    pub fn get(&self, path: &str) -> Value {
+        let (status, v) = self.request("GET", path, None);
+        assert_eq!(status, 200, "GET {path}: {v}");
+        v
+    }
+
+    pub fn post(&self, path: &str) -> Value {
+        let (status, v) = self.request("POST", path, None);
+        assert_eq!(status, 200, "POST {path}: {v}\n{}", self.log());
+        v
+    }
+
+    pub fn sync(&self, vmi: &Value) -> (u16, Value) {
+        self.request("PUT", "/v1/sync", Some(vmi))
+    }
+
+    pub fn domain(&self) -> Value {
+        self.get("/v1/domain")
+    }
+
+    pub fn wait_state(&self, state: &str, limit: Duration) -> Value {
+        wait_until(limit, &format!("domain state {state}"), || {
+            let d = self.domain();
+            (d["state"] == state).then_some(d)
+        })
+    }
+
+    pub fn wait_agent(&self) {
+        wait_until(BOOT, "the guest agent", || {
+            (self.domain()["agentConnected"] == true).then_some(())
+        });
+    }
+
+    pub fn vm_dir(&self, uid: &str) -> PathBuf {
+        self.dir("private").join(uid)
+    }
+
+    pub fn serial_log(&self, uid: &str) -> String {
+        String::from_utf8_lossy(
+            &std::fs::read(self.vm_dir(uid).join("virt-serial0-log")).unwrap_or_default(),
+        )
+        .into_owned()
+    }
+
+    pub fn wait_console(&self, uid: &str, marker: &str) {
+        wait_until(BOOT, &format!("{marker:?} on the console"), || {
+            self.serial_log(uid).contains(marker).then_some(())
+        });
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    /// Waits for the launcher process to exit on its own.
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let child = self.child.as_mut().unwrap();
+        let status = wait_until(limit, "the launcher to exit", || child.try_wait().unwrap());
+        self.child = None;
+        status
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if let Ok((200, d)) =
+                std::panic::catch_unwind(|| http(&self.socket, "GET", "/v1/domain", None))
+            {
+                if let Some(pid) = d["qemuPid"].as_i64() {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// One HTTP/1.1 request over the unix socket (`Connection: close`, body read to the end).
+pub fn http(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let mut s =
+        UnixStream::connect(socket).unwrap_or_else(|e| panic!("connect {}: {e}", socket.display()));
+    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    let body = body
+        .map(|b| serde_json::to_vec(b).unwrap())
+        .unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: launcher\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(&body).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let (head, rest) = split_head(&raw);
+    let status: u16 = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("bad response {head:?}"));
+    let payload = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(rest)
+    } else {
+        rest.to_vec()
+    };
+    let v = if payload.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&payload)
+            .unwrap_or_else(|_| json!({ "raw": String::from_utf8_lossy(&payload).into_owned() }))
+    };
+    (status, v)
+}
+
+fn split_head(raw: &[u8]) -> (String, &[u8]) {
+    let i = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("HTTP head");
+    (
+        String::from_utf8_lossy(&raw[..i]).into_owned(),
+        &raw[i + 4..],
+    )
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(i) = b.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let n = usize::from_str_radix(std::str::from_utf8(&b[..i]).unwrap().trim(), 16).unwrap();
+        if n == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[i + 2..i + 2 + n]);
+        b = &b[i + 2 + n + 2..];
+    }
+}
+
+/// Reads the NDJSON watch stream until `done` accepts a line or the limit passes.
+pub fn watch_until(
+    socket: &Path,
+    limit: Duration,
+    mut done: impl FnMut(&Value) -> bool,
+) -> Vec<Value> {
+    let mut s = UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    write!(
+        s,
+        "GET /v1/domain/watch HTTP/1.1\r\nHost: launcher\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let deadline = Instant::now() + limit;
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(e) => panic!("watch: {e}"),
+        }
+        let lines = parse_watch(&raw);
+        if lines.last().is_some_and(&mut done) {
+            return lines;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "watch: condition not met; got {lines:?}"
+        );
+    }
+    parse_watch(&raw)
+}
+
+fn parse_watch(raw: &[u8]) -> Vec<Value> {
+    if !raw.windows(4).any(|w| w == b"\r\n\r\n") {
+        return Vec::new();
+    }
+    let (_, rest) = split_head(raw);
+    let body = dechunk_partial(rest);
+    body.split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| serde_json::from_slice(l).ok())
+        .collect()
+}
+
+/// Like `dechunk`, tolerating a stream cut in the middle of a chunk.
+fn dechunk_partial(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(i) = b.windows(2).position(|w| w == b"\r\n") {
+        let Ok(n) = usize::from_str_radix(String::from_utf8_lossy(&b[..i]).trim(), 16) else {
+            break;
+        };
+        if n == 0 || b.len() < i + 2 + n {
+            break;
+        }
+        out.extend_from_slice(&b[i + 2..i + 2 + n]);
+        b = &b[(i + 4 + n).min(b.len())..];
+    }
+    out
+}
+
+/// The serial console: run a shell command and return what it printed between two markers.
+#[derive(Debug)]
+pub struct Console {
+    s: UnixStream,
+    seq: u32,
+}
+
+impl Console {
+    pub fn connect(path: &Path) -> Self {
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        Self { s, seq: 0 }
+    }
+
+    pub fn run(&mut self, cmd: &str, limit: Duration) -> String {
+        self.seq += 1;
+        let begin = format!("BEGIN-{}-MARK", self.seq);
+        let end = format!("END-{}-MARK", self.seq);
+        // The markers are built by the shell (`echo BEGIN-1-''MARK`) so the echoed command line
+        // itself never matches them.
+        let line = format!(
+            "echo BEGIN-{n}-''MARK; {cmd}; echo END-{n}-''MARK\n",
+            n = self.seq
+        );
+        let deadline = Instant::now() + limit;
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut last_send = None::<Instant>;
+        loop {
+            // Resend until the shell answers: the first bytes may reach a console that is still
+            // starting its getty.
+            if last_send.is_none_or(|t| t.elapsed() > Duration::from_secs(20))
+                && !String::from_utf8_lossy(&out).contains(&begin)
+            {
+                self.s.write_all(line.as_bytes()).unwrap();
+                last_send = Some(Instant::now());
+            }
+            match self.s.read(&mut buf) {
+                Ok(0) => panic!("console closed"),
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                Err(_) => {}
+            }
+            let text = String::from_utf8_lossy(&out).into_owned();
+            if let (Some(b), Some(e)) = (text.find(&begin), text.rfind(&end)) {
+                if b < e {
+                    return text[b + begin.len()..e].replace('\r', "").trim().to_owned();
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "console: no answer to {cmd:?}; got {text:?}"
+            );
+        }
+    }
+}
+
+/// A VMI with the given spec, as JSON.
+pub fn vmi(name: &str, uid: &str, spec: Value) -> Value {
+    let mut v = json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {"name": name, "namespace": "default", "uid": uid},
+    });
+    v["spec"] = spec;
+    v
+}
+
+/// Copies the guest's kernel and initrd where a kernelBoot container's files appear.
+pub fn place_kernel(root: &Path) {
+    let kb = root.join("container-disks/kernel-boot");
+    std::fs::create_dir_all(&kb).unwrap();
+    std::fs::copy(guest_file("vmlinuz"), kb.join("vmlinuz")).unwrap();
+    std::fs::copy(guest_file("initrd.img"), kb.join("initrd.img")).unwrap();
+}
+
+/// Places the guest's bootable disk as container disk number `index`.
+pub fn place_container_disk(root: &Path, index: usize) {
+    std::fs::copy(
+        guest_file("containerdisk/disk/disk.qcow2"),
+        root.join(format!("container-disks/disk_{index}.img")),
+    )
+    .unwrap();
+}
+
+pub fn process_alive(pid: i64) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}

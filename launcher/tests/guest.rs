@@ -1,0 +1,256 @@
+//! Real guests under the launcher (TCG here). Each test boots one guest and checks as much as
+//! that boot allows, to keep the number of boots small.
+
+#![allow(clippy::many_single_char_names)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{BOOT, Console, Launcher, uid, vmi, wait_until};
+use serde_json::{Value, json};
+
+fn serials(console: &mut Console) -> String {
+    console.run("cat /sys/block/*/serial 2>/dev/null | tr '\\n' ' '", BOOT)
+}
+
+/// q35, kernel boot, every local volume kind, NoCloud user-data, the agent, the console,
+/// pause / unpause, a refused foreign sync, disk hotplug and unplug, ACPI shutdown.
+#[test]
+fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
+    let mut l = Launcher::start_with(&["--grace-period-seconds", "120"], |root| {
+        common::place_kernel(root);
+        common::place_container_disk(root, 2);
+    });
+    let id = uid();
+    let host_img = l.dir("hostdisks/host.img");
+    let hot_img = l.dir("hostdisks/hot.img");
+    let mut spec = json!({
+        "domain": {
+            "machine": {"type": "q35"},
+            "resources": {"requests": {"memory": "256Mi"}},
+            "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
+                "image": "guest", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}},
+            "devices": {"disks": [
+                {"name": "scratch", "disk": {"bus": "virtio"}, "serial": "EMPTY1"},
+                {"name": "host", "disk": {"bus": "virtio"}, "serial": "HOST1"},
+                {"name": "cdisk", "disk": {"bus": "virtio"}, "serial": "CDISK1"},
+                {"name": "ci", "disk": {"bus": "virtio"}},
+            ]},
+        },
+        "volumes": [
+            {"name": "scratch", "emptyDisk": {"capacity": "64Mi"}},
+            {"name": "host", "hostDisk": {"path": host_img, "type": "DiskOrCreate", "capacity": "32Mi"}},
+            {"name": "cdisk", "containerDisk": {"image": "guest"}},
+            {"name": "ci", "cloudInitNoCloud": {"userData": "#!/bin/sh\necho NOCLOUD-''USERDATA-RAN > /dev/ttyS0\n"}},
+        ],
+    });
+    let v = vmi("q35", &id, spec.clone());
+    let (status, d) = l.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    assert_eq!(d["state"], "Running");
+    assert_eq!(d["accelerator"], "tcg");
+    let pid = d["qemuPid"].as_i64().unwrap();
+    assert!(!d["vcpuThreads"].as_array().unwrap().is_empty());
+
+    // Idempotent: the same VMI again changes nothing.
+    let (status, again) = l.sync(&v);
+    assert_eq!(status, 200);
+    assert_eq!(again["qemuPid"], pid);
+    // A different VMI is refused, and the running guest is not touched.
+    let (status, e) = l.sync(&vmi("other", &uid(), spec.clone()));
+    assert_eq!(status, 409, "{e}");
+    assert_eq!(e["code"], "UIDMismatch");
+    assert_eq!(l.domain()["state"], "Running");
+
+    // The overlay sits in the ephemeral dir over the container disk.
+    assert!(l.dir("ephemeral/disk-data/cdisk/disk.qcow2").exists());
+    assert!(host_img.exists(), "DiskOrCreate made the host disk");
+
+    l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
+    let log = l.serial_log(&id);
+    assert!(
+        log.contains("Linux version"),
+        "the boot banner is in the log"
+    );
+    assert!(log.contains("NOCLOUD-USERDATA-RAN"), "user-data ran: {log}");
+
+    l.wait_agent();
+    let os = l.get("/v1/guest/osinfo");
+    assert!(
+        os["kernel-release"].as_str().unwrap().contains("amd64"),
+        "{os}"
+    );
+    let info = l.get("/v1/guest/info");
+    assert!(info["version"].is_string(), "{info}");
+
+    let mut console = Console::connect(&l.vm_dir(&id).join("virt-serial0"));
+    let s = serials(&mut console);
+    for want in ["EMPTY1", "HOST1", "CDISK1"] {
+        assert!(s.contains(want), "{want} not in guest serials {s:?}");
+    }
+    assert_eq!(console.run("echo $((6*7))", BOOT), "42");
+
+    let p = l.post("/v1/pause");
+    assert_eq!(p["state"], "Paused");
+    assert_eq!(p["reason"], "User");
+    let p = l.post("/v1/unpause");
+    assert_eq!(p["state"], "Running");
+    assert_eq!(console.run("echo alive", BOOT), "alive");
+
+    // Hotplug a disk, see it in the guest, unplug it, see it go.
+    spec["domain"]["devices"]["disks"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "hot", "disk": {"bus": "virtio"}, "serial": "HOT1"}));
+    spec["volumes"].as_array_mut().unwrap().push(
+        json!({"name": "hot", "hostDisk": {"path": hot_img, "type": "DiskOrCreate", "capacity": "16Mi"}}),
+    );
+    let (status, d) = l.sync(&vmi("q35", &id, spec.clone()));
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    assert!(
+        d["disks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["name"] == "hot" && x["hotplugged"] == true)
+    );
+    wait_until(BOOT, "HOT1 in the guest", || {
+        serials(&mut console).contains("HOT1").then_some(())
+    });
+    spec["domain"]["devices"]["disks"]
+        .as_array_mut()
+        .unwrap()
+        .pop();
+    spec["volumes"].as_array_mut().unwrap().pop();
+    let (status, d) = l.sync(&vmi("q35", &id, spec));
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    assert!(
+        !d["disks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["name"] == "hot")
+    );
+    wait_until(BOOT, "HOT1 gone from the guest", || {
+        (!serials(&mut console).contains("HOT1")).then_some(())
+    });
+
+    // ACPI power button: the guest powers off, the domain is Shutoff, the launcher exits.
+    l.post("/v1/shutdown");
+    let d = l.wait_state("Shutoff", BOOT);
+    assert_eq!(d["reason"], "Shutdown", "{d}");
+    let status = l.wait_exit(Duration::from_secs(30));
+    assert!(status.success());
+    assert!(!common::process_alive(pid));
+}
+
+/// pc (i440fx), BIOS boot from a containerDisk, ConfigDrive user-data, the agent, the
+/// console; then QEMU is killed behind the launcher's back and the domain is Crashed.
+#[test]
+fn guest_pc_bios_disk_boot_configdrive_crash() {
+    let l = Launcher::start_with(&["--keep-after-shutdown"], |root| {
+        common::place_container_disk(root, 0);
+    });
+    let id = uid();
+    let v = vmi(
+        "pc",
+        &id,
+        json!({
+            "domain": {
+                "machine": {"type": "pc"},
+                "resources": {"requests": {"memory": "256Mi"}},
+                "devices": {"disks": [
+                    {"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1},
+                    {"name": "ci", "disk": {"bus": "sata"}},
+                ]},
+            },
+            "volumes": [
+                {"name": "root", "containerDisk": {"image": "guest"}},
+                {"name": "ci", "cloudInitConfigDrive": {"userData": "#!/bin/sh\necho CONFIGDRIVE-''USERDATA-RAN > /dev/ttyS0\n"}},
+            ],
+        }),
+    );
+    let (status, d) = l.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    let pid = d["qemuPid"].as_i64().unwrap();
+    l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
+    assert!(l.serial_log(&id).contains("CONFIGDRIVE-USERDATA-RAN"));
+    l.wait_agent();
+    let users = l.get("/v1/guest/users");
+    assert!(users.is_array(), "{users}");
+    let fs = l.get("/v1/guest/filesystems");
+    assert!(fs.is_array(), "{fs}");
+    let mut console = Console::connect(&l.vm_dir(&id).join("virt-serial0"));
+    assert!(
+        console
+            .run("cat /proc/cmdline", BOOT)
+            .contains("console=ttyS0")
+    );
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let d = l.wait_state("Crashed", Duration::from_secs(30));
+    assert!(d["message"].as_str().unwrap().contains("SIGKILL"), "{d}");
+    // A crashed domain stays crashed: lifecycle calls say why they cannot act.
+    let (status, e) = l.request("POST", "/v1/pause", None);
+    assert_eq!(status, 409, "{e}");
+    assert_eq!(e["code"], "WrongState");
+}
+
+/// q35 with EFI (OVMF, secure boot off) booting the containerDisk; SIGTERM to the launcher
+/// powers the guest down gracefully and leaves no process behind.
+#[test]
+fn guest_q35_efi_disk_boot_sigterm() {
+    let mut l = Launcher::start_with(&["--grace-period-seconds", "120"], |root| {
+        common::place_container_disk(root, 0);
+    });
+    let id = uid();
+    let v = vmi(
+        "efi",
+        &id,
+        json!({
+            "domain": {
+                "resources": {"requests": {"memory": "256Mi"}},
+                "firmware": {"bootloader": {"efi": {"secureBoot": false}}},
+                "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1}]},
+            },
+            "volumes": [{"name": "root", "containerDisk": {"image": "guest"}}],
+        }),
+    );
+    let (status, d) = l.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    let pid = d["qemuPid"].as_i64().unwrap();
+    assert!(l.dir(&format!("ephemeral/efi/{id}_VARS.fd")).exists());
+    l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
+    l.wait_agent();
+    assert!(l.get("/v1/guest/osinfo")["id"].is_string());
+
+    let socket = l.socket.clone();
+    let watcher = std::thread::spawn(move || {
+        common::watch_until(&socket, BOOT, |d: &Value| d["state"] == "Shutoff")
+    });
+    // The watch stream starts with the current state.
+    std::thread::sleep(Duration::from_millis(500));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(l.pid()).unwrap()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = l.wait_exit(BOOT);
+    assert!(status.success(), "{}", l.log());
+    let lines = watcher.join().unwrap();
+    assert_eq!(lines[0]["state"], "Running", "{lines:?}");
+    let last = lines.last().unwrap();
+    assert_eq!(
+        last["reason"],
+        "Shutdown",
+        "graceful path: {last}\n{}",
+        l.log()
+    );
+    assert!(!common::process_alive(pid), "QEMU left behind");
+    assert!(!l.socket.exists(), "the command socket is removed on exit");
+}

@@ -884,6 +884,13 @@ fn server_side_apply(
     rules::check_type(def, &mut applied)?;
     strict_check(def, is_strict(query), &applied)?;
     let name = target.name.clone().unwrap_or_default();
+    // Like kube-apiserver, an applied configuration may leave the name to the URL.
+    if applied["metadata"]["name"]
+        .as_str()
+        .is_none_or(str::is_empty)
+    {
+        applied["metadata"]["name"] = json!(name);
+    }
     if applied["metadata"]["name"].as_str() != Some(name.as_str()) {
         return Err(ApiError::bad_request(
             "the name of the object does not match the name on the URL",

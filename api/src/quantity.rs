@@ -109,7 +109,7 @@ impl ParsedQuantity {
             let divisor = 10i128
                 .checked_pow(u32::try_from(-scale).map_err(|_| overflow())?)
                 .ok_or_else(overflow)?;
-            nanos = (nanos + divisor - 1) / divisor;
+            nanos = nanos.checked_add(divisor - 1).ok_or_else(overflow)? / divisor;
         }
         Ok(Self {
             nanos: if negative { -nanos } else { nanos },

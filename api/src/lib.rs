@@ -35,6 +35,7 @@ pub mod config;
 pub mod crds;
 pub mod defaults;
 pub mod kubevirt;
+pub mod labels;
 pub mod migration;
 pub mod quantity;
 pub mod replicaset;

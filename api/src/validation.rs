@@ -373,6 +373,16 @@ fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             );
         }
     }
+    if let Some(p) = spec.dns_policy.as_deref() {
+        if !["ClusterFirstWithHostNet", "ClusterFirst", "Default", "None"].contains(&p) {
+            e.add(
+                format!("{base}.dnsPolicy"),
+                format!(
+                    "{p:?} is not supported (ClusterFirstWithHostNet, ClusterFirst, Default, None)"
+                ),
+            );
+        }
+    }
     if spec.dns_policy.as_deref() == Some("None") && spec.dns_config.is_none() {
         e.add(
             format!("{base}.dnsConfig"),
@@ -464,7 +474,23 @@ fn resources(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
     let hugepages = memory.and_then(|m| m.hugepages.as_ref());
     if let Some(h) = hugepages {
         match h.page_size.as_deref() {
-            Some("2Mi" | "1Gi") => {}
+            Some(size @ ("2Mi" | "1Gi")) => {
+                let page = if size == "2Mi" { 2 << 20 } else { 1 << 30 };
+                let memory = guest.or(mem_req).map(ParsedQuantity::value);
+                if let Some(m) = memory {
+                    if m < page {
+                        e.add(
+                            format!("{mpath}.hugepages.pageSize"),
+                            format!("{size} is larger than the guest memory"),
+                        );
+                    } else if m % page != 0 {
+                        e.add(
+                            format!("{mpath}.hugepages.pageSize"),
+                            format!("guest memory is not a multiple of the page size {size}"),
+                        );
+                    }
+                }
+            }
             other => e.add(
                 format!("{mpath}.hugepages.pageSize"),
                 format!(

@@ -419,6 +419,34 @@ fn mistakes() -> Vec<Mistake> {
             "must not be negative",
         ),
         m(
+            "unknown DNS policy",
+            vec![("/spec/dnsPolicy", json!("Sometimes"))],
+            "spec.dnsPolicy",
+            "is not supported",
+        ),
+        m(
+            "dnsPolicy None without dnsConfig",
+            vec![("/spec/dnsPolicy", json!("None"))],
+            "spec.dnsConfig",
+            "required when dnsPolicy is None",
+        ),
+        m(
+            "unsupported hugepage size",
+            vec![("/spec/domain/memory/hugepages", json!({"pageSize": "4Ki"}))],
+            "spec.domain.memory.hugepages.pageSize",
+            "is not a supported page size",
+        ),
+        m(
+            "guest memory not a multiple of the hugepage size",
+            vec![
+                ("/spec/domain/memory/hugepages", json!({"pageSize": "1Gi"})),
+                ("/spec/domain/memory/guest", json!("1536Mi")),
+                ("/spec/domain/resources/limits/memory", json!("2Gi")),
+            ],
+            "spec.domain.memory.hugepages.pageSize",
+            "not a multiple of the page size 1Gi",
+        ),
+        m(
             "unsupported architecture",
             vec![("/spec/architecture", json!("s390x"))],
             "spec.architecture",

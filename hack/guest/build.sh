@@ -11,7 +11,13 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 out=${KUBEVIRT_RS_GUEST_DIR:-$repo/.cache/guest}
+out=${out%/}
 debs=${KUBEVIRT_RS_GUEST_DEBS:-$repo/.cache/guest-debs}
+
+# Several test runs may start at once: one builds, the others wait and find it up to date.
+mkdir -p "$(dirname "$out")"
+exec 9>"$out.lock"
+flock 9
 
 # The generic kernel rather than linux-image-cloud-amd64: the cloud flavour has no AHCI driver
 # (CONFIG_SATA_AHCI is not set), so sata disks and CD-ROMs - KubeVirt's default cdrom bus and

@@ -442,6 +442,33 @@ pub struct Conflict {
     pub path: String,
 }
 
+/// The manager name `kubectl apply` (client-side) records its updates under.
+pub const CLIENT_SIDE_APPLY_MANAGER: &str = "kubectl-client-side-apply";
+
+/// Whether conflicts may be overridden as kube-apiserver does when a client-side-applied object is
+/// first server-side applied: every conflict is with kubectl's client-side apply manager, on a
+/// field its `last-applied-configuration` annotation holds.
+pub fn client_side_apply_upgrade(
+    live: &Value,
+    conflicts: &[Conflict],
+    kinds: &dyn ListKinds,
+) -> bool {
+    let Some(last) =
+        live["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"]
+            .as_str()
+            .and_then(|s| serde_json::from_str::<Value>(s).ok())
+    else {
+        return false;
+    };
+    let last_fields: BTreeSet<String> = field_set(&last, kinds, true)
+        .iter()
+        .map(|p| display(p))
+        .collect();
+    conflicts
+        .iter()
+        .all(|c| c.manager == CLIENT_SIDE_APPLY_MANAGER && last_fields.contains(&c.path))
+}
+
 /// Server-side apply of `applied` onto `live` (None when creating). Returns the new object with
 /// its `managedFields`, or the conflicts when not forced.
 pub fn apply(
@@ -568,6 +595,7 @@ mod tests {
                 path: ".spec.replicas".into()
             }]
         );
+        assert!(!client_side_apply_upgrade(&obj, &err, &kinds()));
         let obj = apply(Some(&obj), &b2, &writer("bob"), true, &kinds()).unwrap();
         assert_eq!(obj["spec"]["replicas"], 3);
 
@@ -578,6 +606,28 @@ mod tests {
         assert_eq!(obj["spec"]["replicas"], 3);
         let managers: Vec<String> = read_entries(&obj).into_iter().map(|e| e.manager).collect();
         assert_eq!(managers, vec!["bob".to_string(), "alice".to_string()]);
+    }
+
+    #[test]
+    fn client_side_applied_fields_upgrade_to_server_side_apply() {
+        let mut live = json!({"metadata": {"name": "c", "annotations": {
+            "kubectl.kubernetes.io/last-applied-configuration": "{\"data\":{\"a\":\"1\"}}"}},
+            "data": {"a": "1", "b": "1"}});
+        record_update(
+            None,
+            &mut live,
+            &writer(CLIENT_SIDE_APPLY_MANAGER),
+            &kinds(),
+        );
+        let applied = json!({"metadata": {"name": "c"}, "data": {"a": "2", "b": "2"}});
+        let conflicts =
+            apply(Some(&live), &applied, &writer("kubectl"), false, &kinds()).unwrap_err();
+        assert_eq!(conflicts.len(), 2);
+        assert!(
+            !client_side_apply_upgrade(&live, &conflicts, &kinds()),
+            "b was never client-side applied"
+        );
+        assert!(client_side_apply_upgrade(&live, &conflicts[..1], &kinds()));
     }
 
     #[test]

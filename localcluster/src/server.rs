@@ -959,8 +959,14 @@ fn server_side_apply(
             }
             Some(cur) => {
                 let cur = with_version(def, cur.clone());
-                let merged =
-                    fields::apply(Some(&cur), &applied, &w, force, &kinds).map_err(conflict)?;
+                let merged = match fields::apply(Some(&cur), &applied, &w, force, &kinds) {
+                    Err(conflicts)
+                        if fields::client_side_apply_upgrade(&cur, &conflicts, &kinds) =>
+                    {
+                        fields::apply(Some(&cur), &applied, &w, true, &kinds).map_err(conflict)?
+                    }
+                    other => other.map_err(conflict)?,
+                };
                 let managed = merged["metadata"]["managedFields"].clone();
                 let mut new = rules::prepare_update(def, &cur, merged, sub)?;
                 new["metadata"]["managedFields"] = managed;

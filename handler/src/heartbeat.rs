@@ -1,0 +1,87 @@
+//! The node heartbeat: the labels and annotation virt-handler keeps on its node so that the
+//! controller only schedules VMIs where a live handler with working device plugins runs
+//! (KubeVirt's `pkg/virt-handler/heartbeat`).
+
+use std::time::Duration;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde_json::{Value, json};
+
+pub const LABEL_SCHEDULABLE: &str = "kubevirt.io/schedulable";
+pub const ANNOTATION_HEARTBEAT: &str = "kubevirt.io/heartbeat";
+pub const LABEL_CPU_MANAGER: &str = "kubevirt.io/cpumanager";
+pub const LABEL_CPU_MANAGER_DEPRECATED: &str = "cpumanager";
+
+/// KubeVirt's heartbeat period and jitter factor (`wait.JitterUntil(…, 1m, 1.2, …)`).
+pub const INTERVAL: Duration = Duration::from_secs(60);
+pub const JITTER_FACTOR: f64 = 1.2;
+
+/// The merge patch for the node. `schedulable` is false at start, on SIGTERM and while the
+/// device plugins are not yet registered.
+pub fn node_patch(schedulable: bool, cpu_manager: bool, now: DateTime<Utc>) -> Value {
+    json!({
+        "metadata": {
+            "labels": {
+                LABEL_SCHEDULABLE: if schedulable { "true" } else { "false" },
+                LABEL_CPU_MANAGER_DEPRECATED: cpu_manager.to_string(),
+                LABEL_CPU_MANAGER: cpu_manager.to_string(),
+            },
+            "annotations": {
+                // metav1.Time's JSON form: RFC 3339, whole seconds, `Z`.
+                ANNOTATION_HEARTBEAT: now.to_rfc3339_opts(SecondsFormat::Secs, true),
+            },
+        }
+    })
+}
+
+/// The wait before the next heartbeat: the interval plus up to `JITTER_FACTOR` times it, as
+/// `wait.Jitter` does; `unit` is a uniform sample from [0, 1).
+pub fn next_delay(unit: f64) -> Duration {
+    INTERVAL + INTERVAL.mul_f64(JITTER_FACTOR * unit.clamp(0.0, 1.0))
+}
+
+/// A cheap uniform sample in [0, 1) for the jitter; it only spreads handlers apart, so the
+/// clock's nanoseconds are random enough and no RNG crate is needed.
+pub fn jitter_sample() -> f64 {
+    let nanos = Utc::now().timestamp_subsec_nanos();
+    f64::from(nanos) / 1e9
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone as _;
+    use pretty_assertions::assert_eq;
+
+    #[test]
+    fn patch_has_kubevirt_keys_and_time_format() {
+        let now = Utc
+            .with_ymd_and_hms(2026, 11, 22, 4, 5, 6)
+            .single()
+            .expect("valid");
+        assert_eq!(
+            node_patch(true, false, now),
+            json!({"metadata": {
+                "labels": {
+                    "kubevirt.io/schedulable": "true",
+                    "cpumanager": "false",
+                    "kubevirt.io/cpumanager": "false",
+                },
+                "annotations": {"kubevirt.io/heartbeat": "2026-11-22T04:05:06Z"},
+            }})
+        );
+        assert_eq!(
+            node_patch(false, true, now)["metadata"]["labels"]["kubevirt.io/schedulable"],
+            "false"
+        );
+    }
+
+    #[test]
+    fn delay_stays_within_the_jitter_window() {
+        assert_eq!(next_delay(0.0), Duration::from_secs(60));
+        assert_eq!(next_delay(0.5), Duration::from_secs(96));
+        assert_eq!(next_delay(7.0), Duration::from_secs(132), "clamped");
+        let s = jitter_sample();
+        assert!((0.0..1.0).contains(&s), "{s}");
+    }
+}

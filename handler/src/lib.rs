@@ -1,0 +1,9 @@
+//! virt-handler: the node daemon. Turns the launcher's domain into VMI status, decides graceful
+//! shutdown, heartbeats the node, talks to launchers over their unix sockets and serves VMI
+//! consoles and lifecycle calls over mTLS.
+
+pub mod events;
+pub mod guestinfo;
+pub mod heartbeat;
+pub mod shutdown;
+pub mod status;

@@ -119,7 +119,7 @@ impl ApiServer {
             registry: RwLock::new(Registry::default()),
             token: token.clone(),
             bookmark_interval: config.bookmark_interval,
-            gc_finalizers: false,
+            gc_finalizers: true,
         });
         create_default_namespaces(&state);
         let app = axum::Router::new()
@@ -127,6 +127,7 @@ impl ApiServer {
             .with_state(state.clone());
         let mut tasks = JoinSet::new();
         tasks.spawn(controllers::namespace_controller(state.clone()));
+        tasks.spawn(controllers::garbage_collector(state.clone()));
         tasks.spawn(async move {
             let mut connections = JoinSet::new();
             loop {

@@ -849,3 +849,128 @@ async fn custom_resources_are_pruned_defaulted_and_printed() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn garbage_collection_by_owner_references() {
+    use k8s_openapi::api::core::v1::Secret;
+    let c = Cluster::start().await;
+    let owners = c.api::<ConfigMap>();
+    let secrets = c.api::<Secret>();
+    let owned = |name: &str, owner: &ConfigMap, block: bool, finalizer: bool| -> Secret {
+        let mut s = json!({"metadata": {"name": name, "ownerReferences": [{
+            "apiVersion": "v1", "kind": "ConfigMap", "name": owner.name_any(),
+            "uid": owner.uid().unwrap(), "blockOwnerDeletion": block}]}});
+        if finalizer {
+            s["metadata"]["finalizers"] = json!(["example.com/hold"]);
+        }
+        serde_json::from_value(s).unwrap()
+    };
+    let gone = |name: &'static str| {
+        let secrets = secrets.clone();
+        async move {
+            eventually(30, name, || {
+                let secrets = secrets.clone();
+                async move { secrets.get_opt(name).await.unwrap().is_none().then_some(()) }
+            })
+            .await;
+        }
+    };
+
+    // Background: the owner goes at once, then its dependents.
+    let o1 = owners
+        .create(&PostParams::default(), &cm("o1", json!({})))
+        .await
+        .unwrap();
+    secrets
+        .create(&PostParams::default(), &owned("d1", &o1, false, false))
+        .await
+        .unwrap();
+    owners
+        .delete("o1", &DeleteParams::background())
+        .await
+        .unwrap();
+    gone("d1").await;
+
+    // Foreground: the owner waits for its blocking dependents.
+    let o2 = owners
+        .create(&PostParams::default(), &cm("o2", json!({})))
+        .await
+        .unwrap();
+    secrets
+        .create(&PostParams::default(), &owned("d2", &o2, true, true))
+        .await
+        .unwrap();
+    owners
+        .delete("o2", &DeleteParams::foreground())
+        .await
+        .unwrap();
+    let waiting = owners.get("o2").await.unwrap();
+    assert!(waiting.metadata.deletion_timestamp.is_some());
+    assert!(
+        waiting
+            .finalizers()
+            .contains(&"foregroundDeletion".to_string())
+    );
+    eventually(30, "d2 to be marked for deletion", || {
+        let secrets = secrets.clone();
+        async move {
+            secrets
+                .get("d2")
+                .await
+                .unwrap()
+                .metadata
+                .deletion_timestamp
+                .map(|_| ())
+        }
+    })
+    .await;
+    assert!(
+        owners.get_opt("o2").await.unwrap().is_some(),
+        "the owner waits for d2"
+    );
+    secrets
+        .patch(
+            "d2",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .unwrap();
+    gone("d2").await;
+    eventually(30, "o2 to go after its dependent", || {
+        let owners = owners.clone();
+        async move { owners.get_opt("o2").await.unwrap().is_none().then_some(()) }
+    })
+    .await;
+
+    // Orphan: dependents stay, without the owner reference.
+    let o3 = owners
+        .create(&PostParams::default(), &cm("o3", json!({})))
+        .await
+        .unwrap();
+    secrets
+        .create(&PostParams::default(), &owned("d3", &o3, false, false))
+        .await
+        .unwrap();
+    owners.delete("o3", &DeleteParams::orphan()).await.unwrap();
+    eventually(30, "o3 to go", || {
+        let owners = owners.clone();
+        async move { owners.get_opt("o3").await.unwrap().is_none().then_some(()) }
+    })
+    .await;
+    let d3 = secrets.get("d3").await.unwrap();
+    assert!(
+        d3.owner_references().is_empty(),
+        "{:?}",
+        d3.owner_references()
+    );
+
+    // A dependent whose owner never existed (or is gone) is collected.
+    let mut ghost = cm("ghost", json!({}));
+    ghost.metadata.uid = Some("00000000-0000-0000-0000-000000000000".into());
+    secrets
+        .create(&PostParams::default(), &owned("d4", &ghost, false, false))
+        .await
+        .unwrap();
+    gone("d4").await;
+}

@@ -595,6 +595,45 @@ pub struct Devices {
     pub video: Option<Video>,
 }
 
+impl Devices {
+    /// Whether the pod network is attached when no interface is given (default true).
+    pub fn wants_pod_interface(&self) -> bool {
+        self.autoattach_pod_interface.unwrap_or(true)
+    }
+
+    /// Whether a VGA device and VNC are attached (default true).
+    pub fn wants_graphics(&self) -> bool {
+        self.autoattach_graphics_device.unwrap_or(true)
+    }
+
+    /// Whether a serial console is attached (default true).
+    pub fn wants_serial_console(&self) -> bool {
+        self.autoattach_serial_console.unwrap_or(true)
+    }
+
+    /// Whether a memory balloon is attached (default true).
+    pub fn wants_mem_balloon(&self) -> bool {
+        self.autoattach_mem_balloon.unwrap_or(true)
+    }
+
+    /// Whether a tablet is attached for the VNC pointer (default false).
+    pub fn wants_input_device(&self) -> bool {
+        self.autoattach_input_device.unwrap_or(false)
+    }
+}
+
+impl Features {
+    /// ACPI, on unless `acpi.enabled: false`.
+    pub fn acpi_enabled(&self) -> bool {
+        self.acpi.as_ref().is_none_or(FeatureState::is_enabled)
+    }
+
+    /// SMM, on only when `smm` is given and not disabled.
+    pub fn smm_enabled(&self) -> bool {
+        self.smm.as_ref().is_some_and(FeatureState::is_enabled)
+    }
+}
+
 /// Video device.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -1352,6 +1391,24 @@ pub struct Port {
     pub protocol: Option<String>,
     /// Port number, 1..=65535.
     pub port: i32,
+}
+
+impl VirtualMachineInstance {
+    /// The phase, if any has been reported.
+    pub fn phase(&self) -> Option<&crate::status::VirtualMachineInstancePhase> {
+        self.status.as_ref().and_then(|s| s.phase.as_ref())
+    }
+
+    /// Succeeded or Failed: the VMI will not run again.
+    pub fn is_final(&self) -> bool {
+        self.phase()
+            .is_some_and(crate::status::VirtualMachineInstancePhase::is_final)
+    }
+
+    /// The node the VMI was placed on.
+    pub fn node_name(&self) -> Option<&str> {
+        self.status.as_ref().and_then(|s| s.node_name.as_deref())
+    }
 }
 
 impl VirtualMachineInstanceSpec {

@@ -235,3 +235,26 @@ fn every_kinds_status_round_trips() {
         }
     }));
 }
+
+#[test]
+fn autoattach_and_feature_helpers_apply_kubevirts_defaults() {
+    let mut vmi: VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "v"},
+        "spec": {"domain": {"devices": {"autoattachGraphicsDevice": false}}}
+    }))
+    .unwrap();
+    let d = &vmi.spec.domain.devices;
+    assert!(d.wants_pod_interface() && d.wants_serial_console() && d.wants_mem_balloon());
+    assert!(!d.wants_graphics() && !d.wants_input_device());
+    let f = api::vmi::Features::default();
+    assert!(f.acpi_enabled() && !f.smm_enabled());
+    assert!(!vmi.is_final() && vmi.node_name().is_none());
+    vmi.status = Some(api::VirtualMachineInstanceStatus {
+        phase: Some(api::VirtualMachineInstancePhase::Failed),
+        node_name: Some("node01".into()),
+        ..Default::default()
+    });
+    assert!(vmi.is_final());
+    assert_eq!(vmi.node_name(), Some("node01"));
+}

@@ -523,7 +523,10 @@ pub fn disk_for(
         (other, _) => {
             return Err(err(
                 bus_field,
-                format!("bus {:?} is not supported: use virtio, sata or scsi", other.as_str()),
+                format!(
+                    "bus {:?} is not supported: use virtio, sata or scsi",
+                    other.as_str()
+                ),
             ));
         }
     };

@@ -137,8 +137,14 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
     });
 
     // ACPI power button: the guest powers off, the domain is Shutoff, the launcher exits.
+    // Watched rather than polled: the launcher exits as soon as the domain is final.
+    let socket = l.socket.clone();
+    let watcher = std::thread::spawn(move || {
+        common::watch_until(&socket, BOOT, |d: &Value| d["state"] == "Shutoff")
+    });
     l.post("/v1/shutdown");
-    let d = l.wait_state("Shutoff", BOOT);
+    let lines = watcher.join().unwrap();
+    let d = lines.last().unwrap();
     assert_eq!(d["reason"], "Shutdown", "{d}");
     let status = l.wait_exit(Duration::from_secs(30));
     assert!(status.success());
@@ -187,6 +193,17 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
             .run("cat /proc/cmdline", BOOT)
             .contains("console=ttyS0")
     );
+    let f = l.post("/v1/freeze");
+    assert!(f["frozenFilesystems"].is_i64(), "{f}");
+    let f = l.post("/v1/unfreeze");
+    assert!(f["thawedFilesystems"].is_i64(), "{f}");
+
+    // Soft reboot through the agent: the same QEMU boots the guest a second time.
+    l.post("/v1/softreboot");
+    wait_until(BOOT, "a second boot", || {
+        (l.serial_log(&id).matches("KUBEVIRT-RS-GUEST-READY").count() == 2).then_some(())
+    });
+    assert_eq!(l.domain()["qemuPid"], pid);
 
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),

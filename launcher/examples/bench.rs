@@ -1,0 +1,236 @@
+//! Launcher benchmarks; figures are printed, never asserted.
+//!
+//! ```text
+//! cargo run --release -p launcher --example bench            # needs the test guest
+//! ```
+//!
+//! - exec -> command socket ready (median of several starts);
+//! - launcher RSS, idle and with one running VM;
+//! - `sync` -> Running, against a baseline that runs the same QEMU argv itself and sends `cont`
+//!   over a raw QMP socket, as a ratio.
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+const RUNS: usize = 7;
+
+fn launcher_bin() -> anyhow::Result<PathBuf> {
+    // Examples live in target/<profile>/examples/; the binary one level up.
+    let exe = std::env::current_exe()?;
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("no target dir")?
+        .join("virt-launcher");
+    if !bin.exists() {
+        bail!(
+            "{} is missing: build it with the same profile first",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn guest_dir() -> PathBuf {
+    std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
+        PathBuf::from,
+    )
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_launcher(bin: &Path, root: &Path) -> anyhow::Result<(Proc, PathBuf, Duration)> {
+    let socket = root.join("share/sockets/launcher-sock");
+    let t0 = Instant::now();
+    let child = Command::new(bin)
+        .args(["--allow-emulation", "--kubevirt-share-dir"])
+        .arg(root.join("share"))
+        .arg("--private-dir")
+        .arg(root.join("private"))
+        .arg("--ephemeral-disk-dir")
+        .arg(root.join("ephemeral"))
+        .arg("--container-disk-dir")
+        .arg(root.join("cd"))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let proc = Proc(child);
+    while !socket.exists() {
+        if t0.elapsed() > Duration::from_secs(10) {
+            bail!("no socket after 10 s");
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok((proc, socket, t0.elapsed()))
+}
+
+fn put(socket: &Path, path: &str, body: &[u8]) -> anyhow::Result<String> {
+    let mut s = UnixStream::connect(socket)?;
+    write!(
+        s,
+        "PUT {path} HTTP/1.1\r\nHost: l\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )?;
+    s.write_all(body)?;
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut s, &mut out)?;
+    Ok(out)
+}
+
+fn vmi(uid: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "bench", "namespace": "default", "uid": uid},
+        "spec": {"domain": {
+            "resources": {"requests": {"memory": "256Mi"}},
+            "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
+                "image": "g", "kernelPath": "/vmlinuz", "initrdPath": "/initrd.img"}}},
+            "devices": {},
+        }},
+    })
+}
+
+fn place_kernel(root: &Path) -> anyhow::Result<()> {
+    let kb = root.join("cd/kernel-boot");
+    std::fs::create_dir_all(&kb)?;
+    std::fs::copy(guest_dir().join("vmlinuz"), kb.join("vmlinuz"))?;
+    std::fs::copy(guest_dir().join("initrd.img"), kb.join("initrd.img"))?;
+    Ok(())
+}
+
+/// The baseline: the same argv, run directly, then `cont` over a raw QMP socket.
+fn baseline(argv: &[String], qmp: &Path) -> anyhow::Result<Duration> {
+    let t0 = Instant::now();
+    let _qemu = Proc(
+        Command::new("qemu-system-x86_64")
+            .args(argv)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let stream = loop {
+        match UnixStream::connect(qmp) {
+            Ok(s) => break s,
+            Err(_) if t0.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let mut r = BufReader::new(stream.try_clone()?);
+    let mut w = stream;
+    let mut line = String::new();
+    r.read_line(&mut line)?; // greeting
+    w.write_all(b"{\"execute\":\"qmp_capabilities\"}\n")?;
+    line.clear();
+    r.read_line(&mut line)?;
+    w.write_all(b"{\"execute\":\"cont\"}\n")?;
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        if line.contains("\"return\"") {
+            break;
+        }
+    }
+    Ok(t0.elapsed())
+}
+
+fn main() -> anyhow::Result<()> {
+    let bin = launcher_bin()?;
+    println!("launcher: {}", bin.display());
+
+    let mut ready = Vec::new();
+    let mut idle_rss = 0;
+    for _ in 0..RUNS {
+        let root = tempfile::tempdir()?;
+        let (p, _, t) = start_launcher(&bin, root.path())?;
+        ready.push(t);
+        std::thread::sleep(Duration::from_millis(50));
+        idle_rss = rss_kib(p.0.id());
+    }
+    println!(
+        "exec -> socket ready: median {:?} of {RUNS} (goal <= 20 ms)",
+        median(ready)
+    );
+    println!("launcher RSS idle: {idle_rss} KiB (goal <= 8192 KiB)");
+
+    let mut syncs = Vec::new();
+    let mut bases = Vec::new();
+    let mut vm_rss = 0;
+    for _ in 0..3 {
+        let root = tempfile::tempdir()?;
+        place_kernel(root.path())?;
+        let (p, socket, _) = start_launcher(&bin, root.path())?;
+        // Let the one-time accelerator probe finish; it is not part of a sync's cost.
+        std::thread::sleep(Duration::from_secs(4));
+        let uid = uuid::Uuid::new_v4().to_string();
+        let body = serde_json::to_vec(&vmi(&uid))?;
+        let t0 = Instant::now();
+        let reply = put(&socket, "/v1/sync", &body)?;
+        let took = t0.elapsed();
+        if !reply.contains("\"Running\"") {
+            bail!("sync failed: {reply}");
+        }
+        syncs.push(took);
+        std::thread::sleep(Duration::from_millis(200));
+        vm_rss = rss_kib(p.0.id());
+        drop(p);
+
+        // Same argv, from the launcher's own converter, in a fresh directory.
+        let broot = tempfile::tempdir()?;
+        place_kernel(broot.path())?;
+        let dirs = launcher::paths::Dirs {
+            share: broot.path().join("share"),
+            private: broot.path().join("private"),
+            ephemeral: broot.path().join("ephemeral"),
+            container_disks: broot.path().join("cd"),
+            hotplug_disks: broot.path().join("hp"),
+            block_devices: "/dev".into(),
+        };
+        let v: api::VirtualMachineInstance = serde_json::from_value(vmi(&uid))?;
+        let host = launcher::convert::Host {
+            accel: launcher::qemu::Accel::Tcg,
+            ovmf_dir: "/usr/share/OVMF".into(),
+            hugepages_dir: "/dev/hugepages".into(),
+            block_volumes: std::collections::BTreeSet::new(),
+        };
+        let plan = launcher::convert::convert(&v, &dirs, &host)?;
+        std::fs::create_dir_all(dirs.vm_dir(&uid))?;
+        bases.push(baseline(&plan.config.argv(), &dirs.qmp_socket(&uid))?);
+    }
+    let (s, b) = (median(syncs), median(bases));
+    println!("launcher RSS with one running VM: {vm_rss} KiB (goal <= 8192 KiB)");
+    println!(
+        "sync -> Running: median {s:?}; baseline (same argv + raw cont) {b:?}; ratio {:.2} (goal <= 1.15)",
+        s.as_secs_f64() / b.as_secs_f64()
+    );
+    Ok(())
+}

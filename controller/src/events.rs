@@ -1,0 +1,33 @@
+//! Event and condition reasons, spelled as KubeVirt spells them (`pkg/controller`,
+//! `pkg/virt-controller/watch/common`), so tooling that greps for them keeps working.
+
+/// A launcher pod was created.
+pub const SUCCESSFUL_CREATE_POD: &str = "SuccessfulCreate";
+/// Creating a launcher pod failed.
+pub const FAILED_CREATE_POD: &str = "FailedCreate";
+/// A launcher pod was deleted.
+pub const SUCCESSFUL_DELETE_POD: &str = "SuccessfulDelete";
+/// Deleting a launcher pod failed.
+pub const FAILED_DELETE_POD: &str = "FailedDelete";
+/// A VM or ReplicaSet created a VMI.
+pub const SUCCESSFUL_CREATE_VMI: &str = "SuccessfulCreate";
+/// A VM or ReplicaSet failed to create a VMI.
+pub const FAILED_CREATE_VMI: &str = "FailedCreate";
+/// A VM or ReplicaSet deleted a VMI.
+pub const SUCCESSFUL_DELETE_VMI: &str = "SuccessfulDelete";
+/// A VM or ReplicaSet failed to delete a VMI.
+pub const FAILED_DELETE_VMI: &str = "FailedDelete";
+/// A VMI (or a VM's template) failed validation; one event per field at fault.
+pub const FAILED_VALIDATION: &str = crate::vmi::FAILED_VALIDATION;
+/// A containerDisk image could not be pulled.
+pub const ERR_IMAGE_PULL: &str = "ErrImagePull";
+/// The kubelet backs off pulling a containerDisk image.
+pub const IMAGE_PULL_BACK_OFF: &str = "ImagePullBackOff";
+/// A PVC a volume names does not exist.
+pub const FAILED_PVC_NOT_FOUND: &str = "FailedPvcNotFound";
+/// A ReplicaSet was paused.
+pub const SUCCESSFUL_PAUSED_REPLICA_SET: &str = "SuccessfulPaused";
+/// A ReplicaSet was resumed.
+pub const SUCCESSFUL_RESUMED_REPLICA_SET: &str = "SuccessfulResumed";
+/// A node stopped heartbeating and was marked unschedulable; its VMIs were failed.
+pub const NODE_UNRESPONSIVE: &str = "NodeUnresponsive";

@@ -1,0 +1,689 @@
+//! The template service: VMI -> launcher pod, as a pure function
+//! (`pkg/virt-controller/services/template.go`, `pkg/container-disk`).
+//!
+//! The pod's shape follows KubeVirt's so kubectl users, admission policies and quota see what
+//! they know: `virt-launcher-<vmi>-<random>` names, the same labels, annotations, volumes,
+//! device resources and node selector. The memory overhead is ours (see [`memory_overhead`]).
+
+use std::collections::BTreeMap;
+
+use api::ClusterConfig;
+use api::VirtualMachineInstance;
+use api::quantity::{ParsedQuantity, format_binary_si};
+use api::vmi::{InterfaceModel, VolumeSource};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, HostPathVolumeSource,
+    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod, PodReadinessGate, PodSpec,
+    ResourceRequirements, SecurityContext, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+
+/// `kubevirt.io` label: which component a pod belongs to.
+pub const APP_LABEL: &str = "kubevirt.io";
+/// Label holding the uid of the VMI a launcher pod runs.
+pub const CREATED_BY_LABEL: &str = "kubevirt.io/created-by";
+/// Deprecated label holding the VMI's host name (KubeVirt still sets it).
+pub const VM_NAME_LABEL: &str = "kubevirt.io/domain";
+/// Label holding a DNS-safe id derived from the VMI name.
+pub const VMI_ID_LABEL: &str = "vm.kubevirt.io/name";
+/// Annotation naming the VMI (domain) a pod runs.
+pub const DOMAIN_ANNOTATION: &str = "kubevirt.io/domain";
+/// Node label virt-handler sets on nodes that can run VMs.
+pub const SCHEDULABLE_LABEL: &str = "kubevirt.io/schedulable";
+/// The KVM device plugin resource.
+pub const KVM_RESOURCE: &str = "devices.kubevirt.io/kvm";
+/// The TUN device plugin resource.
+pub const TUN_RESOURCE: &str = "devices.kubevirt.io/tun";
+/// The vhost-net device plugin resource.
+pub const VHOST_NET_RESOURCE: &str = "devices.kubevirt.io/vhost-net";
+/// Readiness gate virt-handler flips when the guest is not paused.
+pub const UNPAUSED_READINESS_GATE: &str = "kubevirt.io/virtual-machine-unpaused";
+/// KubeVirt's default VMI termination grace period.
+pub const DEFAULT_GRACE_PERIOD_SECONDS: i64 = 30;
+/// Padding KubeVirt adds so virt-handler, not the kubelet, ends the guest.
+const GRACE_PERIOD_PADDING_SECONDS: i64 = 15;
+/// Where container-disk containers find the `container-disk` binary (copied there by an init
+/// container from the launcher image, as KubeVirt does, since disk images carry no binaries).
+const VIRT_BIN_DIR: &str = "/init/usr/bin";
+const VIRT_BIN_VOLUME: &str = "virt-bin-share-dir";
+
+/// Memory overhead constants, in MiB. They come from the launcher benchmarks: the
+/// launcher's resident set goal is 8 MiB, and QEMU's own footprint beyond guest RAM (code,
+/// heap, device models, I/O buffers) measured on QEMU 7.2 for a small q35 guest. KubeVirt
+/// budgets ~240 MiB here for virt-launcher + libvirt + virtqemud + virtlogd; we run none of
+/// those. `docs/controller.md` documents the formula.
+pub mod overhead {
+    /// virt-launcher's resident set (benchmark goal).
+    pub const LAUNCHER_MIB: u64 = 8;
+    /// QEMU with no guest RAM touched: binary, libraries, heap, device models.
+    pub const QEMU_BASE_MIB: u64 = 48;
+    /// Per vCPU: thread stack, vCPU state, KVM/TCG per-CPU structures (KubeVirt uses 8 too).
+    pub const PER_VCPU_MIB: u64 = 8;
+    /// The VGA framebuffer and its shadow, when a graphics device is attached.
+    pub const VIDEO_MIB: u64 = 16;
+    /// TCG's translated-code cache (QEMU's `tb-size`), when running emulated.
+    pub const TCG_MIB: u64 = 128;
+    /// Guest page tables: 1 byte per 512 bytes of guest RAM (KubeVirt's ratio).
+    pub const PAGE_TABLE_DIVISOR: u64 = 512;
+}
+
+/// How the template service renders pods.
+#[derive(Debug, Clone)]
+pub struct TemplateConfig {
+    /// virt-launcher image.
+    pub launcher_image: String,
+    /// `--qemu-timeout` passed to the launcher.
+    pub qemu_timeout: String,
+    /// `/var/run/kubevirt`.
+    pub share_dir: String,
+    /// `/var/run/kubevirt-private`.
+    pub private_dir: String,
+    /// `/var/run/kubevirt-ephemeral-disks`.
+    pub ephemeral_disk_dir: String,
+    /// `/var/run/kubevirt/container-disks`.
+    pub container_disk_dir: String,
+    /// `/var/run/kubevirt/hotplug-disks`.
+    pub hotplug_disk_dir: String,
+    /// Image pull secret added to every launcher pod.
+    pub image_pull_secret: Option<String>,
+}
+
+impl Default for TemplateConfig {
+    fn default() -> Self {
+        Self {
+            launcher_image: "virt-launcher".into(),
+            qemu_timeout: "5m".into(),
+            share_dir: "/var/run/kubevirt".into(),
+            private_dir: "/var/run/kubevirt-private".into(),
+            ephemeral_disk_dir: "/var/run/kubevirt-ephemeral-disks".into(),
+            container_disk_dir: "/var/run/kubevirt/container-disks".into(),
+            hotplug_disk_dir: "/var/run/kubevirt/hotplug-disks".into(),
+            image_pull_secret: None,
+        }
+    }
+}
+
+/// Why a pod cannot be rendered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    /// The VMI lacks a name, namespace or uid.
+    #[error("VMI has no metadata.{0}")]
+    MissingMetadata(&'static str),
+    /// A memory quantity cannot be read.
+    #[error("{path}: {value:?} is not a memory quantity")]
+    BadQuantity {
+        /// Field path.
+        path: &'static str,
+        /// Its value.
+        value: String,
+    },
+    /// Neither a memory request nor guest memory is set.
+    #[error("spec.domain.resources.requests.memory: the VMI sets no memory")]
+    NoMemory,
+}
+
+fn bytes_of(q: &Quantity, path: &'static str) -> Result<u64, TemplateError> {
+    ParsedQuantity::from_quantity(q)
+        .ok()
+        .and_then(|p| u64::try_from(p.value()).ok())
+        .ok_or_else(|| TemplateError::BadQuantity {
+            path,
+            value: q.0.clone(),
+        })
+}
+
+/// Guest RAM of the VMI: `memory.guest`, else the memory request.
+pub fn guest_memory(vmi: &VirtualMachineInstance) -> Result<u64, TemplateError> {
+    let d = &vmi.spec.domain;
+    if let Some(g) = d.memory.as_ref().and_then(|m| m.guest.as_ref()) {
+        return bytes_of(g, "spec.domain.memory.guest");
+    }
+    match d.resources.requests.get("memory") {
+        Some(q) => bytes_of(q, "spec.domain.resources.requests.memory"),
+        None => d
+            .resources
+            .limits
+            .get("memory")
+            .map_or(Err(TemplateError::NoMemory), |q| {
+                bytes_of(q, "spec.domain.resources.limits.memory")
+            }),
+    }
+}
+
+/// Our launcher overhead for `vmi`, in bytes:
+/// `LAUNCHER + QEMU_BASE + PER_VCPU x vCPUs + guest / 512 (+ VIDEO) (+ TCG)`.
+pub fn memory_overhead(vmi: &VirtualMachineInstance, guest_bytes: u64, emulated: bool) -> u64 {
+    use overhead::{
+        LAUNCHER_MIB, PAGE_TABLE_DIVISOR, PER_VCPU_MIB, QEMU_BASE_MIB, TCG_MIB, VIDEO_MIB,
+    };
+    const MIB: u64 = 1 << 20;
+    let vcpus = u64::from(vmi.spec.domain.cpu.as_ref().map_or(1, api::vmi::Cpu::vcpus));
+    let video = vmi.spec.domain.devices.autoattach_graphics_device != Some(false);
+    let mut mib = LAUNCHER_MIB + QEMU_BASE_MIB + PER_VCPU_MIB * vcpus;
+    if video {
+        mib += VIDEO_MIB;
+    }
+    if emulated {
+        mib += TCG_MIB;
+    }
+    mib * MIB + guest_bytes.div_ceil(PAGE_TABLE_DIVISOR)
+}
+
+fn quantity_bytes(bytes: u64) -> Quantity {
+    Quantity(format_binary_si(i128::from(bytes)))
+}
+
+fn empty_dir(name: &str) -> Volume {
+    Volume {
+        name: name.into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Volume::default()
+    }
+}
+
+fn mount(name: &str, path: &str) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        ..VolumeMount::default()
+    }
+}
+
+fn host_to_container(name: &str, path: &str) -> VolumeMount {
+    VolumeMount {
+        mount_propagation: Some("HostToContainer".into()),
+        ..mount(name, path)
+    }
+}
+
+/// KubeVirt's `toContainerName`: `volume` + the volume name, lower-cased.
+fn container_disk_container_name(volume: &str) -> String {
+    format!("volume{}", volume.to_lowercase())
+}
+
+/// KubeVirt's pod labels: the VMI's own plus the launcher ones.
+fn labels(vmi: &VirtualMachineInstance, uid: &str, host: &str) -> BTreeMap<String, String> {
+    let mut l = vmi.metadata.labels.clone().unwrap_or_default();
+    l.insert(APP_LABEL.into(), "virt-launcher".into());
+    l.insert(CREATED_BY_LABEL.into(), uid.into());
+    l.insert(VM_NAME_LABEL.into(), host.into());
+    l.insert(
+        VMI_ID_LABEL.into(),
+        vmi.metadata.name.clone().unwrap_or_default(),
+    );
+    l
+}
+
+/// KubeVirt's pod annotations: the domain, the VMI's own (minus kubectl bookkeeping), the
+/// default container and the unix migration transport.
+fn annotations(vmi: &VirtualMachineInstance, name: &str) -> BTreeMap<String, String> {
+    let mut a: BTreeMap<String, String> = vmi
+        .metadata
+        .annotations
+        .iter()
+        .flatten()
+        .filter(|(k, _)| {
+            !(k.starts_with("kubectl.kubernetes.io")
+                || k.starts_with("kubevirt.io/storage-observed-api-version")
+                || k.starts_with("kubevirt.io/latest-observed-api-version"))
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    a.insert(DOMAIN_ANNOTATION.into(), name.into());
+    a.insert(
+        "kubectl.kubernetes.io/default-container".into(),
+        "compute".into(),
+    );
+    a.insert("kubevirt.io/migrationTransportUnix".into(), "true".into());
+    a.insert(
+        "descheduler.alpha.kubernetes.io/request-evict-only".into(),
+        String::new(),
+    );
+    a
+}
+
+/// KubeVirt's `SanitizeHostname`: the spec hostname, else the VMI name, cut to a DNS label.
+fn hostname(vmi: &VirtualMachineInstance, name: &str) -> String {
+    let h = vmi.spec.hostname.clone().unwrap_or_else(|| name.to_owned());
+    let cut: String = h.chars().take(63).collect();
+    cut.replace('.', "-")
+}
+
+/// Render the launcher pod for `vmi`. The pod has a `generateName`; the API server picks the
+/// random suffix.
+pub fn render_launcher_pod(
+    vmi: &VirtualMachineInstance,
+    cfg: &TemplateConfig,
+    cluster: &ClusterConfig,
+) -> Result<Pod, TemplateError> {
+    let name = vmi
+        .metadata
+        .name
+        .as_deref()
+        .ok_or(TemplateError::MissingMetadata("name"))?;
+    let namespace = vmi
+        .metadata
+        .namespace
+        .as_deref()
+        .ok_or(TemplateError::MissingMetadata("namespace"))?;
+    let uid = vmi
+        .metadata
+        .uid
+        .as_deref()
+        .ok_or(TemplateError::MissingMetadata("uid"))?;
+    let spec = &vmi.spec;
+    let host = hostname(vmi, name);
+    let grace = spec
+        .termination_grace_period_seconds
+        .unwrap_or(DEFAULT_GRACE_PERIOD_SECONDS)
+        + GRACE_PERIOD_PADDING_SECONDS;
+    let kill_after = grace + GRACE_PERIOD_PADDING_SECONDS;
+
+    let mut args = vec![
+        "--qemu-timeout".to_owned(),
+        cfg.qemu_timeout.clone(),
+        "--name".into(),
+        name.into(),
+        "--uid".into(),
+        uid.into(),
+        "--namespace".into(),
+        namespace.into(),
+        "--kubevirt-share-dir".into(),
+        cfg.share_dir.clone(),
+        "--ephemeral-disk-dir".into(),
+        cfg.ephemeral_disk_dir.clone(),
+        "--container-disk-dir".into(),
+        cfg.container_disk_dir.clone(),
+        "--hotplug-disk-dir".into(),
+        cfg.hotplug_disk_dir.clone(),
+        "--private-dir".into(),
+        cfg.private_dir.clone(),
+        "--grace-period-seconds".into(),
+        grace.to_string(),
+    ];
+    if cluster.use_emulation {
+        args.push("--allow-emulation".into());
+    }
+
+    // Volumes every launcher gets (KubeVirt's volume renderer).
+    let mut volumes = vec![
+        empty_dir("private"),
+        empty_dir("public"),
+        empty_dir("sockets"),
+        empty_dir("ephemeral-disks"),
+        empty_dir("container-disks"),
+        empty_dir("hotplug-disks"),
+    ];
+    let mut compute_mounts = vec![
+        mount("private", &cfg.private_dir),
+        mount("public", &cfg.share_dir),
+        mount("sockets", &format!("{}/sockets", cfg.share_dir)),
+        mount("ephemeral-disks", &cfg.ephemeral_disk_dir),
+        host_to_container("container-disks", &cfg.container_disk_dir),
+        host_to_container("hotplug-disks", &cfg.hotplug_disk_dir),
+    ];
+    let mut disk_containers = Vec::new();
+    let mut pull_secrets: Vec<String> = Vec::new();
+    for (index, v) in spec.volumes.iter().enumerate() {
+        match v.source() {
+            Some(VolumeSource::ContainerDisk(cd)) => {
+                disk_containers.push(Container {
+                    name: container_disk_container_name(&v.name),
+                    image: Some(cd.image.clone()),
+                    image_pull_policy: cd.image_pull_policy.as_ref().map(|p| p.as_str().to_owned()),
+                    command: Some(vec!["/usr/bin/container-disk".into()]),
+                    args: Some(vec![
+                        "--copy-path".into(),
+                        format!("{}/disk_{index}", cfg.container_disk_dir),
+                    ]),
+                    volume_mounts: Some(vec![
+                        mount("container-disks", &cfg.container_disk_dir),
+                        mount(VIRT_BIN_VOLUME, "/usr/bin"),
+                    ]),
+                    resources: Some(container_disk_resources()),
+                    security_context: Some(non_root_security_context()),
+                    ..Container::default()
+                });
+                if let Some(s) = &cd.image_pull_secret {
+                    pull_secrets.push(s.clone());
+                }
+            }
+            Some(VolumeSource::PersistentVolumeClaim(pvc)) => {
+                volumes.push(Volume {
+                    name: v.name.clone(),
+                    persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                        claim_name: pvc.claim_name.clone(),
+                        read_only: pvc.read_only,
+                    }),
+                    ..Volume::default()
+                });
+                compute_mounts.push(mount(
+                    &v.name,
+                    &format!("{}/vmi-disks/{}", cfg.private_dir, v.name),
+                ));
+            }
+            Some(VolumeSource::HostDisk(hd)) => {
+                let dir = std::path::Path::new(&hd.path)
+                    .parent()
+                    .map_or_else(|| "/".to_owned(), |p| p.display().to_string());
+                volumes.push(Volume {
+                    name: v.name.clone(),
+                    host_path: Some(HostPathVolumeSource {
+                        path: dir.clone(),
+                        type_: Some("DirectoryOrCreate".into()),
+                    }),
+                    ..Volume::default()
+                });
+                compute_mounts.push(host_to_container(&v.name, &dir));
+            }
+            _ => {}
+        }
+    }
+    if !disk_containers.is_empty() {
+        volumes.push(empty_dir(VIRT_BIN_VOLUME));
+    }
+
+    let compute = Container {
+        name: "compute".into(),
+        image: Some(cfg.launcher_image.clone()),
+        image_pull_policy: Some(
+            api::defaults::pull_policy_for(&cfg.launcher_image)
+                .as_str()
+                .to_owned(),
+        ),
+        command: Some(vec!["/usr/bin/virt-launcher".into()]),
+        args: Some(args),
+        env: Some(vec![EnvVar {
+            name: "POD_NAME".into(),
+            value_from: Some(EnvVarSource {
+                field_ref: Some(ObjectFieldSelector {
+                    field_path: "metadata.name".into(),
+                    ..ObjectFieldSelector::default()
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        }]),
+        resources: Some(compute_resources(vmi, cluster)?),
+        volume_mounts: Some(compute_mounts),
+        security_context: Some(SecurityContext {
+            capabilities: Some(Capabilities {
+                add: Some(vec!["NET_BIND_SERVICE".into(), "SYS_NICE".into()]),
+                drop: None,
+            }),
+            ..SecurityContext::default()
+        }),
+        ..Container::default()
+    };
+    let mut containers = vec![compute];
+    containers.extend(disk_containers);
+    let init_containers = (containers.len() > 1).then(|| {
+        vec![Container {
+            name: "container-disk-binary".into(),
+            image: Some(cfg.launcher_image.clone()),
+            command: Some(vec!["/usr/bin/cp".into()]),
+            args: Some(vec![
+                "--preserve=all".into(),
+                "/usr/bin/container-disk".into(),
+                format!("{VIRT_BIN_DIR}/container-disk"),
+            ]),
+            volume_mounts: Some(vec![mount(VIRT_BIN_VOLUME, VIRT_BIN_DIR)]),
+            resources: Some(container_disk_resources()),
+            security_context: Some(non_root_security_context()),
+            ..Container::default()
+        }]
+    });
+
+    let mut node_selector = spec.node_selector.clone();
+    node_selector.insert(SCHEDULABLE_LABEL.into(), "true".into());
+    if let Some(s) = &cfg.image_pull_secret {
+        pull_secrets.push(s.clone());
+    }
+    pull_secrets.dedup();
+
+    Ok(Pod {
+        metadata: ObjectMeta {
+            generate_name: Some(format!("virt-launcher-{name}-")),
+            namespace: Some(namespace.into()),
+            labels: Some(labels(vmi, uid, &host)),
+            annotations: Some(annotations(vmi, name)),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "kubevirt.io/v1".into(),
+                kind: "VirtualMachineInstance".into(),
+                name: name.into(),
+                uid: uid.into(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PodSpec {
+            hostname: Some(host),
+            subdomain: spec.subdomain.clone(),
+            termination_grace_period_seconds: Some(kill_after),
+            restart_policy: Some("Never".into()),
+            containers,
+            init_containers,
+            node_selector: Some(node_selector),
+            affinity: spec.affinity.clone(),
+            tolerations: (!spec.tolerations.is_empty()).then(|| spec.tolerations.clone()),
+            topology_spread_constraints: (!spec.topology_spread_constraints.is_empty())
+                .then(|| spec.topology_spread_constraints.clone()),
+            scheduler_name: spec.scheduler_name.clone(),
+            priority_class_name: spec.priority_class_name.clone(),
+            service_account_name: spec.service_account_name.clone(),
+            automount_service_account_token: Some(false),
+            enable_service_links: Some(false),
+            dns_policy: spec.dns_policy.clone(),
+            dns_config: spec.dns_config.clone(),
+            readiness_gates: Some(vec![PodReadinessGate {
+                condition_type: UNPAUSED_READINESS_GATE.into(),
+            }]),
+            volumes: Some(volumes),
+            image_pull_secrets: (!pull_secrets.is_empty()).then(|| {
+                pull_secrets
+                    .into_iter()
+                    .map(|name| k8s_openapi::api::core::v1::LocalObjectReference { name })
+                    .collect()
+            }),
+            ..PodSpec::default()
+        }),
+        status: None,
+    })
+}
+
+fn non_root_security_context() -> SecurityContext {
+    SecurityContext {
+        run_as_user: Some(107),
+        run_as_non_root: Some(true),
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            add: None,
+            drop: Some(vec!["ALL".into()]),
+        }),
+        ..SecurityContext::default()
+    }
+}
+
+/// KubeVirt's minimal container-disk resources: the containers only serve a file.
+fn container_disk_resources() -> ResourceRequirements {
+    let q = |cpu: &str, mem: &str| {
+        BTreeMap::from([
+            ("cpu".to_owned(), Quantity(cpu.into())),
+            ("memory".to_owned(), Quantity(mem.into())),
+        ])
+    };
+    ResourceRequirements {
+        requests: Some(q("1m", "1M")),
+        limits: Some(q("10m", "40M")),
+        ..ResourceRequirements::default()
+    }
+}
+
+fn compute_resources(
+    vmi: &VirtualMachineInstance,
+    cluster: &ClusterConfig,
+) -> Result<ResourceRequirements, TemplateError> {
+    let d = &vmi.spec.domain;
+    let guest = guest_memory(vmi)?;
+    let overhead = memory_overhead(vmi, guest, cluster.use_emulation);
+    let request_base = match d.resources.requests.get("memory") {
+        Some(q) => bytes_of(q, "spec.domain.resources.requests.memory")?,
+        None => guest,
+    };
+    let overcommit = d.resources.overcommit_guest_overhead == Some(true);
+    let mut requests = BTreeMap::new();
+    let mut limits = BTreeMap::new();
+    requests.insert(
+        "memory".to_owned(),
+        quantity_bytes(if overcommit {
+            request_base
+        } else {
+            request_base + overhead
+        }),
+    );
+    requests.insert(
+        "cpu".to_owned(),
+        d.resources
+            .requests
+            .get("cpu")
+            .cloned()
+            .unwrap_or_else(|| cluster.cpu_request.clone()),
+    );
+    if let Some(q) = d.resources.limits.get("memory") {
+        let l = bytes_of(q, "spec.domain.resources.limits.memory")?;
+        limits.insert("memory".to_owned(), quantity_bytes(l + overhead));
+    }
+    if let Some(q) = d.resources.limits.get("cpu") {
+        limits.insert("cpu".to_owned(), q.clone());
+    }
+    let one = || Quantity("1".into());
+    if !cluster.use_emulation {
+        limits.insert(KVM_RESOURCE.into(), one());
+    }
+    limits.insert(TUN_RESOURCE.into(), one());
+    let virtio_net = vmi
+        .spec
+        .domain
+        .devices
+        .interfaces
+        .iter()
+        .any(|i| i.model_or_default() == InterfaceModel::Virtio);
+    if virtio_net && !cluster.use_emulation {
+        limits.insert(VHOST_NET_RESOURCE.into(), one());
+    }
+    // Device plugin resources must be requested as much as limited.
+    for (k, v) in &limits {
+        if k.starts_with("devices.kubevirt.io/") {
+            requests.insert(k.clone(), v.clone());
+        }
+    }
+    Ok(ResourceRequirements {
+        requests: Some(requests),
+        limits: Some(limits),
+        ..ResourceRequirements::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vmi(yaml: &str) -> VirtualMachineInstance {
+        let mut v: VirtualMachineInstance = serde_yaml::from_str(yaml).unwrap();
+        v.metadata.uid = Some("1234-abcd".into());
+        v
+    }
+
+    const SMALL: &str = "
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: testvmi, namespace: default, labels: {app: demo}}
+spec:
+  domain:
+    resources: {requests: {memory: 128Mi}}
+    devices: {}
+";
+
+    #[test]
+    fn overhead_formula() {
+        let v = vmi(SMALL);
+        let mib = 1 << 20;
+        let guest = 128 * mib;
+        // 8 + 48 + 8 x 1 vCPU + 16 video, plus 128 MiB / 512 of page tables.
+        assert_eq!(memory_overhead(&v, guest, false), 80 * mib + 256 * 1024);
+        assert_eq!(
+            memory_overhead(&v, guest, true),
+            (80 + 128) * mib + 256 * 1024
+        );
+    }
+
+    #[test]
+    fn resources_include_overhead_and_devices() {
+        let v = vmi(SMALL);
+        let pod =
+            render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default()).unwrap();
+        let r = pod.spec.unwrap().containers[0].resources.clone().unwrap();
+        let req = r.requests.unwrap();
+        let lim = r.limits.unwrap();
+        assert_eq!(
+            req["memory"].0,
+            format_binary_si(i128::from(128u64 * (1 << 20) + 80 * (1 << 20) + 256 * 1024))
+        );
+        assert_eq!(req["cpu"].0, "100m");
+        assert_eq!(lim[KVM_RESOURCE].0, "1");
+        assert_eq!(lim[TUN_RESOURCE].0, "1");
+        let emulated = ClusterConfig {
+            use_emulation: true,
+            ..ClusterConfig::default()
+        };
+        let pod = render_launcher_pod(&v, &TemplateConfig::default(), &emulated).unwrap();
+        let c = &pod.spec.unwrap().containers[0];
+        assert!(
+            !c.resources
+                .as_ref()
+                .unwrap()
+                .limits
+                .as_ref()
+                .unwrap()
+                .contains_key(KVM_RESOURCE)
+        );
+        assert!(
+            c.args
+                .as_ref()
+                .unwrap()
+                .contains(&"--allow-emulation".to_owned())
+        );
+    }
+
+    #[test]
+    fn missing_memory_is_reported_with_its_field() {
+        let v = vmi("
+metadata: {name: a, namespace: default}
+spec: {domain: {devices: {}}}
+");
+        let e = render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default())
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.domain.resources.requests.memory: the VMI sets no memory"
+        );
+    }
+
+    #[test]
+    fn node_selector_adds_schedulable() {
+        let v = vmi("
+metadata: {name: a, namespace: default}
+spec: {nodeSelector: {disk: ssd}, domain: {resources: {requests: {memory: 64Mi}}, devices: {}}}
+");
+        let pod =
+            render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default()).unwrap();
+        let sel = pod.spec.unwrap().node_selector.unwrap();
+        assert_eq!(sel.len(), 2);
+        assert_eq!(
+            (sel["disk"].as_str(), sel[SCHEDULABLE_LABEL].as_str()),
+            ("ssd", "true")
+        );
+    }
+}

@@ -1,0 +1,645 @@
+//! The VMI controller's decisions as pure functions: whether a VMI needs a launcher pod, and
+//! the phase and conditions its pod implies (`pkg/virt-controller/watch/vmi`: `sync`,
+//! `updateStatus`). Pending -> Scheduling (a pod exists) -> Scheduled (the pod runs; from here
+//! virt-handler owns the VMI); a pod that fails or vanishes before the guest runs -> Failed.
+
+use api::common::ConditionStatus;
+use api::status::{
+    PhaseTransitionTimestamp, VirtualMachineInstanceCondition, VirtualMachineInstanceConditionType,
+};
+use api::validation::FieldError;
+use api::{VirtualMachineInstance, VirtualMachineInstancePhase, VirtualMachineInstanceStatus};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+
+use crate::events;
+
+/// Label naming the node a VMI was scheduled to (virt-handler selects its VMIs by it).
+pub const NODE_NAME_LABEL: &str = "kubevirt.io/nodeName";
+/// Reason of the condition a VMI that failed validation gets.
+pub const FAILED_VALIDATION: &str = "FailedValidation";
+/// Condition type Kubernetes uses for pod scheduling, mirrored onto the VMI.
+pub const POD_SCHEDULED: &str = "PodScheduled";
+
+/// The VMI's phase, `None` when unset.
+pub fn phase_of(vmi: &VirtualMachineInstance) -> Option<VirtualMachineInstancePhase> {
+    vmi.status.as_ref().and_then(|s| s.phase.clone())
+}
+
+/// Succeeded or Failed.
+pub fn is_final(vmi: &VirtualMachineInstance) -> bool {
+    phase_of(vmi).is_some_and(|p| p.is_final())
+}
+
+/// Whether `pod` is a launcher pod of `vmi`: its controller owner reference is the VMI's uid.
+pub fn is_launcher_of(pod: &Pod, vmi: &VirtualMachineInstance) -> bool {
+    let Some(uid) = vmi.metadata.uid.as_deref() else {
+        return false;
+    };
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true) && o.uid == uid)
+}
+
+/// The launcher pod that counts for `vmi` among `pods`: one not being deleted, else any.
+pub fn current_pod<'a>(vmi: &VirtualMachineInstance, pods: &'a [Pod]) -> Option<&'a Pod> {
+    let mut mine = pods.iter().filter(|p| is_launcher_of(p, vmi));
+    let all: Vec<_> = mine.by_ref().collect();
+    all.iter()
+        .find(|p| p.metadata.deletion_timestamp.is_none())
+        .or_else(|| all.first())
+        .copied()
+}
+
+/// What to do with the VMI's pods.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodAction {
+    /// Nothing.
+    None,
+    /// Render and create the launcher pod.
+    Create,
+    /// Delete these launcher pods (by name).
+    Delete(Vec<String>),
+}
+
+/// Everything one sync of a VMI decides.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VmiSync {
+    /// What to do with pods.
+    pub pods: PodAction,
+    /// The status to write (equal to the old one when nothing changed).
+    pub status: VirtualMachineInstanceStatus,
+    /// Set the `kubevirt.io/nodeName` label to this.
+    pub node_label: Option<String>,
+    /// The VMI is final and its pods are gone: drop the VMI finalizer.
+    pub release_finalizer: bool,
+}
+
+fn pod_phase(pod: &Pod) -> &str {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending")
+}
+
+fn pod_node(pod: &Pod) -> Option<&str> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .filter(|n| !n.is_empty())
+}
+
+/// KubeVirt's `IsPodReady`: the pod runs and every container but `compute` is ready; the
+/// compute container becomes ready only once virt-handler synced the VMI.
+pub fn launcher_ready(pod: &Pod) -> bool {
+    if pod_phase(pod) != "Running" {
+        return false;
+    }
+    pod.status
+        .as_ref()
+        .map(|s| s.container_statuses.iter().flatten())
+        .into_iter()
+        .flatten()
+        .filter(|c| c.name != "compute")
+        .all(|c| c.ready)
+}
+
+fn set_phase(
+    status: &mut VirtualMachineInstanceStatus,
+    phase: VirtualMachineInstancePhase,
+    now: Timestamp,
+) {
+    if status.phase.as_ref() == Some(&phase) {
+        return;
+    }
+    status
+        .phase_transition_timestamps
+        .push(PhaseTransitionTimestamp {
+            phase: Some(phase.clone()),
+            phase_transition_timestamp: Some(Time(now)),
+        });
+    status.phase = Some(phase);
+}
+
+fn set_condition(
+    status: &mut VirtualMachineInstanceStatus,
+    type_: VirtualMachineInstanceConditionType,
+    cond_status: ConditionStatus,
+    reason: &str,
+    message: String,
+    now: Timestamp,
+) {
+    if let Some(c) = status.conditions.iter_mut().find(|c| c.type_ == type_) {
+        if c.status != cond_status || c.reason.as_deref() != Some(reason) {
+            c.last_transition_time = Some(Time(now));
+        }
+        c.status = cond_status;
+        c.reason = Some(reason.to_owned());
+        c.message = Some(message);
+        return;
+    }
+    status.conditions.push(VirtualMachineInstanceCondition {
+        type_,
+        status: cond_status,
+        last_probe_time: None,
+        last_transition_time: Some(Time(now)),
+        reason: Some(reason.to_owned()),
+        message: Some(message),
+    });
+}
+
+fn remove_condition(
+    status: &mut VirtualMachineInstanceStatus,
+    type_: &VirtualMachineInstanceConditionType,
+    reason: Option<&str>,
+) {
+    status
+        .conditions
+        .retain(|c| &c.type_ != type_ || reason.is_some_and(|r| c.reason.as_deref() != Some(r)));
+}
+
+/// The message of the validation condition: every field at fault.
+pub fn validation_message(errors: &[FieldError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Why a container-disk container cannot start, if it is an image pull problem.
+fn image_pull_problem(pod: &Pod) -> Option<(&'static str, String)> {
+    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+    statuses.iter().find_map(|c| {
+        let waiting = c.state.as_ref()?.waiting.as_ref()?;
+        let reason = match waiting.reason.as_deref()? {
+            "ErrImagePull" => events::ERR_IMAGE_PULL,
+            "ImagePullBackOff" => events::IMAGE_PULL_BACK_OFF,
+            _ => return None,
+        };
+        Some((
+            reason,
+            format!(
+                "container {}: {}",
+                c.name,
+                waiting.message.clone().unwrap_or_default()
+            ),
+        ))
+    })
+}
+
+/// One sync of `vmi`, given its launcher pods and the problems validation found.
+pub fn sync(
+    vmi: &VirtualMachineInstance,
+    pods: &[Pod],
+    validation: &[FieldError],
+    now: Timestamp,
+) -> VmiSync {
+    use VirtualMachineInstancePhase as Ph;
+    let mut status = vmi.status.clone().unwrap_or_default();
+    let mine: Vec<&Pod> = pods.iter().filter(|p| is_launcher_of(p, vmi)).collect();
+    let pod = current_pod(vmi, pods);
+    let deleting = vmi.metadata.deletion_timestamp.is_some();
+    let mut out = VmiSync {
+        pods: PodAction::None,
+        status: VirtualMachineInstanceStatus::default(),
+        node_label: None,
+        release_finalizer: false,
+    };
+    let phase = status.phase.clone();
+    let final_ = phase
+        .as_ref()
+        .is_some_and(VirtualMachineInstancePhase::is_final);
+
+    if deleting || final_ {
+        let live: Vec<String> = mine
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        if !live.is_empty() {
+            out.pods = PodAction::Delete(live);
+        }
+        if mine.is_empty() {
+            if !final_ {
+                // No guest can run without its pod: the instance is over.
+                set_phase(&mut status, Ph::Failed, now);
+            }
+            out.release_finalizer = true;
+        }
+        out.status = status;
+        return out;
+    }
+
+    let unprocessed = matches!(phase, None | Some(Ph::Pending));
+    if unprocessed && pod.is_none() {
+        set_phase(&mut status, Ph::Pending, now);
+        if validation.is_empty() {
+            remove_condition(
+                &mut status,
+                &VirtualMachineInstanceConditionType::Synchronized,
+                Some(FAILED_VALIDATION),
+            );
+            out.pods = PodAction::Create;
+        } else {
+            set_condition(
+                &mut status,
+                VirtualMachineInstanceConditionType::Synchronized,
+                ConditionStatus::False,
+                FAILED_VALIDATION,
+                validation_message(validation),
+                now,
+            );
+        }
+        out.status = status;
+        return out;
+    }
+
+    let Some(pod) = pod else {
+        // Scheduling, Scheduled or Running and the pod is gone.
+        set_phase(&mut status, Ph::Failed, now);
+        status.reason = Some("PodVanished".into());
+        out.status = status;
+        return out;
+    };
+
+    let pod_over = matches!(pod_phase(pod), "Failed" | "Succeeded")
+        || pod.metadata.deletion_timestamp.is_some();
+    let before_running = matches!(
+        phase,
+        None | Some(Ph::Pending | Ph::Scheduling | Ph::Scheduled)
+    );
+    if pod_over && before_running {
+        set_phase(&mut status, Ph::Failed, now);
+        status.reason = Some("PodFailed".into());
+        out.status = status;
+        return out;
+    }
+
+    if unprocessed {
+        set_phase(&mut status, Ph::Scheduling, now);
+    }
+
+    // Scheduling problems and image pulls show on the VMI while it waits for its pod.
+    let scheduled_cond = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == POD_SCHEDULED));
+    let pod_scheduled = VirtualMachineInstanceConditionType::Other(POD_SCHEDULED.into());
+    match scheduled_cond {
+        Some(c) if c.status == "False" && status.phase == Some(Ph::Scheduling) => set_condition(
+            &mut status,
+            pod_scheduled,
+            ConditionStatus::False,
+            c.reason.as_deref().unwrap_or("Unschedulable"),
+            c.message.clone().unwrap_or_default(),
+            now,
+        ),
+        _ => remove_condition(&mut status, &pod_scheduled, None),
+    }
+    if let Some((reason, message)) = image_pull_problem(pod) {
+        set_condition(
+            &mut status,
+            VirtualMachineInstanceConditionType::Synchronized,
+            ConditionStatus::False,
+            reason,
+            message,
+            now,
+        );
+    } else {
+        {
+            remove_condition(
+                &mut status,
+                &VirtualMachineInstanceConditionType::Synchronized,
+                Some(events::ERR_IMAGE_PULL),
+            );
+            remove_condition(
+                &mut status,
+                &VirtualMachineInstanceConditionType::Synchronized,
+                Some(events::IMAGE_PULL_BACK_OFF),
+            );
+        }
+    }
+
+    if status.phase == Some(Ph::Scheduling) && launcher_ready(pod) {
+        if let Some(node) = pod_node(pod) {
+            set_phase(&mut status, Ph::Scheduled, now);
+            status.node_name = Some(node.to_owned());
+            out.node_label = Some(node.to_owned());
+        }
+    }
+    if let (Some(uid), Some(node)) = (pod.metadata.uid.as_deref(), pod_node(pod)) {
+        if status.phase != Some(Ph::Scheduling) {
+            status.active_pods.insert(uid.to_owned(), node.to_owned());
+        }
+    }
+    out.status = status;
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::VirtualMachineInstanceSpec;
+    use k8s_openapi::api::core::v1::{
+        ContainerState, ContainerStateWaiting, ContainerStatus, PodCondition, PodSpec, PodStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+    use pretty_assertions::assert_eq;
+
+    use VirtualMachineInstancePhase as Ph;
+
+    fn now() -> Timestamp {
+        "2026-01-01T00:00:00Z".parse().unwrap()
+    }
+
+    fn vmi(phase: Option<Ph>) -> VirtualMachineInstance {
+        let mut v = VirtualMachineInstance::new("a", VirtualMachineInstanceSpec::default());
+        v.metadata.uid = Some("vmi-uid".into());
+        v.status = phase.map(|p| VirtualMachineInstanceStatus {
+            phase: Some(p),
+            ..Default::default()
+        });
+        v
+    }
+
+    fn pod(phase: &str, node: Option<&str>) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some("virt-launcher-a-xyz12".into()),
+                uid: Some("pod-uid".into()),
+                owner_references: Some(vec![OwnerReference {
+                    uid: "vmi-uid".into(),
+                    controller: Some(true),
+                    ..OwnerReference::default()
+                }]),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: node.map(Into::into),
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                ..PodStatus::default()
+            }),
+        }
+    }
+
+    fn phase_after(vmi: &VirtualMachineInstance, pods: &[Pod]) -> Option<Ph> {
+        sync(vmi, pods, &[], now()).status.phase
+    }
+
+    #[test]
+    fn phase_table() {
+        let foreign = {
+            let mut p = pod("Running", Some("n1"));
+            p.metadata.owner_references.as_mut().unwrap()[0].uid = "other".into();
+            p
+        };
+        #[allow(clippy::type_complexity)]
+        let cases: Vec<(&str, Option<Ph>, Vec<Pod>, Option<Ph>, PodAction)> = vec![
+            (
+                "new -> pending, create",
+                None,
+                vec![],
+                Some(Ph::Pending),
+                PodAction::Create,
+            ),
+            (
+                "pending -> create",
+                Some(Ph::Pending),
+                vec![],
+                Some(Ph::Pending),
+                PodAction::Create,
+            ),
+            (
+                "foreign pod ignored",
+                Some(Ph::Pending),
+                vec![foreign],
+                Some(Ph::Pending),
+                PodAction::Create,
+            ),
+            (
+                "pod exists -> scheduling",
+                Some(Ph::Pending),
+                vec![pod("Pending", None)],
+                Some(Ph::Scheduling),
+                PodAction::None,
+            ),
+            (
+                "bound, not running",
+                Some(Ph::Scheduling),
+                vec![pod("Pending", Some("n1"))],
+                Some(Ph::Scheduling),
+                PodAction::None,
+            ),
+            (
+                "running -> scheduled",
+                Some(Ph::Scheduling),
+                vec![pod("Running", Some("n1"))],
+                Some(Ph::Scheduled),
+                PodAction::None,
+            ),
+            (
+                "pod failed early",
+                Some(Ph::Scheduling),
+                vec![pod("Failed", Some("n1"))],
+                Some(Ph::Failed),
+                PodAction::None,
+            ),
+            (
+                "pod failed while scheduled",
+                Some(Ph::Scheduled),
+                vec![pod("Failed", Some("n1"))],
+                Some(Ph::Failed),
+                PodAction::None,
+            ),
+            (
+                "pod vanished",
+                Some(Ph::Scheduling),
+                vec![],
+                Some(Ph::Failed),
+                PodAction::None,
+            ),
+            (
+                "pod vanished while running",
+                Some(Ph::Running),
+                vec![],
+                Some(Ph::Failed),
+                PodAction::None,
+            ),
+            (
+                "running stays running",
+                Some(Ph::Running),
+                vec![pod("Running", Some("n1"))],
+                Some(Ph::Running),
+                PodAction::None,
+            ),
+            (
+                "final deletes pod",
+                Some(Ph::Succeeded),
+                vec![pod("Running", Some("n1"))],
+                Some(Ph::Succeeded),
+                PodAction::Delete(vec!["virt-launcher-a-xyz12".into()]),
+            ),
+        ];
+        for (name, phase, pods, want_phase, want_action) in cases {
+            let out = sync(&vmi(phase), &pods, &[], now());
+            assert_eq!(
+                (out.status.phase, out.pods),
+                (want_phase, want_action),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn scheduled_sets_node_label_and_active_pods() {
+        let out = sync(
+            &vmi(Some(Ph::Scheduling)),
+            &[pod("Running", Some("n1"))],
+            &[],
+            now(),
+        );
+        assert_eq!(out.status.node_name.as_deref(), Some("n1"));
+        assert_eq!(out.node_label.as_deref(), Some("n1"));
+        assert_eq!(
+            out.status.active_pods.get("pod-uid").map(String::as_str),
+            Some("n1")
+        );
+        let stamps: Vec<_> = out
+            .status
+            .phase_transition_timestamps
+            .iter()
+            .map(|t| t.phase.clone())
+            .collect();
+        assert_eq!(stamps, [Some(Ph::Scheduled)]);
+    }
+
+    #[test]
+    fn scheduled_waits_for_sidecar_containers() {
+        let mut p = pod("Running", Some("n1"));
+        p.status.as_mut().unwrap().container_statuses = Some(vec![
+            ContainerStatus {
+                name: "compute".into(),
+                ready: false,
+                ..ContainerStatus::default()
+            },
+            ContainerStatus {
+                name: "volumedisk".into(),
+                ready: false,
+                ..ContainerStatus::default()
+            },
+        ]);
+        assert_eq!(
+            phase_after(&vmi(Some(Ph::Scheduling)), std::slice::from_ref(&p)),
+            Some(Ph::Scheduling)
+        );
+        p.status
+            .as_mut()
+            .unwrap()
+            .container_statuses
+            .as_mut()
+            .unwrap()[1]
+            .ready = true;
+        assert_eq!(
+            phase_after(&vmi(Some(Ph::Scheduling)), &[p]),
+            Some(Ph::Scheduled),
+            "compute may be unready"
+        );
+    }
+
+    #[test]
+    fn validation_failure_gets_a_condition_and_no_pod() {
+        let errors = vec![
+            FieldError {
+                path: "spec.domain.devices.disks[0].name".into(),
+                message: "no volume named \"x\"".into(),
+            },
+            FieldError {
+                path: "spec.domain.cpu.cores".into(),
+                message: "must be positive".into(),
+            },
+        ];
+        let out = sync(&vmi(None), &[], &errors, now());
+        assert_eq!(out.pods, PodAction::None);
+        assert_eq!(out.status.phase, Some(Ph::Pending));
+        let c = out
+            .status
+            .condition(&VirtualMachineInstanceConditionType::Synchronized)
+            .unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_deref()),
+            ("False", Some(FAILED_VALIDATION))
+        );
+        assert_eq!(
+            c.message.as_deref(),
+            Some(
+                "spec.domain.devices.disks[0].name: no volume named \"x\"; spec.domain.cpu.cores: must be positive"
+            )
+        );
+    }
+
+    #[test]
+    fn deleting_vmi_deletes_pods_then_fails_and_releases() {
+        let mut v = vmi(Some(Ph::Scheduled));
+        v.metadata.deletion_timestamp = Some(Time(now()));
+        let out = sync(&v, &[pod("Running", Some("n1"))], &[], now());
+        assert_eq!(
+            out.pods,
+            PodAction::Delete(vec!["virt-launcher-a-xyz12".into()])
+        );
+        assert!(!out.release_finalizer);
+        let out = sync(&v, &[], &[], now());
+        assert_eq!(
+            (out.status.phase, out.release_finalizer),
+            (Some(Ph::Failed), true)
+        );
+    }
+
+    #[test]
+    fn unschedulable_and_image_pull_conditions() {
+        let mut p = pod("Pending", None);
+        let st = p.status.as_mut().unwrap();
+        st.conditions = Some(vec![PodCondition {
+            type_: POD_SCHEDULED.into(),
+            status: "False".into(),
+            reason: Some("Unschedulable".into()),
+            message: Some("0/1 nodes are available".into()),
+            ..PodCondition::default()
+        }]);
+        st.container_statuses = Some(vec![ContainerStatus {
+            name: "volumedisk0".into(),
+            state: Some(ContainerState {
+                waiting: Some(ContainerStateWaiting {
+                    reason: Some("ErrImagePull".into()),
+                    message: Some("not found".into()),
+                }),
+                ..ContainerState::default()
+            }),
+            ..ContainerStatus::default()
+        }]);
+        let out = sync(&vmi(Some(Ph::Scheduling)), &[p], &[], now());
+        let sched = out
+            .status
+            .condition(&VirtualMachineInstanceConditionType::Other(
+                POD_SCHEDULED.into(),
+            ))
+            .unwrap();
+        assert_eq!(sched.reason.as_deref(), Some("Unschedulable"));
+        let sync_c = out
+            .status
+            .condition(&VirtualMachineInstanceConditionType::Synchronized)
+            .unwrap();
+        assert_eq!(sync_c.reason.as_deref(), Some("ErrImagePull"));
+        assert_eq!(
+            sync_c.message.as_deref(),
+            Some("container volumedisk0: not found")
+        );
+    }
+}

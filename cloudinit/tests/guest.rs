@@ -19,6 +19,9 @@ const READY: &str = "KUBEVIRT-RS-GUEST-READY";
 const USERDATA_DONE: &str = "KUBEVIRT-RS-USERDATA-DONE";
 const OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
 const OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+const OVMF_CODE_SECBOOT: &str = "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd";
+/// Variables with Microsoft's keys enrolled and Secure Boot enabled.
+const OVMF_VARS_MS: &str = "/usr/share/OVMF/OVMF_VARS_4M.ms.fd";
 
 fn guest_dir() -> PathBuf {
     let dir = std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
@@ -37,9 +40,12 @@ enum Boot {
     /// `-kernel`/`-initrd` with `console=ttyS0`.
     Kernel,
     /// The bootable disk through the machine's default firmware (SeaBIOS).
-    DiskBios,
+    Bios,
     /// The bootable disk through OVMF.
-    DiskEfi,
+    Efi,
+    /// The bootable disk through OVMF with Secure Boot on (needs SMM: use a q35 machine with
+    /// `smm=on`).
+    SecureBoot,
 }
 
 /// A running QEMU and its sockets; killed and cleaned up on drop, whatever the test's outcome.
@@ -97,12 +103,24 @@ impl Guest {
                 "-append".into(),
                 "console=ttyS0".into(),
             ]),
-            Boot::DiskBios | Boot::DiskEfi => {
-                if matches!(boot, Boot::DiskEfi) {
-                    fs::copy(OVMF_VARS, dir.path().join("vars.fd")).unwrap();
+            Boot::Bios | Boot::Efi | Boot::SecureBoot => {
+                let firmware = match boot {
+                    Boot::Efi => Some((OVMF_CODE, OVMF_VARS)),
+                    Boot::SecureBoot => {
+                        // The firmware's flash may only be written from SMM.
+                        args.extend([
+                            "-global".into(),
+                            "driver=cfi.pflash01,property=secure,value=on".into(),
+                        ]);
+                        Some((OVMF_CODE_SECBOOT, OVMF_VARS_MS))
+                    }
+                    _ => None,
+                };
+                if let Some((code, vars)) = firmware {
+                    fs::copy(vars, dir.path().join("vars.fd")).unwrap();
                     args.extend([
                         "-drive".into(),
-                        format!("if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}"),
+                        format!("if=pflash,format=raw,unit=0,readonly=on,file={code}"),
                         "-drive".into(),
                         format!("if=pflash,format=raw,unit=1,file={}", p("vars.fd")),
                     ]);
@@ -296,17 +314,34 @@ fn guest_kernel_boot_q35_agent_reports() {
 
 #[test]
 fn guest_disk_boot_seabios_pc() {
-    boot_and_check("disk boot, SeaBIOS, pc", "pc", &Boot::DiskBios);
+    boot_and_check("disk boot, SeaBIOS, pc", "pc", &Boot::Bios);
 }
 
 #[test]
 fn guest_disk_boot_seabios_q35() {
-    boot_and_check("disk boot, SeaBIOS, q35", "q35", &Boot::DiskBios);
+    boot_and_check("disk boot, SeaBIOS, q35", "q35", &Boot::Bios);
 }
 
 #[test]
 fn guest_disk_boot_ovmf_q35() {
-    boot_and_check("disk boot, OVMF, q35", "q35", &Boot::DiskEfi);
+    boot_and_check("disk boot, OVMF, q35", "q35", &Boot::Efi);
+}
+
+/// shim (signed by Microsoft's UEFI CA), GRUB and the kernel (signed by Debian) make the disk
+/// boot with Secure Boot enforced.
+#[test]
+fn guest_disk_boot_secure_boot_q35() {
+    let mut guest = Guest::start("q35,smm=on", &Boot::SecureBoot, &[]);
+    let ready = guest.wait_for_console(READY);
+    let agent = guest.wait_for_agent();
+    assert!(
+        guest.console().contains("secureboot: Secure boot enabled"),
+        "{}",
+        guest.console()
+    );
+    eprintln!(
+        "disk boot, OVMF Secure Boot, q35: console ready after {ready:?}, agent answered after {agent:?}"
+    );
 }
 
 /// The ACPI power button (QMP system_powerdown) reaches busybox acpid, which powers the guest

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the test guest from Debian packages only (see docs/test-guest.md):
 #   vmlinuz, initrd.img (busybox + qemu-guest-agent + virtio modules), disk.qcow2 (bootable with
-#   SeaBIOS through syslinux and with OVMF through systemd-boot), containerdisk/disk/disk.qcow2
-#   and manifest.json, into ${KUBEVIRT_RS_GUEST_DIR:-<repo>/.cache/guest}.
+#   SeaBIOS through syslinux and with OVMF through shim and GRUB, Secure Boot included),
+#   containerdisk/disk/disk.qcow2 and manifest.json, into ${KUBEVIRT_RS_GUEST_DIR:-<repo>/.cache/guest}.
 # Cached by a hash of its inputs (this script, rootfs/, the packages' versions): a second run
 # with nothing changed returns at once. Needs root (device nodes in the initramfs), apt-get,
 # dpkg-deb, cpio, zstd, mtools, syslinux, sfdisk, qemu-img (hack/deps.sh installs them).
@@ -32,9 +32,10 @@ modules=(
   isofs vfat nls_cp437 nls_iso8859-1 nls_utf8
   button evdev
 )
-# qemu-ga and the libraries it links (checked below against its ELF NEEDED entries).
+# qemu-ga and the libraries it links (checked below against its ELF NEEDED entries); the
+# signed EFI boot chain (shim signed by Microsoft's UEFI CA, GRUB and the kernel by Debian).
 packages=(busybox-static qemu-guest-agent libc6 libglib2.0-0 libpcre2-8-0 libnuma1 libudev1 liburing2
-  systemd-boot-efi)
+  shim-signed grub-efi-amd64-signed)
 
 log() { echo "guest: $*" >&2; }
 
@@ -209,8 +210,10 @@ cp "$x/boot/vmlinuz-$kver" "$out.new/vmlinuz"
   zstd -q -19 -T0 >"$out.new/initrd.img"
 
 # The bootable disk: an MBR with one active FAT partition holding the kernel and initrd,
-# syslinux for BIOS and systemd-boot (EFI/BOOT/BOOTX64.EFI) for OVMF, both starting the
-# kernel with console=ttyS0.
+# syslinux for BIOS, and for OVMF the removable-media path EFI/BOOT/BOOTX64.EFI = shim, which
+# starts grubx64.efi from its own directory; Debian's signed GRUB reads /EFI/debian/grub.cfg.
+# Every EFI stage and the kernel are signed, so the disk also boots with Secure Boot on
+# (OVMF_CODE*.secboot.fd with the Microsoft keys of OVMF_VARS*.ms.fd).
 kernel_size=$(stat -c %s "$out.new/vmlinuz")
 initrd_size=$(stat -c %s "$out.new/initrd.img")
 part_mib=$(((kernel_size + initrd_size) / 1048576 + 8))
@@ -239,15 +242,24 @@ LABEL guest
 EOF
 mcopy -i "$part" "$work/syslinux.cfg" ::/syslinux.cfg
 syslinux --offset 1048576 --install "$img"
-mmd -i "$part" ::/EFI ::/EFI/BOOT ::/loader ::/loader/entries
-mcopy -i "$part" "$x/usr/lib/systemd/boot/efi/systemd-bootx64.efi" ::/EFI/BOOT/BOOTX64.EFI
-printf 'default guest.conf\ntimeout 0\nconsole-mode keep\n' >"$work/loader.conf"
-printf 'title kubevirt-rs test guest\nlinux /vmlinuz\ninitrd /initrd.img\noptions console=ttyS0\n' >"$work/guest.conf"
-mcopy -i "$part" "$work/loader.conf" ::/loader/loader.conf
-mcopy -i "$part" "$work/guest.conf" ::/loader/entries/guest.conf
+mmd -i "$part" ::/EFI ::/EFI/BOOT ::/EFI/debian
+mcopy -i "$part" "$x/usr/lib/shim/shimx64.efi.signed" ::/EFI/BOOT/BOOTX64.EFI
+mcopy -i "$part" "$x/usr/lib/grub/x86_64-efi-signed/grubx64.efi.signed" ::/EFI/BOOT/grubx64.efi
+cat >"$work/grub.cfg" <<'EOF'
+set timeout=0
+set default=0
+menuentry "kubevirt-rs test guest" {
+  linux /vmlinuz console=ttyS0
+  initrd /initrd.img
+}
+EOF
+mcopy -i "$part" "$work/grub.cfg" ::/EFI/debian/grub.cfg
 qemu-img convert -q -f raw -O qcow2 -c "$img" "$out.new/disk.qcow2"
+# A hard link, not a copy: it keeps the whole output under 40 MB. Both names are images to
+# boot from through an overlay or snapshot=on, never to write (hence read-only modes).
+chmod 0444 "$out.new/disk.qcow2"
 mkdir -p "$out.new/containerdisk/disk"
-cp "$out.new/disk.qcow2" "$out.new/containerdisk/disk/disk.qcow2"
+ln "$out.new/disk.qcow2" "$out.new/containerdisk/disk/disk.qcow2"
 
 cat >"$out.new/manifest.json" <<EOF
 {

@@ -45,7 +45,7 @@ enum Boot {
     Efi,
     /// The bootable disk through OVMF with Secure Boot on (needs SMM: use a q35 machine with
     /// `smm=on`).
-    SecureBoot,
+    EfiSecure,
 }
 
 /// A running QEMU and its sockets; killed and cleaned up on drop, whatever the test's outcome.
@@ -103,10 +103,10 @@ impl Guest {
                 "-append".into(),
                 "console=ttyS0".into(),
             ]),
-            Boot::Bios | Boot::Efi | Boot::SecureBoot => {
+            Boot::Bios | Boot::Efi | Boot::EfiSecure => {
                 let firmware = match boot {
                     Boot::Efi => Some((OVMF_CODE, OVMF_VARS)),
-                    Boot::SecureBoot => {
+                    Boot::EfiSecure => {
                         // The firmware's flash may only be written from SMM.
                         args.extend([
                             "-global".into(),
@@ -331,7 +331,7 @@ fn guest_disk_boot_ovmf_q35() {
 /// boot with Secure Boot enforced.
 #[test]
 fn guest_disk_boot_secure_boot_q35() {
-    let mut guest = Guest::start("q35,smm=on", &Boot::SecureBoot, &[]);
+    let mut guest = Guest::start("q35,smm=on", &Boot::EfiSecure, &[]);
     let ready = guest.wait_for_console(READY);
     let agent = guest.wait_for_agent();
     assert!(

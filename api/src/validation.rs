@@ -357,6 +357,11 @@ fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                 format!("{base}.startStrategy"),
                 format!("unknown start strategy {s:?} (only Paused)"),
             );
+        } else if spec.liveness_probe.is_some() {
+            e.add(
+                format!("{base}.startStrategy"),
+                "a VMI started paused cannot have a livenessProbe",
+            );
         }
     }
     if spec.termination_grace_period_seconds.is_some_and(|t| t < 0) {
@@ -554,10 +559,70 @@ fn cpu(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             }
         }
     }
+    if cpu.dedicated_cpu_placement == Some(true) {
+        dedicated_cpus(spec, cpu, base, e);
+    }
     if cpu.isolate_emulator_thread == Some(true) && cpu.dedicated_cpu_placement != Some(true) {
         e.add(
             format!("{path}.isolateEmulatorThread"),
             "only allowed together with dedicatedCpuPlacement",
+        );
+    }
+}
+
+/// KubeVirt's `validateCpuPinning`: dedicated CPUs need Guaranteed-QoS-shaped resources.
+fn dedicated_cpus(
+    spec: &VirtualMachineInstanceSpec,
+    cpu: &crate::vmi::Cpu,
+    base: &str,
+    e: &mut Errors,
+) {
+    let path = format!("{base}.domain.cpu.dedicatedCpuPlacement");
+    let res = &spec.domain.resources;
+    let get = |m: &BTreeMap<String, Quantity>, k: &str| {
+        m.get(k).and_then(|q| ParsedQuantity::from_quantity(q).ok())
+    };
+    let (req, lim) = (get(&res.requests, "cpu"), get(&res.limits, "cpu"));
+    for (field, q) in [("requests", req), ("limits", lim)] {
+        if let Some(q) = q {
+            if q.value() * 1000 != q.milli_value() {
+                e.add(
+                    format!("{base}.domain.resources.{field}.cpu"),
+                    "must be a whole number of CPUs when dedicatedCpuPlacement is true",
+                );
+            }
+        }
+    }
+    if cpu.threads.is_some_and(|t| t > 2) {
+        e.add(
+            path.clone(),
+            "at most two threads per core when dedicatedCpuPlacement is true",
+        );
+    }
+    let value = |q: Option<ParsedQuantity>| q.map_or(0, ParsedQuantity::value);
+    let vcpus = i128::from(cpu.vcpus());
+    let topology_given = cpu.cores.is_some() || cpu.sockets.is_some() || cpu.threads.is_some();
+    if value(req) > 0 && value(lim) > 0 && value(req) != value(lim) {
+        e.add(path.clone(), "resources.requests.cpu and resources.limits.cpu must be equal when dedicatedCpuPlacement is true");
+    }
+    if (value(req) > 0 || value(lim) > 0)
+        && topology_given
+        && value(req) != vcpus
+        && value(lim) != vcpus
+    {
+        e.add(path.clone(), format!("the CPU request or limit must equal the {vcpus} vCPUs of the topology when dedicatedCpuPlacement is true"));
+    }
+    if value(req) == 0 && value(lim) == 0 && !topology_given {
+        e.add(
+            path.clone(),
+            "needs resources.requests.cpu, resources.limits.cpu or a CPU topology",
+        );
+    }
+    let (mreq, mlim) = (get(&res.requests, "memory"), get(&res.limits, "memory"));
+    if value(mreq) > 0 && value(mlim) > 0 && value(mreq) != value(mlim) {
+        e.add(
+            format!("{base}.domain.resources.requests.memory"),
+            "must be equal to resources.limits.memory when dedicatedCpuPlacement is true",
         );
     }
 }

@@ -447,6 +447,39 @@ fn mistakes() -> Vec<Mistake> {
             "not a multiple of the page size 1Gi",
         ),
         m(
+            "paused start with a liveness probe",
+            vec![
+                ("/spec/startStrategy", json!("Paused")),
+                ("/spec/livenessProbe", json!({"guestAgentPing": {}})),
+            ],
+            "spec.startStrategy",
+            "cannot have a livenessProbe",
+        ),
+        m(
+            "dedicated CPUs with a fractional CPU request",
+            vec![
+                ("/spec/domain/cpu/dedicatedCpuPlacement", json!(true)),
+                ("/spec/domain/resources/requests/cpu", json!("1500m")),
+            ],
+            "spec.domain.resources.requests.cpu",
+            "whole number of CPUs",
+        ),
+        m(
+            "dedicated CPUs with memory request below the limit",
+            vec![("/spec/domain/cpu/dedicatedCpuPlacement", json!(true))],
+            "spec.domain.resources.requests.memory",
+            "must be equal to resources.limits.memory",
+        ),
+        m(
+            "dedicated CPUs with a request that does not match the topology",
+            vec![
+                ("/spec/domain/cpu/dedicatedCpuPlacement", json!(true)),
+                ("/spec/domain/resources/requests/cpu", json!("3")),
+            ],
+            "spec.domain.cpu.dedicatedCpuPlacement",
+            "must equal the 1 vCPUs of the topology",
+        ),
+        m(
             "unsupported architecture",
             vec![("/spec/architecture", json!("s390x"))],
             "spec.architecture",
@@ -693,4 +726,30 @@ fn vm_and_replicaset_mistakes() {
         .map(ToString::to_string)
         .collect();
     assert_eq!(text, ["spec.vmiName: required"]);
+}
+
+#[test]
+fn dedicated_cpus_with_guaranteed_resources_are_valid() {
+    let mut v = valid();
+    set(
+        &mut v,
+        "/spec/domain/cpu/dedicatedCpuPlacement",
+        json!(true),
+    );
+    set(
+        &mut v,
+        "/spec/domain/cpu/isolateEmulatorThread",
+        json!(true),
+    );
+    set(
+        &mut v,
+        "/spec/domain/resources/requests",
+        json!({"cpu": "1", "memory": "512Mi"}),
+    );
+    set(
+        &mut v,
+        "/spec/domain/resources/limits",
+        json!({"cpu": "1", "memory": "512Mi"}),
+    );
+    assert_eq!(errors(v, &ClusterConfig::default()), vec![]);
 }

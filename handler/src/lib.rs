@@ -2,6 +2,7 @@
 //! shutdown, heartbeats the node, talks to launchers over their unix sockets and serves VMI
 //! consoles and lifecycle calls over mTLS.
 
+pub mod client;
 pub mod events;
 pub mod guestinfo;
 pub mod heartbeat;

@@ -214,9 +214,10 @@ cp "$x/boot/vmlinuz-$kver" "$out.new/vmlinuz"
 # starts grubx64.efi from its own directory; Debian's signed GRUB reads /EFI/debian/grub.cfg.
 # Every EFI stage and the kernel are signed, so the disk also boots with Secure Boot on
 # (OVMF_CODE*.secboot.fd with the Microsoft keys of OVMF_VARS*.ms.fd).
-kernel_size=$(stat -c %s "$out.new/vmlinuz")
-initrd_size=$(stat -c %s "$out.new/initrd.img")
-part_mib=$(((kernel_size + initrd_size) / 1048576 + 8))
+# The partition: what it holds plus 4 MiB for the FAT, syslinux and slack.
+payload=$(stat -c %s "$out.new/vmlinuz" "$out.new/initrd.img" "$x/usr/lib/shim/shimx64.efi.signed" \
+  "$x/usr/lib/grub/x86_64-efi-signed/grubx64.efi.signed" | awk '{n += $1} END {print n}')
+part_mib=$((payload / 1048576 + 4))
 img=$work/disk.img
 truncate -s $(((part_mib + 1) * 1048576)) "$img"
 # The partition entry by hand (no fdisk needed): active, type 0x0e (FAT16 LBA), CHS fields

@@ -3,6 +3,7 @@
 //! It speaks the Kubernetes REST protocol over HTTPS (JSON only), so `kubectl` and kube-rs work
 //! against it unchanged. See `docs/localcluster.md` for what it implements.
 
+pub mod admission;
 pub mod controllers;
 pub mod discovery;
 pub mod error;

@@ -123,6 +123,32 @@ impl LabelSelector {
     }
 }
 
+/// Whether labels satisfy a structured `LabelSelector` (`matchLabels`, `matchExpressions`), as
+/// webhook `namespaceSelector` / `objectSelector` give them. An empty selector matches everything.
+pub fn selector_matches(selector: &Value, labels: &Value) -> bool {
+    let get = |k: &str| labels.get(k).and_then(Value::as_str);
+    let labels_ok = selector["matchLabels"]
+        .as_object()
+        .is_none_or(|m| m.iter().all(|(k, v)| get(k) == v.as_str()));
+    let exprs_ok = selector["matchExpressions"].as_array().is_none_or(|exprs| {
+        exprs.iter().all(|e| {
+            let key = e["key"].as_str().unwrap_or_default();
+            let values: Vec<&str> = e["values"]
+                .as_array()
+                .map(|v| v.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            match e["operator"].as_str() {
+                Some("In") => get(key).is_some_and(|l| values.contains(&l)),
+                Some("NotIn") => get(key).is_none_or(|l| !values.contains(&l)),
+                Some("Exists") => get(key).is_some(),
+                Some("DoesNotExist") => get(key).is_none(),
+                _ => false,
+            }
+        })
+    });
+    labels_ok && exprs_ok
+}
+
 /// A parsed field selector (`=`, `==` and `!=` on supported fields).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct FieldSelector(Vec<(String, bool, String)>);
@@ -256,6 +282,29 @@ mod tests {
         }
         assert!(LabelSelector::parse("a in b").is_err());
         assert!(LabelSelector::parse("a b").is_err());
+    }
+
+    #[test]
+    fn structured_selectors() {
+        let labels = json!({"env": "prod", "team": "a"});
+        assert!(selector_matches(&json!({}), &labels));
+        assert!(selector_matches(
+            &json!({"matchLabels": {"env": "prod"}}),
+            &labels
+        ));
+        assert!(!selector_matches(
+            &json!({"matchLabels": {"env": "dev"}}),
+            &labels
+        ));
+        let exprs = json!({"matchExpressions": [
+            {"key": "team", "operator": "In", "values": ["a", "b"]},
+            {"key": "skip", "operator": "DoesNotExist"}]});
+        assert!(selector_matches(&exprs, &labels));
+        assert!(!selector_matches(&exprs, &json!({"team": "c"})));
+        assert!(!selector_matches(
+            &json!({"matchExpressions": [{"key": "x", "operator": "Bogus"}]}),
+            &labels
+        ));
     }
 
     #[test]

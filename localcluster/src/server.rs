@@ -14,6 +14,7 @@ use futures::SinkExt as _;
 use serde_json::{Value, json};
 use tokio::sync::broadcast::error::RecvError;
 
+use crate::admission;
 use crate::discovery::Registry;
 use crate::error::ApiError;
 use crate::fields::{self, Writer};
@@ -232,7 +233,7 @@ pub async fn handle(
         })
         .unwrap_or_default();
     let path = uri.path().to_string();
-    let result = dispatch(&state, &method, &path, &query, &headers, &body);
+    let result = dispatch(&state, &method, &path, &query, &headers, &body).await;
     match result {
         Ok(r) => r,
         Err(e) => {
@@ -278,7 +279,7 @@ fn url_pairs(q: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-fn dispatch(
+async fn dispatch(
     state: &Arc<AppState>,
     method: &Method,
     path: &str,
@@ -340,7 +341,7 @@ fn dispatch(
             .map_or_else(|| Err(ApiError::path_not_found(path)), |d| ok(&d)),
         Route::OpenApiV2 => Err(ApiError::path_not_found(path)),
         Route::Resource(target) => {
-            resource(state, &registry, method, *target, query, headers, body)
+            resource(state, &registry, method, *target, query, headers, body).await
         }
     }
 }
@@ -409,7 +410,7 @@ fn manager(query: &Query, headers: &HeaderMap) -> String {
     })
 }
 
-fn resource(
+async fn resource(
     state: &Arc<AppState>,
     registry: &Registry,
     method: &Method,
@@ -431,12 +432,12 @@ fn resource(
         }
         (Method::GET, false) => list(state, &target, query, headers),
         (Method::GET, true) => get(state, &target, headers),
-        (Method::POST, false) => create(state, &target, query, headers, body),
+        (Method::POST, false) => create(state, &target, query, headers, body).await,
         (Method::POST, true) if target.sub.as_deref() == Some("binding") => {
             bind(state, &target, body)
         }
-        (Method::PUT, true) => update(state, &target, query, headers, body),
-        (Method::PATCH, true) => patch(state, &target, query, headers, body),
+        (Method::PUT, true) => update(state, &target, query, headers, body).await,
+        (Method::PATCH, true) => patch(state, &target, query, headers, body).await,
         (Method::DELETE, true) => delete(state, &target, query, body),
         (Method::DELETE, false) => delete_collection(state, &target, query, body),
         (m, _) => Err(ApiError::method_not_allowed(format!(
@@ -653,7 +654,7 @@ fn writer_time() -> String {
     now()
 }
 
-fn create(
+async fn create(
     state: &AppState,
     target: &Target,
     query: &Query,
@@ -678,6 +679,20 @@ fn create(
         ),
     };
     let ns = ns_key(target);
+    if state.store.read(admission::any_configured) {
+        obj["metadata"]["name"] = json!(name);
+        if let Some(ns) = &target.namespace {
+            obj["metadata"]["namespace"] = json!(ns);
+        }
+        let attrs = admission::Attributes {
+            def,
+            operation: "CREATE",
+            subresource: None,
+            namespace: target.namespace.as_deref(),
+            name: &name,
+        };
+        obj = admission::admit(&state.store, &attrs, obj, None).await?;
+    }
     let time = writer_time();
     let uid = uuid::Uuid::new_v4().to_string();
     let manager = manager(query, headers);
@@ -716,7 +731,44 @@ fn create(
 }
 
 /// Updates an existing object with `change`, which computes the new object from the current one.
-fn modify(
+/// With admission webhooks configured, the change is computed and admitted outside the store lock
+/// and retried when the object changed meanwhile.
+async fn modify(
+    state: &AppState,
+    target: &Target,
+    change: impl Fn(&Value) -> Result<Value, ApiError>,
+    manager: &str,
+) -> Result<Value, ApiError> {
+    if !state.store.read(admission::any_configured) {
+        return modify_locked(state, target, change, manager);
+    }
+    let def = &target.def;
+    let name = target.name.clone().unwrap_or_default();
+    let attrs = admission::Attributes {
+        def,
+        operation: "UPDATE",
+        subresource: target.sub.as_deref(),
+        namespace: target.namespace.as_deref(),
+        name: &name,
+    };
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let cur = state
+            .store
+            .get(&def.group_resource(), &ns_key(target), &name)
+            .ok_or_else(|| ApiError::not_found(&def.group, &def.plural, &name))?;
+        let cur = with_version(def, cur);
+        let wanted = change(&cur)?;
+        let admitted = admission::admit(&state.store, &attrs, wanted, Some(&cur)).await?;
+        match modify_locked(state, target, |_| Ok(admitted.clone()), manager) {
+            Err(e) if e.code == 409 && attempts < 5 => {}
+            other => return other,
+        }
+    }
+}
+
+fn modify_locked(
     state: &AppState,
     target: &Target,
     change: impl FnOnce(&Value) -> Result<Value, ApiError>,
@@ -755,7 +807,7 @@ fn modify(
         .map(|v| with_version(def, v))
 }
 
-fn update(
+async fn update(
     state: &AppState,
     target: &Target,
     query: &Query,
@@ -776,7 +828,8 @@ fn update(
             target,
             &body["spec"]["replicas"],
             &manager(query, headers),
-        )?;
+        )
+        .await?;
         return Ok(respond(StatusCode::OK, JSON, &scale_of(&target.def, &obj)));
     }
     let strict = is_strict(query);
@@ -785,10 +838,11 @@ fn update(
         target,
         |_| {
             strict_check(&target.def, strict, &body)?;
-            Ok(body)
+            Ok(body.clone())
         },
         &manager(query, headers),
-    )?;
+    )
+    .await?;
     Ok(respond(StatusCode::OK, JSON, &obj))
 }
 
@@ -804,7 +858,7 @@ fn content_type(headers: &HeaderMap) -> String {
         .to_string()
 }
 
-fn patch(
+async fn patch(
     state: &AppState,
     target: &Target,
     query: &Query,
@@ -845,7 +899,7 @@ fn patch(
                 )
             })?;
         let scale = apply_patch(&scale_of(def, &cur))?;
-        let obj = set_scale(state, target, &scale["spec"]["replicas"], &manager)?;
+        let obj = set_scale(state, target, &scale["spec"]["replicas"], &manager).await?;
         return Ok(respond(StatusCode::OK, JSON, &scale_of(def, &obj)));
     }
     let strict = is_strict(query);
@@ -858,7 +912,8 @@ fn patch(
             Ok(patched)
         },
         &manager,
-    )?;
+    )
+    .await?;
     Ok(respond(StatusCode::OK, JSON, &obj))
 }
 
@@ -1163,7 +1218,7 @@ fn scale_of(def: &ResourceDef, obj: &Value) -> Value {
     })
 }
 
-fn set_scale(
+async fn set_scale(
     state: &AppState,
     target: &Target,
     replicas: &Value,
@@ -1200,6 +1255,7 @@ fn set_scale(
         },
         manager,
     )
+    .await
 }
 
 /// How a watch presents objects.

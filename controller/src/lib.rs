@@ -6,6 +6,7 @@ pub mod events;
 pub mod expectations;
 pub mod node;
 pub mod replicaset;
+pub mod run;
 pub mod template;
 pub mod vm;
 pub mod vmi;

@@ -311,16 +311,11 @@ pub fn sync(
             now,
         );
     } else {
-        {
+        for reason in [events::ERR_IMAGE_PULL, events::IMAGE_PULL_BACK_OFF] {
             remove_condition(
                 &mut status,
                 &VirtualMachineInstanceConditionType::Synchronized,
-                Some(events::ERR_IMAGE_PULL),
-            );
-            remove_condition(
-                &mut status,
-                &VirtualMachineInstanceConditionType::Synchronized,
-                Some(events::IMAGE_PULL_BACK_OFF),
+                Some(reason),
             );
         }
     }

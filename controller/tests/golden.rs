@@ -1,0 +1,51 @@
+//! The rendered launcher pod of a representative VMI matches the checked-in YAML.
+//!
+//! After an intended change to the template, regenerate with
+//! `UPDATE_GOLDEN=1 cargo nextest run -p controller --test golden` and review the diff.
+
+use std::path::PathBuf;
+
+use api::{ClusterConfig, VirtualMachineInstance};
+use controller::template::{TemplateConfig, render_launcher_pod};
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+}
+
+fn check(vmi_file: &str, golden_file: &str, cluster: &ClusterConfig) {
+    let vmi: VirtualMachineInstance =
+        serde_yaml::from_str(&std::fs::read_to_string(dir().join(vmi_file)).unwrap()).unwrap();
+    let cfg = TemplateConfig {
+        launcher_image: "registry.example/kubevirt-rs/virt-launcher:v0.1.0".into(),
+        ..TemplateConfig::default()
+    };
+    let pod = render_launcher_pod(&vmi, &cfg, cluster).unwrap();
+    let rendered = serde_yaml::to_string(&pod).unwrap();
+    let golden = dir().join(golden_file);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        std::fs::write(&golden, &rendered).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&golden).unwrap_or_default();
+    pretty_assertions::assert_eq!(
+        want,
+        rendered,
+        "the launcher pod differs from {}; if the change is intended, regenerate with \
+         `UPDATE_GOLDEN=1 cargo nextest run -p controller --test golden` and review the diff",
+        golden.display()
+    );
+}
+
+#[test]
+fn launcher_pod_matches_golden() {
+    check("vmi.yaml", "launcher-pod.yaml", &ClusterConfig::default());
+}
+
+#[test]
+fn emulated_launcher_pod_matches_golden() {
+    let cluster = ClusterConfig {
+        use_emulation: true,
+        ..ClusterConfig::default()
+    };
+    check("vmi.yaml", "launcher-pod-emulated.yaml", &cluster);
+}

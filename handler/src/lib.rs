@@ -6,5 +6,8 @@ pub mod client;
 pub mod events;
 pub mod guestinfo;
 pub mod heartbeat;
+pub mod rest;
+pub mod server;
 pub mod shutdown;
 pub mod status;
+pub mod tls;

@@ -312,7 +312,7 @@ impl Registry {
                     "operationId": format!("patch{}", d.kind),
                     "x-kubernetes-action": "patch",
                     "x-kubernetes-group-version-kind": {"group": d.group, "version": d.version, "kind": d.kind},
-                    "parameters": [query("fieldValidation"), query("fieldManager"), query("force")],
+                    "parameters": [query("fieldValidation"), query("fieldManager"), query("force"), query("dryRun")],
                     "responses": {"200": {"description": "OK"}},
                 }}),
             );

@@ -132,6 +132,8 @@ struct Target {
     name: Option<String>,
     sub: Option<String>,
     legacy_watch: bool,
+    /// `dryRun=All`: compute and answer, store nothing.
+    dry_run: bool,
 }
 
 enum Route {
@@ -205,6 +207,7 @@ fn route(registry: &Registry, path: &str) -> Result<Route, ApiError> {
         name,
         sub,
         legacy_watch,
+        dry_run: false,
     })))
 }
 
@@ -419,6 +422,8 @@ async fn resource(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<Response<Body>, ApiError> {
+    let mut target = target;
+    target.dry_run = query.get("dryRun").is_some_and(|d| d == "All");
     let watch = target.legacy_watch || query.get("watch").is_some_and(|w| w == "true" || w == "1");
     let response = match (method.clone(), target.name.is_some()) {
         (Method::GET, false) if watch => return watch_response(state, &target, query, headers),
@@ -487,6 +492,22 @@ fn refresh_registry(state: &AppState, old: &Registry) {
         .registry
         .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+}
+
+/// Applies a mutation, or only evaluates it for a dry run.
+fn write(
+    state: &AppState,
+    dry_run: bool,
+    gr: &GroupResource,
+    namespace: &str,
+    name: &str,
+    f: impl FnOnce(&crate::store::Objects, Option<&Value>) -> Result<Outcome, ApiError>,
+) -> Result<Value, ApiError> {
+    if dry_run {
+        state.store.dry_run(gr, namespace, name, f)
+    } else {
+        state.store.mutate(gr, namespace, name, f)
+    }
 }
 
 fn ns_key(target: &Target) -> String {
@@ -698,9 +719,13 @@ async fn create(
     let manager = manager(query, headers);
     let api_version = def.api_version();
     let kinds = kinds_for(def);
-    let created = state
-        .store
-        .mutate(&def.group_resource(), &ns, &name, |objs, cur| {
+    let created = write(
+        state,
+        target.dry_run,
+        &def.group_resource(),
+        &ns,
+        &name,
+        |objs, cur| {
             if cur.is_some() {
                 return Err(ApiError::already_exists(&def.group, &def.plural, &name));
             }
@@ -722,7 +747,8 @@ async fn create(
             };
             fields::record_update(None, &mut obj, &w, &kinds);
             Ok(Outcome::Put(obj))
-        })?;
+        },
+    )?;
     Ok(respond(
         StatusCode::CREATED,
         JSON,
@@ -780,9 +806,13 @@ fn modify_locked(
     let api_version = def.api_version();
     let kinds = kinds_for(def);
     let sub = target.sub.as_deref();
-    state
-        .store
-        .mutate(&def.group_resource(), &ns_key(target), &name, |_, cur| {
+    write(
+        state,
+        target.dry_run,
+        &def.group_resource(),
+        &ns_key(target),
+        &name,
+        |_, cur| {
             let cur = cur.ok_or_else(|| ApiError::not_found(&def.group, &def.plural, &name))?;
             let cur = with_version(def, cur.clone());
             let wanted = change(&cur)?;
@@ -803,8 +833,9 @@ fn modify_locked(
             };
             fields::record_update(Some(&cur), &mut new, &w, &kinds);
             Ok(rules::finish_update(&cur, new))
-        })
-        .map(|v| with_version(def, v))
+        },
+    )
+    .map(|v| with_version(def, v))
 }
 
 async fn update(
@@ -994,9 +1025,13 @@ fn server_side_apply(
         )
     };
     let mut created = false;
-    let obj = state
-        .store
-        .mutate(&def.group_resource(), &ns, &name, |objs, cur| match cur {
+    let obj = write(
+        state,
+        target.dry_run,
+        &def.group_resource(),
+        &ns,
+        &name,
+        |objs, cur| match cur {
             None => {
                 if sub.is_some() {
                     return Err(ApiError::not_found(&def.group, &def.plural, &name));
@@ -1027,7 +1062,8 @@ fn server_side_apply(
                 new["metadata"]["managedFields"] = managed;
                 Ok(rules::finish_update(&cur, new))
             }
-        })?;
+        },
+    )?;
     let code = if created {
         StatusCode::CREATED
     } else {
@@ -1053,15 +1089,14 @@ fn delete_one(
     ns: &str,
     name: &str,
     opts: &DeleteOptions,
+    dry_run: bool,
 ) -> Result<Value, ApiError> {
     let time = now();
-    state
-        .store
-        .mutate(&def.group_resource(), ns, name, |_, cur| {
-            let cur = cur.ok_or_else(|| ApiError::not_found(&def.group, &def.plural, name))?;
-            rules::prepare_delete(def, cur, opts, &time, state.gc_finalizers)
-        })
-        .map(|v| with_version(def, v))
+    write(state, dry_run, &def.group_resource(), ns, name, |_, cur| {
+        let cur = cur.ok_or_else(|| ApiError::not_found(&def.group, &def.plural, name))?;
+        rules::prepare_delete(def, cur, opts, &time, state.gc_finalizers)
+    })
+    .map(|v| with_version(def, v))
 }
 
 fn delete(
@@ -1082,6 +1117,7 @@ fn delete(
         &ns_key(target),
         target.name.as_deref().unwrap_or_default(),
         &opts,
+        target.dry_run,
     )?;
     Ok(respond(StatusCode::OK, JSON, &obj))
 }
@@ -1102,7 +1138,7 @@ fn delete_collection(
     for obj in items.iter().filter(|o| filter.matches(o)) {
         let ns = obj["metadata"]["namespace"].as_str().unwrap_or_default();
         let name = obj["metadata"]["name"].as_str().unwrap_or_default();
-        match delete_one(state, def, ns, name, &opts) {
+        match delete_one(state, def, ns, name, &opts, target.dry_run) {
             Ok(v) => deleted.push(v),
             Err(e) if e.code == 404 => {}
             Err(e) => return Err(e),

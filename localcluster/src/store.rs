@@ -223,6 +223,22 @@ impl Store {
         Ok(object)
     }
 
+    /// Like [`Store::mutate`], but only reports what the outcome would be (`dryRun=All`):
+    /// nothing is stored and no event is recorded.
+    pub fn dry_run(
+        &self,
+        gr: &GroupResource,
+        namespace: &str,
+        name: &str,
+        f: impl FnOnce(&Objects, Option<&Value>) -> Result<Outcome, ApiError>,
+    ) -> Result<Value, ApiError> {
+        let inner = self.lock();
+        let current = inner.objects.get(gr, namespace, name).cloned();
+        match f(&inner.objects, current.as_ref())? {
+            Outcome::Put(v) | Outcome::Delete(v) | Outcome::Unchanged(v) => Ok(v),
+        }
+    }
+
     /// Starts a watch of one resource: the backlog (or snapshot) and the live feed, taken together.
     /// `from` is the resourceVersion the client has seen; `None` asks for a snapshot.
     pub fn watch(
@@ -320,6 +336,16 @@ mod tests {
             .unwrap();
         put(&store, "b");
         put(&store, "c");
+        let dry = store
+            .dry_run(&gr(), "ns", "z", |_, _| {
+                Ok(Outcome::Put(json!({"metadata": {"name": "z"}})))
+            })
+            .unwrap();
+        assert_eq!(dry["metadata"]["name"], "z");
+        assert!(
+            store.get(&gr(), "ns", "z").is_none(),
+            "a dry run stores nothing"
+        );
         let err = store.watch(&gr(), None, Some(first_rv - 1)).unwrap_err();
         assert_eq!(err.code, 410);
         let (start, _) = store.watch(&gr(), None, Some(first_rv)).unwrap();

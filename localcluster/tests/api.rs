@@ -82,6 +82,15 @@ async fn create_rules() {
     let (code, _, _) = status_of(api.get("nope").await.unwrap_err());
     assert_eq!(code, 404);
 
+    // dryRun=All answers as a create would, and stores nothing.
+    let dry = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    let answered = api.create(&dry, &cm("dry", json!({}))).await.unwrap();
+    assert_eq!(answered.name_any(), "dry");
+    assert_eq!(status_of(api.get("dry").await.unwrap_err()).0, 404);
+
     // Resource versions only grow.
     let b = api
         .create(&PostParams::default(), &cm("b", json!({})))

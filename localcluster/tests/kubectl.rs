@@ -136,6 +136,25 @@ spec:
         "re-applying the same manifest changes nothing: {out}"
     );
 
+    // Server-side dry runs: diff shows the change, nothing is stored.
+    let (_, diff, err) = c
+        .kubectl_stdin(&["diff", "-f", "-"], Some(&manifest(2, "changed")))
+        .await;
+    assert!(
+        diff.contains("+  key: changed"),
+        "kubectl diff: {diff}{err}"
+    );
+    ok_stdin(
+        &c,
+        &["apply", "--dry-run=server", "-f", "-"],
+        &manifest(2, "dry"),
+    )
+    .await;
+    assert_eq!(
+        ok(&c, &["get", "cm", "settings", "-o", "jsonpath={.data.key}"]).await,
+        "two"
+    );
+
     // Server-side apply, then a conflicting one from another manager.
     let out = ok_stdin(
         &c,

@@ -364,6 +364,29 @@ fn guest_acpi_powerdown_powers_off() {
     );
 }
 
+/// The agent's guest-shutdown runs `/sbin/shutdown -h -P +0 ...`, which the guest maps to
+/// busybox's poweroff; QEMU exits. The agent sends no reply to a successful shutdown.
+#[test]
+fn guest_agent_shutdown_powers_off() {
+    let mut guest = Guest::start("pc", &Boot::Kernel, &[]);
+    guest.wait_for_console(READY);
+    guest.wait_for_agent();
+    let mut stream = UnixStream::connect(guest.path("qga.sock")).unwrap();
+    stream
+        .write_all(b"{\"execute\":\"guest-shutdown\",\"arguments\":{\"mode\":\"powerdown\"}}\n")
+        .unwrap();
+    let status = guest.wait_for_exit(Duration::from_secs(120));
+    assert!(
+        status.success(),
+        "QEMU exit after guest-shutdown: {status:?}"
+    );
+    assert!(
+        guest.console().contains("reboot: Power down"),
+        "{}",
+        guest.console()
+    );
+}
+
 fn seed_drive(path: &Path, how: &str) -> Vec<String> {
     match how {
         "virtio" => vec![

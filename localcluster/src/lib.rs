@@ -117,7 +117,7 @@ impl ApiServer {
             .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
         let state = Arc::new(AppState {
             store: Store::new(config.history_window),
-            registry: RwLock::new(Registry::default()),
+            registry: RwLock::new(Arc::new(Registry::default())),
             token: token.clone(),
             bookmark_interval: config.bookmark_interval,
             gc_finalizers: true,

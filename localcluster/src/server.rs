@@ -30,7 +30,8 @@ use crate::table::{self, IncludeObject};
 #[derive(Debug)]
 pub struct AppState {
     pub store: Store,
-    pub registry: RwLock<Registry>,
+    /// Shared so each request takes a snapshot by cloning an `Arc`.
+    pub registry: RwLock<Arc<Registry>>,
     pub token: String,
     pub bookmark_interval: Duration,
     /// Whether Orphan/Foreground deletion adds its finalizer (only when the garbage collector runs).
@@ -491,7 +492,7 @@ fn refresh_registry(state: &AppState, old: &Registry) {
     *state
         .registry
         .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(fresh);
 }
 
 /// Applies a mutation, or only evaluates it for a dry run.

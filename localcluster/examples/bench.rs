@@ -1,0 +1,131 @@
+//! Figures for the API server: write throughput, watch fan-out and memory per stored object.
+//!
+//! `cargo run --release -p localcluster --example bench [-- OBJECTS WATCHERS]` (defaults 10000 and
+//! 100). Client and server share the process, so the figures include the client's share of the
+//! work; memory is the growth of this process's resident set while the objects are created.
+
+// Counts become f64 only to print rates; precision beyond 2^52 does not matter there.
+#![allow(clippy::cast_precision_loss)]
+
+use std::time::{Duration, Instant};
+
+use futures::{StreamExt as _, TryStreamExt as _};
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::Api;
+use kube::api::{ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
+use serde_json::json;
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let objects: usize = args.next().map_or(Ok(10_000), |a| a.parse())?;
+    let watchers: usize = args.next().map_or(Ok(100), |a| a.parse())?;
+    let server = localcluster::ApiServer::start(localcluster::Config {
+        history_window: objects * 2,
+        ..localcluster::Config::default()
+    })
+    .await?;
+    let client = server.client().await?;
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), "default");
+
+    let rss_before = rss_kib();
+    let started = Instant::now();
+    futures::stream::iter(0..objects)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let cm: ConfigMap = serde_json::from_value(json!({
+                    "metadata": {"name": format!("bench-{i}"), "labels": {"bench": "yes"}},
+                    "data": {"index": i.to_string(), "payload": "x".repeat(200)}
+                }))?;
+                api.create(&PostParams::default(), &cm).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await?;
+    let elapsed = started.elapsed();
+    let rss_after = rss_kib();
+    println!(
+        "create: {objects} objects in {:.2} s = {:.0} writes/s (32 concurrent requests)",
+        elapsed.as_secs_f64(),
+        objects as f64 / elapsed.as_secs_f64()
+    );
+    println!(
+        "memory: resident set grew {} KiB = {:.2} KiB per stored object (~300 B of JSON each, history included)",
+        rss_after.saturating_sub(rss_before),
+        rss_after.saturating_sub(rss_before) as f64 / objects as f64
+    );
+
+    let started = Instant::now();
+    let list = api.list(&ListParams::default()).await?;
+    println!(
+        "list: {} objects in {:.0} ms",
+        list.items.len(),
+        started.elapsed().as_secs_f64() * 1000.0
+    );
+    let rv = list.metadata.resource_version.unwrap_or_default();
+
+    let updates = 1000.min(objects);
+    let mut tasks = Vec::new();
+    for _ in 0..watchers {
+        let api = api.clone();
+        let rv = rv.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut stream = api.watch(&WatchParams::default(), &rv).await?.boxed();
+            let mut seen = 0;
+            while seen < updates {
+                match tokio::time::timeout(Duration::from_secs(120), stream.try_next()).await?? {
+                    Some(WatchEvent::Modified(_)) => seen += 1,
+                    Some(_) => {}
+                    None => anyhow::bail!("watch ended early"),
+                }
+            }
+            anyhow::Ok(Instant::now())
+        }));
+    }
+    let started = Instant::now();
+    futures::stream::iter(0..updates)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                api.patch(
+                    &format!("bench-{i}"),
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"data": {"index": "updated"}})),
+                )
+                .await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await?;
+    let writes_done = started.elapsed();
+    let mut last = started;
+    for t in tasks {
+        last = last.max(t.await??);
+    }
+    let delivered = updates * watchers;
+    let fanout = last - started;
+    println!(
+        "fan-out: {updates} updates written in {:.2} s; {watchers} watchers received all {delivered} events in {:.2} s = {:.0} events/s",
+        writes_done.as_secs_f64(),
+        fanout.as_secs_f64(),
+        delivered as f64 / fanout.as_secs_f64()
+    );
+    server.shutdown().await;
+    Ok(())
+}

@@ -900,7 +900,7 @@ async fn patch(
     let def = &target.def;
     let ct = content_type(headers);
     if ct == "application/apply-patch+yaml" {
-        return server_side_apply(state, target, query, body);
+        return server_side_apply(state, target, query, body).await;
     }
     let patch_doc = parse_body(body)?;
     let apply_patch = |cur: &Value| -> Result<Value, ApiError> {
@@ -949,7 +949,7 @@ async fn patch(
     Ok(respond(StatusCode::OK, JSON, &obj))
 }
 
-fn server_side_apply(
+async fn server_side_apply(
     state: &AppState,
     target: &Target,
     query: &Query,
@@ -1025,14 +1025,10 @@ fn server_side_apply(
             json!({"name": name, "group": def.group, "kind": def.plural, "causes": causes}),
         )
     };
-    let mut created = false;
-    let obj = write(
-        state,
-        target.dry_run,
-        &def.group_resource(),
-        &ns,
-        &name,
-        |objs, cur| match cur {
+    let compute = |objs: &crate::store::Objects,
+                   cur: Option<&Value>|
+     -> Result<(Outcome, bool), ApiError> {
+        match cur {
             None => {
                 if sub.is_some() {
                     return Err(ApiError::not_found(&def.group, &def.plural, &name));
@@ -1045,8 +1041,7 @@ fn server_side_apply(
                 };
                 let obj =
                     rules::prepare_create(def, merged, target.namespace.as_deref(), objs, &ctx)?;
-                created = true;
-                Ok(Outcome::Put(obj))
+                Ok((Outcome::Put(obj), true))
             }
             Some(cur) => {
                 let cur = with_version(def, cur.clone());
@@ -1061,10 +1056,63 @@ fn server_side_apply(
                 let managed = merged["metadata"]["managedFields"].clone();
                 let mut new = rules::prepare_update(def, &cur, merged, sub)?;
                 new["metadata"]["managedFields"] = managed;
-                Ok(rules::finish_update(&cur, new))
+                Ok((rules::finish_update(&cur, new), false))
             }
-        },
-    )?;
+        }
+    };
+    let gr = def.group_resource();
+    let (obj, created) = if state.store.read(admission::any_configured) {
+        // Admission runs outside the store lock: compute, admit, then store if nothing changed.
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let (outcome, created, cur) = state.store.read(|objs| {
+                let cur = objs.get(&gr, &ns, &name).cloned();
+                compute(objs, cur.as_ref()).map(|(o, c)| (o, c, cur))
+            })?;
+            let candidate = match outcome {
+                Outcome::Unchanged(v) => break (v, false),
+                Outcome::Put(v) | Outcome::Delete(v) => v,
+            };
+            let attrs = admission::Attributes {
+                def,
+                operation: if created { "CREATE" } else { "UPDATE" },
+                subresource: sub,
+                namespace: target.namespace.as_deref(),
+                name: &name,
+            };
+            let admitted = admission::admit(&state.store, &attrs, candidate, cur.as_ref()).await?;
+            let expected = cur
+                .as_ref()
+                .map(|c| c["metadata"]["resourceVersion"].clone());
+            let stored = write(state, target.dry_run, &gr, &ns, &name, |_, now| {
+                if now.map(|n| n["metadata"]["resourceVersion"].clone()) != expected {
+                    return Err(ApiError::conflict(
+                        &def.group,
+                        &def.plural,
+                        &name,
+                        "the object has been modified; please apply your changes to the latest version and try again",
+                    ));
+                }
+                Ok(match now {
+                    None => Outcome::Put(admitted.clone()),
+                    Some(now) => rules::finish_update(now, admitted.clone()),
+                })
+            });
+            match stored {
+                Err(e) if e.code == 409 && attempts < 5 => {}
+                other => break (other?, created),
+            }
+        }
+    } else {
+        let mut created = false;
+        let obj = write(state, target.dry_run, &gr, &ns, &name, |objs, cur| {
+            let (outcome, c) = compute(objs, cur)?;
+            created = c;
+            Ok(outcome)
+        })?;
+        (obj, created)
+    };
     let code = if created {
         StatusCode::CREATED
     } else {

@@ -172,6 +172,32 @@ async fn webhooks_mutate_and_validate() {
         .unwrap_err();
     assert!(matches!(err, kube::Error::Api(s) if s.code == 422 && s.message.contains("UPDATE a")));
 
+    // Server-side apply is admitted too, as a create and as an update.
+    let applied = |data: Value| {
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "ssa", "labels": {"webhook": "on"}}, "data": data})
+    };
+    let ssa = PatchParams::apply("tester");
+    let created = api
+        .patch("ssa", &ssa, &Patch::Apply(applied(json!({"k": "v"}))))
+        .await
+        .unwrap();
+    assert_eq!(
+        created.labels().get("mutated").map(String::as_str),
+        Some("true")
+    );
+    let err = api
+        .patch(
+            "ssa",
+            &ssa,
+            &Patch::Apply(applied(json!({"forbidden": "v"}))),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, kube::Error::Api(s) if s.code == 422 && s.message.contains("UPDATE ssa"))
+    );
+
     // A webhook that cannot be reached: Ignore lets requests through, Fail refuses them.
     server.abort();
     let (ar, ignore) = configuration(

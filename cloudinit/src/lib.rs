@@ -2,11 +2,12 @@
 //!
 //! KubeVirt writes the seed files to a directory and runs `xorrisofs -volid <label> -joliet
 //! -rock` on it. We build the same kind of image in Rust, with no external tool: ISO9660 with a
-//! Joliet tree, volume label `cidata` (NoCloud) or `config-2` (ConfigDrive). ISO9660 rather than
-//! VFAT because it is what KubeVirt ships, so guests see the file system type they see under
-//! KubeVirt, and because it mounts from a disk and from a CD-ROM alike (Linux refuses a FAT with
-//! 512-byte sectors on a CD-ROM's 2048-byte blocks). The `fatfs` crate was tried first: its
-//! 0.3 release writes long-name entries before `.` and `..`, which `fsck.fat` rejects.
+//! Joliet tree, volume label `cidata` (NoCloud) or `config-2` (ConfigDrive); no Rock Ridge, as
+//! Joliet already carries the long, mixed-case names. ISO9660 rather than VFAT because it is
+//! what KubeVirt ships, so guests find the file system type they find under KubeVirt, and
+//! because it mounts from a disk and from a CD-ROM alike (Linux will not mount a FAT whose
+//! 512-byte sectors are smaller than a CD-ROM's 2048-byte blocks). The `fatfs` crate was tried
+//! first: its 0.3 release writes long-name entries before `.` and `..`, which `fsck.fat` rejects.
 //!
 //! The metadata follows KubeVirt's `pkg/cloud-init`: NoCloud `meta-data` is the JSON object
 //! `{"instance-id", "local-hostname"}`; ConfigDrive `openstack/latest/meta_data.json` carries

@@ -403,6 +403,17 @@ fn seed_drive(path: &Path, how: &str) -> Vec<String> {
             "-device".into(),
             "ide-cd,drive=seed,bus=ide.1".into(),
         ],
+        "scsi" => vec![
+            "-device".into(),
+            "virtio-scsi-pci,id=scsi0".into(),
+            "-drive".into(),
+            format!(
+                "file={},format=raw,if=none,id=seed,readonly=on",
+                path.display()
+            ),
+            "-device".into(),
+            "scsi-hd,drive=seed,bus=scsi0.0".into(),
+        ],
         other => panic!("unknown seed attachment {other}"),
     }
 }
@@ -462,6 +473,11 @@ fn guest_nocloud_user_data_runs() {
 #[test]
 fn guest_config_drive_user_data_runs() {
     user_data_runs("pc", "virtio", true);
+}
+
+#[test]
+fn guest_config_drive_from_scsi_disk() {
+    user_data_runs("q35", "scsi", true);
 }
 
 #[test]

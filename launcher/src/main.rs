@@ -75,7 +75,9 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     }
 }
 
-#[tokio::main]
+// One thread is plenty for one VM, keeps the launcher small, and makes PR_SET_PDEATHSIG (which
+// fires when the *thread* that forked QEMU exits) follow the life of the process itself.
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(

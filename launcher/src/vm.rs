@@ -363,11 +363,19 @@ impl Launcher {
         let events_task = self.follow_events(qmp.events(), words.clone());
         let console = match &config.serial {
             None => None,
-            Some(s) => Some(
-                Console::start(&s.socket, &dirs.serial_socket(&uid), &dirs.serial_log(&uid))
+            Some(s) => {
+                match Console::start(&s.socket, &dirs.serial_socket(&uid), &dirs.serial_log(&uid))
                     .await
-                    .map_err(Error::io(format!("serial console {}", s.socket.display())))?,
-            ),
+                {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        let _ = kill(pid, Signal::SIGKILL);
+                        return Err(Error::io(format!("serial console {}", s.socket.display()))(
+                            e,
+                        ));
+                    }
+                }
+            }
         };
 
         if let Err(e) = qmp.execute(qmp::qapi::qmp::cont {}).await {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 /// Boot deadlines are generous: TCG on a loaded two-core machine.
-pub const BOOT: Duration = Duration::from_secs(240);
+pub const BOOT: Duration = Duration::from_secs(360);
 
 pub fn guest_dir() -> PathBuf {
     std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(

@@ -471,6 +471,20 @@ pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(
     result
 }
 
+/// A merge patch taking `old` to `new`: changed fields as they are now, and `null` for fields
+/// that went away (an omitted field would be left in place by a merge patch).
+fn status_patch<T: serde::Serialize>(old: &T, new: &T) -> serde_json::Value {
+    let (Ok(serde_json::Value::Object(old)), Ok(serde_json::Value::Object(mut new))) =
+        (serde_json::to_value(old), serde_json::to_value(new))
+    else {
+        return serde_json::to_value(new).unwrap_or_default();
+    };
+    for k in old.keys() {
+        new.entry(k.clone()).or_insert(serde_json::Value::Null);
+    }
+    serde_json::Value::Object(new)
+}
+
 fn cluster_config(s: &Shared) -> ClusterConfig {
     s.kubevirts
         .state()
@@ -647,11 +661,12 @@ async fn sync_vmi(s: &Shared, key: &str) {
     }
 
     if status != old_status {
+        // KubeVirt's VMI CRD has no status subresource: the status is part of the object.
         if let Err(e) = vmi_api
-            .patch_status(
+            .patch(
                 name,
                 &PatchParams::default(),
-                &Patch::Merge(json!({ "status": status })),
+                &Patch::Merge(json!({ "status": status_patch(&old_status, &status) })),
             )
             .await
         {
@@ -853,11 +868,12 @@ async fn sync_vm(s: &Shared, key: &str) {
             });
     }
     if Some(&status) != vm.status.as_ref() {
+        let old = vm.status.clone().unwrap_or_default();
         if let Err(e) = vm_api
             .patch_status(
                 name,
                 &PatchParams::default(),
-                &Patch::Merge(json!({ "status": status })),
+                &Patch::Merge(json!({ "status": status_patch(&old, &status) })),
             )
             .await
         {
@@ -953,11 +969,12 @@ async fn sync_rs(s: &Shared, key: &str) {
     }
     let status = replicaset::next_status(&rs, &owned, Timestamp::now());
     if Some(&status) != rs.status.as_ref() {
+        let old = rs.status.clone().unwrap_or_default();
         if let Err(e) = rs_api
             .patch_status(
                 name,
                 &PatchParams::default(),
-                &Patch::Merge(json!({ "status": status })),
+                &Patch::Merge(json!({ "status": status_patch(&old, &status) })),
             )
             .await
         {
@@ -997,7 +1014,7 @@ async fn sync_node(s: &Shared, name: &str) {
             Api::namespaced(s.client.clone(), &v.namespace().unwrap_or_default());
         let patch = json!({"status": {"phase": "Failed", "reason": events::NODE_UNRESPONSIVE}});
         match api
-            .patch_status(&v.name_any(), &PatchParams::default(), &Patch::Merge(patch))
+            .patch(&v.name_any(), &PatchParams::default(), &Patch::Merge(patch))
             .await
         {
             Ok(_) => {

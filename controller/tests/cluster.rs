@@ -1,0 +1,473 @@
+//! The controllers against the in-process localcluster API server: our CRDs installed from
+//! `manifests/crds/`, the controllers running as they would in a pod. There is no scheduler or
+//! kubelet here, so the tests bind pods and set their phase themselves.
+
+use std::future::Future;
+use std::time::Duration;
+
+use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
+use controller::run::{Options, run_controllers, run_with_leader_election};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt as _};
+use serde_json::json;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Aborts the controller task when the test ends, however it ends.
+struct Running(tokio::task::JoinHandle<()>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn cluster() -> (localcluster::ApiServer, Client) {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let server = localcluster::ApiServer::start(localcluster::Config::default())
+        .await
+        .unwrap();
+    let client = server.client().await.unwrap();
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/crds");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let crd: CustomResourceDefinition =
+            serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        crds.create(&PostParams::default(), &crd).await.unwrap();
+    }
+    let ns: Api<Namespace> = Api::all(client.clone());
+    ns.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({"metadata": {"name": "kubevirt"}})).unwrap(),
+    )
+    .await
+    .unwrap();
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    wait_for("the CRDs to be served", || async {
+        vms.list(&ListParams::default()).await.ok()
+    })
+    .await;
+    (server, client)
+}
+
+fn start(client: &Client, identity: &str, elect: bool) -> Running {
+    let opts = Options {
+        identity: identity.into(),
+        ..Options::default()
+    };
+    let client = client.clone();
+    Running(tokio::spawn(async move {
+        let r = if elect {
+            run_with_leader_election(client, opts).await
+        } else {
+            run_controllers(client, opts).await
+        };
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "controller stopped");
+        }
+    }))
+}
+
+async fn wait_for<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let end = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < end,
+            "timed out after {DEADLINE:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn vmi_spec() -> serde_json::Value {
+    json!({
+        "domain": {
+            "resources": {"requests": {"memory": "64Mi"}},
+            "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]}
+        },
+        "volumes": [{"name": "root", "containerDisk": {"image": "example/disk:1"}}]
+    })
+}
+
+fn vmi(name: &str) -> VirtualMachineInstance {
+    serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": vmi_spec(),
+    }))
+    .unwrap()
+}
+
+async fn launcher_pods(client: &Client) -> Vec<Pod> {
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    pods.list(&ListParams::default().labels("kubevirt.io=virt-launcher"))
+        .await
+        .unwrap()
+        .items
+}
+
+async fn pods_of(client: &Client, vmi: &VirtualMachineInstance) -> Vec<Pod> {
+    let uid = vmi.uid().unwrap();
+    launcher_pods(client)
+        .await
+        .into_iter()
+        .filter(|p| {
+            p.owner_references()
+                .iter()
+                .any(|o| o.uid == uid && o.controller == Some(true))
+        })
+        .collect()
+}
+
+fn phase(v: &VirtualMachineInstance) -> Option<String> {
+    v.status
+        .as_ref()
+        .and_then(|s| s.phase.as_ref())
+        .map(|p| p.as_str().to_owned())
+}
+
+/// The scheduler's and kubelet's part: bind the pod to `node` and report it running.
+async fn bind_and_run(client: &Client, pod: &Pod, node: &str) {
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    let name = pod.name_any();
+    let binding = json!({
+        "apiVersion": "v1", "kind": "Binding",
+        "metadata": {"name": name},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+    });
+    pods.create_subresource::<_, serde_json::Value>(
+        "binding",
+        &name,
+        &PostParams::default(),
+        &binding,
+    )
+    .await
+    .unwrap();
+    pods.patch_status(
+        &name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Running"}})),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn vm_gets_a_vmi_with_owner_and_one_pod_that_schedules() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let vm: VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "vm1", "namespace": "default"},
+        "spec": {"runStrategy": "Always", "template": {"metadata": {"labels": {"app": "x"}}, "spec": vmi_spec()}},
+    }))
+    .unwrap();
+    let vm = vms.create(&PostParams::default(), &vm).await.unwrap();
+    let vmi = wait_for("the VMI", || async { vmis.get_opt("vm1").await.unwrap() }).await;
+    let owner = &vmi.owner_references()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+        ("VirtualMachine", vm.uid().unwrap().as_str(), Some(true))
+    );
+    assert_eq!(vmi.labels()["app"], "x");
+    let pod = wait_for("the launcher pod", || async {
+        pods_of(&client, &vmi).await.into_iter().next()
+    })
+    .await;
+    assert!(pod.name_any().starts_with("virt-launcher-vm1-"));
+    wait_for("phase Scheduling", || async {
+        (phase(&vmis.get("vm1").await.unwrap()).as_deref() == Some("Scheduling")).then_some(())
+    })
+    .await;
+    bind_and_run(&client, &pod, "node01").await;
+    let scheduled = wait_for("phase Scheduled", || async {
+        let v = vmis.get("vm1").await.unwrap();
+        (phase(&v).as_deref() == Some("Scheduled")).then_some(v)
+    })
+    .await;
+    let st = scheduled.status.unwrap();
+    assert_eq!(st.node_name.as_deref(), Some("node01"));
+    assert_eq!(
+        st.active_pods.get(&pod.uid().unwrap()).map(String::as_str),
+        Some("node01")
+    );
+    let labelled = wait_for("the nodeName label", || async {
+        let v = vmis.get("vm1").await.unwrap();
+        v.labels().get("kubevirt.io/nodeName").cloned()
+    })
+    .await;
+    assert_eq!(labelled, "node01");
+    assert_eq!(
+        pods_of(&client, &vmis.get("vm1").await.unwrap())
+            .await
+            .len(),
+        1
+    );
+    let vm_status = wait_for("VM status Starting", || async {
+        let s = vms.get("vm1").await.unwrap().status?;
+        (s.printable_status.as_ref()?.as_str() == "Starting").then_some(s)
+    })
+    .await;
+    assert_eq!(vm_status.created, Some(true));
+}
+
+#[tokio::test]
+async fn invalid_vmi_gets_condition_and_events_and_never_a_pod() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let mut bad = vmi("bad");
+    bad.spec.domain.devices.disks[0].name = "nosuchvolume".into();
+    vmis.create(&PostParams::default(), &bad).await.unwrap();
+    let cond = wait_for("the validation condition", || async {
+        let v = vmis.get("bad").await.unwrap();
+        v.status?
+            .conditions
+            .into_iter()
+            .find(|c| c.reason.as_deref() == Some("FailedValidation"))
+    })
+    .await;
+    let message = cond.message.unwrap();
+    assert!(
+        message.contains("spec.domain.devices.disks[0]"),
+        "{message}"
+    );
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::default_namespaced(client.clone());
+    let notes = wait_for("validation events", || async {
+        let evs = events.list(&ListParams::default()).await.unwrap().items;
+        let notes: Vec<String> = evs
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("FailedValidation"))
+            .filter_map(|e| e.note)
+            .collect();
+        (!notes.is_empty()).then_some(notes)
+    })
+    .await;
+    assert!(notes.iter().all(|n| n.starts_with("spec.")), "{notes:?}");
+    // A valid VMI created after it gets its pod, so the controller had every chance.
+    let good = vmis
+        .create(&PostParams::default(), &vmi("good"))
+        .await
+        .unwrap();
+    wait_for("the valid VMI's pod", || async {
+        pods_of(&client, &good).await.into_iter().next()
+    })
+    .await;
+    let bad = vmis.get("bad").await.unwrap();
+    assert!(pods_of(&client, &bad).await.is_empty());
+    assert_eq!(phase(&bad).as_deref(), Some("Pending"));
+}
+
+#[tokio::test]
+async fn halted_vm_starts_and_stops_on_request() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let vm: VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "vm1", "namespace": "default"},
+        "spec": {"runStrategy": "Halted", "template": {"spec": vmi_spec()}},
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &vm).await.unwrap();
+    wait_for("printableStatus Stopped", || async {
+        let s = vms.get("vm1").await.unwrap().status?;
+        (s.printable_status?.as_str() == "Stopped").then_some(())
+    })
+    .await;
+    assert!(vmis.get_opt("vm1").await.unwrap().is_none());
+
+    // virtctl start on a Halted VM: a Start request; the controller switches it to Always.
+    vms.patch_status(
+        "vm1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"stateChangeRequests": [{"action": "Start"}]}})),
+    )
+    .await
+    .unwrap();
+    let vmi = wait_for("the VMI after start", || async {
+        vmis.get_opt("vm1").await.unwrap()
+    })
+    .await;
+    let vm = vms.get("vm1").await.unwrap();
+    assert_eq!(
+        vm.spec
+            .run_strategy
+            .as_ref()
+            .map(api::vm::RunStrategy::as_str),
+        Some("Always")
+    );
+    wait_for("the pod", || async {
+        pods_of(&client, &vmi).await.into_iter().next()
+    })
+    .await;
+
+    // virtctl stop: back to Halted; the VMI and its pod go.
+    vms.patch(
+        "vm1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"runStrategy": "Halted"}})),
+    )
+    .await
+    .unwrap();
+    wait_for("the VMI to go", || async {
+        vmis.get_opt("vm1").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    wait_for("the pod to go", || async {
+        launcher_pods(&client).await.is_empty().then_some(())
+    })
+    .await;
+    wait_for("printableStatus Stopped again", || async {
+        let s = vms.get("vm1").await.unwrap().status?;
+        (s.printable_status?.as_str() == "Stopped").then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn replicaset_scales_0_3_1() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let rss: Api<VirtualMachineInstanceReplicaSet> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let rs: VirtualMachineInstanceReplicaSet = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceReplicaSet",
+        "metadata": {"name": "rs", "namespace": "default"},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": {"app": "rs"}},
+            "template": {"metadata": {"labels": {"app": "rs"}}, "spec": vmi_spec()},
+        },
+    }))
+    .unwrap();
+    rss.create(&PostParams::default(), &rs).await.unwrap();
+    let live = || async {
+        vmis.list(&ListParams::default().labels("app=rs"))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|v| v.metadata.deletion_timestamp.is_none())
+            .collect::<Vec<_>>()
+    };
+    wait_for("status.replicas 0", || async {
+        (rss.get("rs").await.unwrap().status?.replicas == Some(0)).then_some(())
+    })
+    .await;
+    assert!(live().await.is_empty());
+    for (replicas, want) in [(3, 3), (1, 1)] {
+        rss.patch(
+            "rs",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await
+        .unwrap();
+        wait_for(&format!("{want} VMIs"), || async {
+            (live().await.len() == want).then_some(())
+        })
+        .await;
+        wait_for(&format!("status.replicas {want}"), || async {
+            let s = rss.get("rs").await.unwrap().status?;
+            (s.replicas == Some(i32::try_from(want).unwrap())).then_some(())
+        })
+        .await;
+        // Settled: no overshoot.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(live().await.len(), want);
+    }
+    let status = rss.get("rs").await.unwrap().status.unwrap();
+    assert_eq!(status.label_selector.as_deref(), Some("app=rs"));
+}
+
+#[tokio::test]
+async fn leader_failover_creates_no_duplicate_pod() {
+    let (_server, client) = cluster().await;
+    let a = start(&client, "replica-a", true);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let first = vmis
+        .create(&PostParams::default(), &vmi("first"))
+        .await
+        .unwrap();
+    wait_for("the first pod", || async {
+        pods_of(&client, &first).await.into_iter().next()
+    })
+    .await;
+    let b = start(&client, "replica-b", true);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        pods_of(&client, &first).await.len(),
+        1,
+        "the follower must not act"
+    );
+    drop(a);
+    let second = vmis
+        .create(&PostParams::default(), &vmi("second"))
+        .await
+        .unwrap();
+    wait_for("the new leader to render the second pod", || async {
+        pods_of(&client, &second).await.into_iter().next()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(pods_of(&client, &first).await.len(), 1);
+    assert_eq!(pods_of(&client, &second).await.len(), 1);
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), "kubevirt");
+    let holder = leases
+        .get("virt-controller")
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .holder_identity;
+    assert_eq!(holder.as_deref(), Some("replica-b"));
+    drop(b);
+}
+
+#[tokio::test]
+async fn restart_mid_creation_of_20_vmis_leaves_exactly_20_pods() {
+    let (_server, client) = cluster().await;
+    let first = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    for i in 0..20 {
+        vmis.create(&PostParams::default(), &vmi(&format!("vm{i:02}")))
+            .await
+            .unwrap();
+    }
+    wait_for("some pods", || async {
+        (!launcher_pods(&client).await.is_empty()).then_some(())
+    })
+    .await;
+    drop(first);
+    let _second = start(&client, "b", false);
+    wait_for("20 pods", || async {
+        (launcher_pods(&client).await.len() >= 20).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(launcher_pods(&client).await.len(), 20);
+    for v in vmis.list(&ListParams::default()).await.unwrap().items {
+        assert_eq!(pods_of(&client, &v).await.len(), 1, "{}", v.name_any());
+    }
+    vmis.delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await
+        .unwrap();
+}

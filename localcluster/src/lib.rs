@@ -17,6 +17,7 @@ pub mod server;
 pub mod store;
 pub mod table;
 pub mod tls;
+pub mod workloads;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -160,6 +161,7 @@ impl ApiServer {
             }
         });
         let kubeconfig = tls::kubeconfig(&url, &certs.ca_pem, &token);
+        tasks.spawn(workloads::run(client_for(&kubeconfig).await?));
         tracing::info!(%url, "API server listening");
         Ok(Self {
             url,
@@ -207,17 +209,20 @@ impl ApiServer {
 
     /// A kube-rs client for this server, authenticated like `kubectl` with the kubeconfig.
     pub async fn client(&self) -> Result<kube::Client, Error> {
-        let kc = kube::config::Kubeconfig::from_yaml(&self.kubeconfig)?;
-        let config =
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await?;
-        Ok(kube::Client::try_from(config)?)
+        client_for(&self.kubeconfig).await
     }
-
     /// Stops serving; open connections are closed.
     pub async fn shutdown(mut self) {
         self.tasks.shutdown().await;
     }
+}
+
+async fn client_for(kubeconfig: &str) -> Result<kube::Client, Error> {
+    let kc = kube::config::Kubeconfig::from_yaml(kubeconfig)?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await?;
+    Ok(kube::Client::try_from(config)?)
 }
 
 fn create_default_namespaces(state: &AppState) {

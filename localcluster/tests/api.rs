@@ -102,20 +102,19 @@ async fn create_rules() {
 
 #[tokio::test]
 async fn update_concurrency_generation_and_status() {
+    // A custom resource: no controller writes to it behind the test's back.
     let c = Cluster::start().await;
-    let api = c.api::<Deployment>();
-    let d = api
-        .create(&PostParams::default(), &deployment("d"))
-        .await
-        .unwrap();
+    let api = install_widgets(&c).await;
+    let pp = PostParams::default();
+    let w: DynamicObject = serde_json::from_value(json!({"apiVersion": "example.com/v1",
+        "kind": "Widget", "metadata": {"name": "d"}, "spec": {"replicas": 1}}))
+    .unwrap();
+    let d = api.create(&pp, &w).await.unwrap();
     assert_eq!(d.metadata.generation, Some(1));
 
     let mut labelled = d.clone();
     labelled.labels_mut().insert("x".into(), "y".into());
-    let labelled = api
-        .replace("d", &PostParams::default(), &labelled)
-        .await
-        .unwrap();
+    let labelled = api.replace("d", &pp, &labelled).await.unwrap();
     assert_eq!(
         labelled.metadata.generation,
         Some(1),
@@ -123,38 +122,26 @@ async fn update_concurrency_generation_and_status() {
     );
 
     // The original object's resourceVersion is stale now.
-    let (code, reason, _) = status_of(
-        api.replace("d", &PostParams::default(), &d)
-            .await
-            .unwrap_err(),
-    );
+    let (code, reason, _) = status_of(api.replace("d", &pp, &d).await.unwrap_err());
     assert_eq!((code, reason.as_str()), (409, "Conflict"));
 
     let mut scaled = labelled.clone();
-    scaled.spec.replicas = Some(3);
-    scaled.status = Some(serde_json::from_value(json!({"replicas": 42})).unwrap());
-    let scaled = api
-        .replace("d", &PostParams::default(), &scaled)
-        .await
-        .unwrap();
+    scaled.data["spec"]["replicas"] = json!(3);
+    scaled.data["status"] = json!({"replicas": 42});
+    let scaled = api.replace("d", &pp, &scaled).await.unwrap();
     assert_eq!(scaled.metadata.generation, Some(2));
     assert!(
-        scaled.status.as_ref().and_then(|s| s.replicas).is_none(),
+        scaled.data.get("status").is_none(),
         "status is ignored on the main resource"
     );
 
     let mut status = scaled.clone();
-    status.status =
-        Some(serde_json::from_value(json!({"replicas": 3, "observedGeneration": 2})).unwrap());
-    status.spec.replicas = Some(9);
-    let after = api
-        .replace_status("d", &PostParams::default(), &status)
-        .await
-        .unwrap();
-    assert_eq!(after.status.as_ref().unwrap().replicas, Some(3));
+    status.data["status"] = json!({"replicas": 3});
+    status.data["spec"]["replicas"] = json!(9);
+    let after = api.replace_status("d", &pp, &status).await.unwrap();
+    assert_eq!(after.data["status"]["replicas"], 3);
     assert_eq!(
-        after.spec.replicas,
-        Some(3),
+        after.data["spec"]["replicas"], 3,
         "spec is ignored on the status subresource"
     );
     assert_eq!(
@@ -164,10 +151,7 @@ async fn update_concurrency_generation_and_status() {
     );
 
     // A no-op update does not bump the resourceVersion.
-    let again = api
-        .replace("d", &PostParams::default(), &after)
-        .await
-        .unwrap();
+    let again = api.replace("d", &pp, &after).await.unwrap();
     assert_eq!(again.resource_version(), after.resource_version());
 }
 

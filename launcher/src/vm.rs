@@ -142,10 +142,31 @@ impl Launcher {
     }
 
     /// Starts the accelerator probe now, so that the first sync does not wait for it.
+    /// Also learns QEMU's version, so `info` can report it before any VM runs.
     pub fn warm_up(self: &Arc<Self>) {
         let me = self.clone();
         tokio::spawn(async move {
             let _ = me.accel().await;
+        });
+        let me = self.clone();
+        tokio::spawn(async move {
+            let out = Command::new(&me.cfg.qemu_binary)
+                .arg("--version")
+                .stdin(Stdio::null())
+                .output()
+                .await;
+            // "QEMU emulator version 7.2.22 (Debian ...)"
+            let version = out.ok().and_then(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .split_whitespace()
+                    .skip_while(|w| *w != "version")
+                    .nth(1)
+                    .map(str::to_owned)
+            });
+            let mut v = me.qemu_version.lock().expect("poisoned");
+            if v.is_none() {
+                *v = version;
+            }
         });
     }
 

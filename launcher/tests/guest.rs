@@ -321,6 +321,41 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
         .collect();
     assert_eq!(buses, ["sata", "scsi", "sata", "scsi"]);
     assert!(l.vm_dir(&id).join("virt-vnc").exists(), "VNC socket");
+    assert_eq!(
+        l.get("/v1/info")["qemuVersion"],
+        "7.2.22",
+        "QEMU version from the greeting"
+    );
+
+    // Hotplug without guest cooperation: SCSI comes and goes at once. A device QEMU refuses
+    // (a boot index already in use) is rolled back, so the same disk then plugs cleanly.
+    let mut spec = v["spec"].clone();
+    spec["domain"]["devices"]["disks"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "hot", "disk": {"bus": "scsi"}, "bootOrder": 1}));
+    spec["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"name": "hot", "emptyDisk": {"capacity": "8Mi"}}));
+    let (status, e) = l.sync(&vmi("devices", &id, spec.clone()));
+    assert_eq!(status, 422, "{e}");
+    assert_eq!(e["code"], "HotplugFailed");
+    let d = l.domain();
+    assert_eq!(d["state"], "Running");
+    assert!(d["syncError"].as_str().unwrap().contains("hot"), "{d}");
+    spec["domain"]["devices"]["disks"][4]
+        .as_object_mut()
+        .unwrap()
+        .remove("bootOrder");
+    let (status, d) = l.sync(&vmi("devices", &id, spec.clone()));
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    assert!(d.get("syncError").is_none(), "{d}");
+    assert_eq!(d["disks"][4]["name"], "hot");
+    assert_eq!(d["disks"][4]["bus"], "scsi");
+    let (status, d) = l.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    assert_eq!(d["disks"].as_array().unwrap().len(), 4);
     // Reset and kill through the API; the kill is ours, so the domain is Shutoff/Destroyed.
     l.post("/v1/reset");
     let d = l.post("/v1/kill");

@@ -219,9 +219,7 @@ mod tests {
             table.resolve("kubevirt-rs/virt-launcher:dev"),
             Some(&Rootfs::Host)
         );
-        table.merge(
-            ImageTable::parse("kubevirt-rs/*: {rootfs: /x}", "o", Path::new("/")).unwrap(),
-        );
+        table.merge(ImageTable::parse("kubevirt-rs/*: {rootfs: /x}", "o", Path::new("/")).unwrap());
         assert_eq!(
             table.resolve("kubevirt-rs/virt-launcher:dev"),
             Some(&Rootfs::Dir("/x".into()))

@@ -17,6 +17,9 @@ pub mod server;
 pub mod store;
 pub mod table;
 pub mod tls;
+pub mod images;
+pub mod scheduler;
+pub mod kubelet;
 pub mod workloads;
 
 use std::net::{Ipv4Addr, SocketAddr};

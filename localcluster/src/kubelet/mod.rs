@@ -1,0 +1,435 @@
+//! The process kubelet: one simulated node whose pods run as real processes.
+//!
+//! A client of the API server like the real kubelet: it registers its Node, heartbeats the Node
+//! status and a Lease in `kube-node-lease`, watches the pods bound to it, and runs each one in
+//! its own network namespace (veth to the node bridge, an address from the node's pod CIDR),
+//! mount namespace (an overlay root with the pod's volumes bind-mounted) and cgroups. See
+//! `docs/kubelet.md`.
+
+pub mod cgroup;
+pub mod network;
+pub mod node;
+pub mod spawn;
+pub mod status;
+pub mod volumes;
+mod worker;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::runtime::watcher;
+use kube::{Api, Client};
+use serde_json::json;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::images::ImageTable;
+use network::{PodCidr, PodNetwork};
+
+/// Why the kubelet or one of its pods failed.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    #[error("{path}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("running `{command}`")]
+    Tool {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed: {stderr}")]
+    Network { command: String, stderr: String },
+    #[error(
+        "the container has no command: localcluster images carry no entrypoint, so set `command`"
+    )]
+    NoCommand,
+    #[error("starting {program}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("volume {volume:?}: {message}")]
+    Volume { volume: String, message: String },
+    #[error("{what}")]
+    Api { what: String, source: kube::Error },
+    #[error("image {image:?} is not in the image table")]
+    Image { image: String },
+    #[error("the pod CIDR {cidr} has no free address")]
+    AddressesExhausted { cidr: String },
+    #[error("the process kubelet needs root (it creates namespaces, mounts and cgroups)")]
+    NotRoot,
+}
+
+/// One simulated node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub name: String,
+    /// The node's root, standing in for `/` of its host paths (`var/lib/kubelet`, ...).
+    pub root: PathBuf,
+    pub pod_cidr: PodCidr,
+    /// The node bridge (at most 15 bytes).
+    pub bridge: String,
+    /// Put first on `PATH` of every container (our binaries).
+    pub bin_dir: Option<PathBuf>,
+    pub images: ImageTable,
+    pub labels: BTreeMap<String, String>,
+    /// Extra allocatable resources, e.g. `devices.kubevirt.io/kvm: "1k"`.
+    pub extended_resources: BTreeMap<String, String>,
+    pub cpu: String,
+    pub memory: String,
+    pub max_pods: u32,
+    pub heartbeat: Duration,
+    /// The first crash back-off step; it doubles up to 30 times this.
+    pub restart_backoff: Duration,
+    /// The address of the node (Node InternalIP, hostNetwork pods' IP).
+    pub host_ip: String,
+}
+
+impl NodeConfig {
+    /// A node named `name` rooted at `<base>/<name>` with the machine's cpus and memory.
+    pub fn new(name: &str, base: &Path, pod_cidr: PodCidr, images: ImageTable) -> Self {
+        let cpu = std::thread::available_parallelism()
+            .map_or(1, std::num::NonZero::get)
+            .to_string();
+        let memory = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|t| node::parse_meminfo(&t))
+            .unwrap_or_else(|| "1Gi".into());
+        Self {
+            name: name.into(),
+            root: base.join(name),
+            pod_cidr,
+            bridge: format!("lc-{}", &name[..name.len().min(12)]),
+            bin_dir: None,
+            images,
+            labels: BTreeMap::new(),
+            extended_resources: BTreeMap::new(),
+            cpu,
+            memory,
+            max_pods: 110,
+            heartbeat: Duration::from_secs(10),
+            restart_backoff: Duration::from_secs(10),
+            host_ip: node::host_ip(),
+        }
+    }
+
+    /// `<root>/var/lib/kubelet`.
+    pub fn kubelet_dir(&self) -> PathBuf {
+        self.root.join("var/lib/kubelet")
+    }
+
+    /// `<root>/var/lib/kubelet/pods`.
+    pub fn pods_dir(&self) -> PathBuf {
+        self.kubelet_dir().join("pods")
+    }
+
+    /// `<root>/var/log/pods`.
+    pub fn log_dir(&self) -> PathBuf {
+        self.root.join("var/log/pods")
+    }
+
+    fn facts(&self) -> node::NodeFacts {
+        node::NodeFacts {
+            name: self.name.clone(),
+            host_ip: self.host_ip.clone(),
+            pod_cidr: self.pod_cidr.to_string(),
+            cpu: self.cpu.clone(),
+            memory: self.memory.clone(),
+            pods: self.max_pods.to_string(),
+            labels: self.labels.clone(),
+            extended_resources: self.extended_resources.clone(),
+        }
+    }
+}
+
+/// What a pod holds on the node, so it can be released even if its worker is gone.
+#[derive(Debug, Clone)]
+pub(crate) struct Sandbox {
+    pub network: Option<PodNetwork>,
+    pub cgroup: cgroup::Cgroup,
+    pub pod_dir: PathBuf,
+    pub log_dir: PathBuf,
+}
+
+impl Sandbox {
+    /// Kills every process of the pod and removes its cgroups, netns, veth and directories.
+    /// Blocking.
+    pub fn teardown(&self) {
+        self.cgroup.destroy();
+        if let Some(n) = &self.network {
+            n.delete();
+        }
+        for dir in [&self.pod_dir, &self.log_dir] {
+            if dir.exists()
+                && let Err(e) = std::fs::remove_dir_all(dir)
+            {
+                tracing::warn!(dir = %dir.display(), error = %e, "removing a pod directory");
+            }
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub config: NodeConfig,
+    pub client: Client,
+    pub sandboxes: Mutex<HashMap<String, Sandbox>>,
+    pub addresses: Mutex<BTreeSet<Ipv4Addr>>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("node", &self.config.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A running kubelet. [`Kubelet::stop`] stops it cleanly; dropping it kills its pods and
+/// removes what they held (blocking) without touching the API.
+#[derive(Debug)]
+pub struct Kubelet {
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    pods: Option<JoinHandle<()>>,
+    heartbeat: JoinHandle<()>,
+}
+
+fn now() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+}
+
+fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> KubeletError {
+    let what = what.into();
+    move |source| KubeletError::Api { what, source }
+}
+
+impl Kubelet {
+    /// Prepares the node (directories, bridge, cgroup), registers its Node and starts
+    /// heartbeats and the pod loop.
+    pub async fn start(client: Client, config: NodeConfig) -> Result<Self, KubeletError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(KubeletError::NotRoot);
+        }
+        for dir in [
+            config.pods_dir(),
+            config.log_dir(),
+            config.root.join("var/run/kubevirt"),
+            config.kubelet_dir().join("device-plugins"),
+        ] {
+            std::fs::create_dir_all(&dir).map_err(|source| KubeletError::Io {
+                path: dir.display().to_string(),
+                source,
+            })?;
+        }
+        network::ensure_bridge(&config.bridge, config.pod_cidr)?;
+        cgroup::Cgroup::node(&config.name).create()?;
+        register(&client, &config).await?;
+        let shared = Arc::new(Shared {
+            config,
+            client,
+            sandboxes: Mutex::new(HashMap::new()),
+            addresses: Mutex::new(BTreeSet::new()),
+        });
+        let (stop, stop_rx) = watch::channel(false);
+        let heartbeat = tokio::spawn(heartbeat_loop(shared.clone()));
+        let pods = tokio::spawn(pod_loop(shared.clone(), stop_rx));
+        tracing::info!(node = %shared.config.name, "kubelet started");
+        Ok(Self {
+            shared,
+            stop,
+            pods: Some(pods),
+            heartbeat,
+        })
+    }
+
+    pub fn node_name(&self) -> &str {
+        &self.shared.config.name
+    }
+
+    pub fn config(&self) -> &NodeConfig {
+        &self.shared.config
+    }
+
+    /// Stops every pod (SIGTERM, then SIGKILL after 2 s), releases what they held and removes
+    /// the node bridge and cgroup. The pod objects stay, as when a real kubelet stops.
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(pods) = self.pods.take() {
+            let _ = pods.await;
+        }
+        self.heartbeat.abort();
+        let shared = self.shared.clone();
+        let _ = tokio::task::spawn_blocking(move || release_node(&shared)).await;
+    }
+}
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        self.heartbeat.abort();
+        if let Some(pods) = self.pods.take() {
+            pods.abort();
+            release_node(&self.shared);
+        }
+    }
+}
+
+fn release_node(shared: &Shared) {
+    let sandboxes: Vec<Sandbox> = shared
+        .sandboxes
+        .lock()
+        .map(|mut s| s.drain().map(|(_, v)| v).collect())
+        .unwrap_or_default();
+    for s in sandboxes {
+        s.teardown();
+    }
+    cgroup::Cgroup::node(&shared.config.name).destroy();
+    network::delete_bridge(&shared.config.bridge);
+}
+
+async fn register(client: &Client, config: &NodeConfig) -> Result<(), KubeletError> {
+    let nodes = Api::<Node>::all(client.clone());
+    let facts = config.facts();
+    let object: Node =
+        serde_json::from_value(node::node_object(&facts)).map_err(|e| KubeletError::Volume {
+            volume: "node".into(),
+            message: e.to_string(),
+        })?;
+    let what = format!("registering node {}", config.name);
+    match nodes.create(&PostParams::default(), &object).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let patch = json!({"metadata": {"labels": object.metadata.labels}, "spec": {"podCIDR": facts.pod_cidr, "podCIDRs": [facts.pod_cidr]}});
+            nodes
+                .patch(&config.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(api_err(what.clone()))?;
+        }
+        Err(e) => return Err(api_err(what)(e)),
+    }
+    let t = now();
+    nodes
+        .patch_status(
+            &config.name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"status": node::node_status(&facts, &t, &t)})),
+        )
+        .await
+        .map_err(api_err(format!("posting node {} status", config.name)))?;
+    Ok(())
+}
+
+async fn heartbeat_loop(shared: Arc<Shared>) {
+    let config = &shared.config;
+    let nodes = Api::<Node>::all(shared.client.clone());
+    let leases = Api::<Lease>::namespaced(shared.client.clone(), "kube-node-lease");
+    let ready_since = now();
+    loop {
+        let t = now();
+        let status = node::node_status(&config.facts(), &t, &ready_since);
+        if let Err(e) = nodes
+            .patch_status(
+                &config.name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "status": status })),
+            )
+            .await
+        {
+            tracing::warn!(node = %config.name, error = %e, "node status heartbeat");
+        }
+        let micro = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let lease = json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": config.name, "namespace": "kube-node-lease"},
+            "spec": {"holderIdentity": config.name, "leaseDurationSeconds": 40, "renewTime": micro},
+        });
+        if let Err(e) = leases
+            .patch(
+                &config.name,
+                &PatchParams::apply("kubelet").force(),
+                &Patch::Apply(&lease),
+            )
+            .await
+        {
+            tracing::warn!(node = %config.name, error = %e, "node lease heartbeat");
+        }
+        tokio::time::sleep(config.heartbeat).await;
+    }
+}
+
+type WorkerHandle = (watch::Sender<Option<Pod>>, JoinHandle<()>);
+
+async fn pod_loop(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
+    let api = Api::<Pod>::all(shared.client.clone());
+    let cfg = watcher::Config::default().fields(&format!("spec.nodeName={}", shared.config.name));
+    let mut events = watcher(api, cfg).boxed();
+    let mut workers: HashMap<String, WorkerHandle> = HashMap::new();
+    let mut finished: HashSet<String> = HashSet::new();
+    let mut listed: HashSet<String> = HashSet::new();
+    let mut stop_wait = stop.clone();
+    loop {
+        let event = tokio::select! {
+            e = events.next() => e,
+            _ = stop_wait.wait_for(|s| *s) => None,
+        };
+        let Some(event) = event else { break };
+        workers.retain(|uid, (_, h)| {
+            if h.is_finished() {
+                finished.insert(uid.clone());
+                false
+            } else {
+                true
+            }
+        });
+        let mut gone = Vec::new();
+        let mut seen = Vec::new();
+        match event {
+            Ok(watcher::Event::Init) => listed.clear(),
+            Ok(watcher::Event::InitApply(pod)) => {
+                listed.insert(pod.metadata.uid.clone().unwrap_or_default());
+                seen.push(pod);
+            }
+            Ok(watcher::Event::InitDone) => {
+                gone.extend(workers.keys().filter(|u| !listed.contains(*u)).cloned());
+            }
+            Ok(watcher::Event::Apply(pod)) => seen.push(pod),
+            Ok(watcher::Event::Delete(pod)) => {
+                gone.push(pod.metadata.uid.clone().unwrap_or_default());
+            }
+            Err(e) => {
+                tracing::warn!(node = %shared.config.name, error = %e, "pod watch");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+        for uid in gone {
+            if let Some((tx, _)) = workers.get(&uid) {
+                let _ = tx.send(None);
+            }
+        }
+        for pod in seen {
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            if finished.contains(&uid) {
+                continue;
+            }
+            if let Some((tx, _)) = workers.get(&uid) {
+                let _ = tx.send(Some(pod));
+            } else {
+                let (tx, rx) = watch::channel(Some(pod.clone()));
+                let handle = tokio::spawn(worker::run(shared.clone(), pod, rx, stop.clone()));
+                workers.insert(uid, (tx, handle));
+            }
+        }
+    }
+    for (_, (_, handle)) in workers {
+        let _ = handle.await;
+    }
+}

@@ -1,0 +1,144 @@
+//! The Node object a kubelet registers and keeps alive, built by pure functions.
+
+use std::collections::BTreeMap;
+
+use serde_json::{Value, json};
+
+/// Facts about the node, for its object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeFacts {
+    pub name: String,
+    pub host_ip: String,
+    pub pod_cidr: String,
+    pub cpu: String,
+    pub memory: String,
+    pub pods: String,
+    pub labels: BTreeMap<String, String>,
+    pub extended_resources: BTreeMap<String, String>,
+}
+
+/// The Node object to create.
+pub fn node_object(f: &NodeFacts) -> Value {
+    let mut labels = json!({
+        "kubernetes.io/hostname": f.name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": std::env::consts::ARCH.replace("x86_64", "amd64").replace("aarch64", "arm64"),
+        "beta.kubernetes.io/os": "linux",
+    });
+    for (k, v) in &f.labels {
+        labels[k] = json!(v);
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": f.name, "labels": labels},
+        "spec": {"podCIDR": f.pod_cidr, "podCIDRs": [f.pod_cidr]},
+    })
+}
+
+/// The node's `status`, with heartbeat times `now`.
+pub fn node_status(f: &NodeFacts, now: &str, ready_since: &str) -> Value {
+    let mut resources = json!({
+        "cpu": f.cpu, "memory": f.memory, "pods": f.pods, "ephemeral-storage": "100Gi",
+    });
+    for (k, v) in &f.extended_resources {
+        resources[k] = json!(v);
+    }
+    let ok = |kind: &str, reason: &str, message: &str| {
+        json!({"type": kind, "status": "False", "reason": reason, "message": message,
+               "lastHeartbeatTime": now, "lastTransitionTime": ready_since})
+    };
+    json!({
+        "capacity": resources,
+        "allocatable": resources,
+        "conditions": [
+            ok("MemoryPressure", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
+            ok("DiskPressure", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
+            ok("PIDPressure", "KubeletHasSufficientPID", "kubelet has sufficient PID available"),
+            {"type": "Ready", "status": "True", "reason": "KubeletReady",
+             "message": "kubelet is posting ready status", "lastHeartbeatTime": now,
+             "lastTransitionTime": ready_since},
+        ],
+        "addresses": [
+            {"type": "InternalIP", "address": f.host_ip},
+            {"type": "Hostname", "address": f.name},
+        ],
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+        "nodeInfo": {
+            "architecture": std::env::consts::ARCH.replace("x86_64", "amd64"),
+            "operatingSystem": "linux", "osImage": "localcluster", "kernelVersion": kernel_version(),
+            "kubeletVersion": "v1.32.0-localcluster", "kubeProxyVersion": "",
+            "containerRuntimeVersion": "localcluster://process", "machineID": "", "systemUUID": "", "bootID": "",
+        },
+    })
+}
+
+fn kernel_version() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The machine's memory in `Ki`, from `/proc/meminfo`'s `MemTotal`.
+pub fn parse_meminfo(text: &str) -> Option<String> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(|kib| format!("{kib}Ki"))
+}
+
+/// The address of the interface holding the default route, from `ip -j route get 1.1.1.1`-like
+/// JSON, else loopback.
+pub fn host_ip() -> String {
+    let out = std::process::Command::new("ip")
+        .args(["-j", "route", "get", "192.0.2.123"])
+        .output();
+    out.ok()
+        .and_then(|o| serde_json::from_slice::<Value>(&o.stdout).ok())
+        .and_then(|v| v[0]["prefsrc"].as_str().map(str::to_string))
+        .unwrap_or_else(|| "127.0.0.1".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts() -> NodeFacts {
+        NodeFacts {
+            name: "n1".into(),
+            host_ip: "192.0.2.2".into(),
+            pod_cidr: "10.244.1.0/24".into(),
+            cpu: "2".into(),
+            memory: "1000Ki".into(),
+            pods: "110".into(),
+            labels: BTreeMap::from([("zone".into(), "a".into())]),
+            extended_resources: BTreeMap::from([("devices.kubevirt.io/kvm".into(), "1k".into())]),
+        }
+    }
+
+    #[test]
+    fn object_and_status() {
+        let o = node_object(&facts());
+        assert_eq!(o["metadata"]["labels"]["kubernetes.io/hostname"], "n1");
+        assert_eq!(o["metadata"]["labels"]["zone"], "a");
+        assert_eq!(o["spec"]["podCIDR"], "10.244.1.0/24");
+        let s = node_status(&facts(), "now", "then");
+        assert_eq!(s["allocatable"]["devices.kubevirt.io/kvm"], "1k");
+        assert_eq!(s["allocatable"]["cpu"], "2");
+        let ready = &s["conditions"][3];
+        assert_eq!(ready["type"], "Ready");
+        assert_eq!(ready["status"], "True");
+        assert_eq!(ready["lastHeartbeatTime"], "now");
+        assert_eq!(ready["lastTransitionTime"], "then");
+        assert_eq!(s["addresses"][0]["address"], "192.0.2.2");
+    }
+
+    #[test]
+    fn meminfo() {
+        assert_eq!(
+            parse_meminfo("MemFree: 1 kB\nMemTotal:       24682416 kB\n").as_deref(),
+            Some("24682416Ki")
+        );
+        assert_eq!(parse_meminfo("nothing"), None);
+    }
+}

@@ -1,0 +1,330 @@
+//! Pod volumes on the node: each volume becomes a host directory under the pod dir (or the
+//! hostPath itself) that containers get bind-mounted at their `mountPath`s.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::{ConfigMap, KeyToPath, Pod, Secret, Volume};
+use kube::{Api, Client};
+
+use super::KubeletError;
+
+/// Where a volume lives on the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostVolume {
+    pub path: PathBuf,
+}
+
+/// Host paths that belong to a node rather than the machine, so each simulated node has its
+/// own: a hostPath under one of these prefixes is re-rooted in the node's root directory.
+pub const NODE_LOCAL_PREFIXES: &[&str] = &[
+    "/var/lib/kubelet",
+    "/var/lib/kubevirt",
+    "/var/run/kubevirt",
+    "/run/kubevirt",
+    "/var/log/pods",
+    "/var/log/kubevirt",
+];
+
+/// The node-side path of a pod's hostPath: re-rooted when node-local, else the host's own.
+pub fn host_path(node_root: &Path, path: &str) -> PathBuf {
+    if NODE_LOCAL_PREFIXES.iter().any(|p| path.starts_with(p)) {
+        node_root.join(path.trim_start_matches('/'))
+    } else {
+        PathBuf::from(path)
+    }
+}
+
+/// The pod dir path of a plugin-managed volume (`kubernetes.io~empty-dir` ...).
+pub fn plugin_dir(pod_dir: &Path, plugin: &str, name: &str) -> PathBuf {
+    pod_dir
+        .join("volumes")
+        .join(format!("kubernetes.io~{plugin}"))
+        .join(name)
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> KubeletError + '_ {
+    move |source| KubeletError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Files to write for a configMap/secret projection: every key, or only `items`.
+pub fn projected_files(
+    data: &BTreeMap<String, Vec<u8>>,
+    items: Option<&[KeyToPath]>,
+    what: &str,
+) -> Result<Vec<(String, Vec<u8>)>, KubeletError> {
+    match items {
+        None => Ok(data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()),
+        Some(items) => items
+            .iter()
+            .map(|i| {
+                data.get(&i.key)
+                    .map(|v| (i.path.clone(), v.clone()))
+                    .ok_or_else(|| KubeletError::Volume {
+                        volume: what.into(),
+                        message: format!("key {:?} not found", i.key),
+                    })
+            })
+            .collect(),
+    }
+}
+
+fn write_files(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), KubeletError> {
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    for (rel, content) in files {
+        if rel.split('/').any(|c| c == "..") || rel.starts_with('/') {
+            return Err(KubeletError::Volume {
+                volume: dir.display().to_string(),
+                message: format!("path {rel:?} must be relative and must not contain '..'"),
+            });
+        }
+        let path = dir.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(io(parent))?;
+        }
+        std::fs::write(&path, content).map_err(io(&path))?;
+    }
+    Ok(())
+}
+
+/// The downwardAPI value of a `fieldRef` path.
+pub fn field_value(pod: &Pod, field: &str) -> Option<String> {
+    let labels_or_annotations = |m: Option<&BTreeMap<String, String>>| {
+        m.map(|m| {
+            m.iter().fold(String::new(), |mut out, (k, v)| {
+                use std::fmt::Write as _;
+                let _ = writeln!(out, "{k}=\"{v}\"");
+                out
+            })
+        })
+        .unwrap_or_default()
+    };
+    let meta = &pod.metadata;
+    Some(match field {
+        "metadata.name" => meta.name.clone()?,
+        "metadata.namespace" => meta.namespace.clone()?,
+        "metadata.uid" => meta.uid.clone()?,
+        "metadata.labels" => labels_or_annotations(meta.labels.as_ref()),
+        "metadata.annotations" => labels_or_annotations(meta.annotations.as_ref()),
+        "spec.nodeName" => pod.spec.as_ref()?.node_name.clone()?,
+        "spec.serviceAccountName" => pod.spec.as_ref()?.service_account_name.clone()?,
+        "status.podIP" => pod.status.as_ref()?.pod_ip.clone()?,
+        "status.hostIP" => pod.status.as_ref()?.host_ip.clone()?,
+        other => {
+            let key = other
+                .strip_prefix("metadata.labels['")
+                .or_else(|| other.strip_prefix("metadata.annotations['"))?
+                .strip_suffix("']")?;
+            let map = if other.starts_with("metadata.labels") {
+                meta.labels.as_ref()
+            } else {
+                meta.annotations.as_ref()
+            };
+            map?.get(key)?.clone()
+        }
+    })
+}
+
+/// Materializes one volume for the pod in `pod_dir`.
+pub async fn prepare(
+    client: &Client,
+    pod: &Pod,
+    pod_dir: &Path,
+    node_root: &Path,
+    volume: &Volume,
+) -> Result<HostVolume, KubeletError> {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let name = volume.name.as_str();
+    if volume.empty_dir.is_some() {
+        let path = plugin_dir(pod_dir, "empty-dir", name);
+        std::fs::create_dir_all(&path).map_err(io(&path))?;
+        return Ok(HostVolume { path });
+    }
+    if let Some(hp) = &volume.host_path {
+        let path = host_path(node_root, &hp.path);
+        match hp.type_.as_deref().unwrap_or_default() {
+            "" | "DirectoryOrCreate" if !path.exists() => {
+                std::fs::create_dir_all(&path).map_err(io(&path))?;
+            }
+            "FileOrCreate" if !path.exists() => {
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent).map_err(io(parent))?;
+                }
+                std::fs::write(&path, b"").map_err(io(&path))?;
+            }
+            "Directory" | "File" | "Socket" | "CharDevice" | "BlockDevice" if !path.exists() => {
+                return Err(KubeletError::Volume {
+                    volume: name.into(),
+                    message: format!("hostPath {} does not exist", path.display()),
+                });
+            }
+            _ => {}
+        }
+        return Ok(HostVolume { path });
+    }
+    if let Some(cm) = &volume.config_map {
+        let path = plugin_dir(pod_dir, "configmap", name);
+        let optional = cm.optional.unwrap_or(false);
+        let found = Api::<ConfigMap>::namespaced(client.clone(), &namespace)
+            .get_opt(&cm.name)
+            .await
+            .map_err(|source| KubeletError::Api {
+                what: format!("configmap {namespace}/{}", cm.name),
+                source,
+            })?;
+        let data: BTreeMap<String, Vec<u8>> = match found {
+            Some(c) => c
+                .data
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.into_bytes()))
+                .chain(
+                    c.binary_data
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(k, v)| (k, v.0)),
+                )
+                .collect(),
+            None if optional => BTreeMap::new(),
+            None => {
+                return Err(KubeletError::Volume {
+                    volume: name.into(),
+                    message: format!("configmap \"{}\" not found", cm.name),
+                });
+            }
+        };
+        let files = projected_files(&data, cm.items.as_deref(), name)?;
+        write_files(&path, &files)?;
+        return Ok(HostVolume { path });
+    }
+    if let Some(sec) = &volume.secret {
+        let secret_name = sec.secret_name.clone().unwrap_or_default();
+        let path = plugin_dir(pod_dir, "secret", name);
+        let found = Api::<Secret>::namespaced(client.clone(), &namespace)
+            .get_opt(&secret_name)
+            .await
+            .map_err(|source| KubeletError::Api {
+                what: format!("secret {namespace}/{secret_name}"),
+                source,
+            })?;
+        let data: BTreeMap<String, Vec<u8>> = match found {
+            Some(s) => s
+                .data
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, v)| (k, v.0))
+                .chain(
+                    s.string_data
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(k, v)| (k, v.into_bytes())),
+                )
+                .collect(),
+            None if sec.optional.unwrap_or(false) => BTreeMap::new(),
+            None => {
+                return Err(KubeletError::Volume {
+                    volume: name.into(),
+                    message: format!("secret \"{secret_name}\" not found"),
+                });
+            }
+        };
+        let files = projected_files(&data, sec.items.as_deref(), name)?;
+        write_files(&path, &files)?;
+        return Ok(HostVolume { path });
+    }
+    if let Some(dapi) = &volume.downward_api {
+        let path = plugin_dir(pod_dir, "downward-api", name);
+        let mut files = Vec::new();
+        for item in dapi.items.iter().flatten() {
+            let Some(field) = &item.field_ref else {
+                return Err(KubeletError::Volume {
+                    volume: name.into(),
+                    message: format!(
+                        "item {:?}: only fieldRef is supported by the process kubelet",
+                        item.path
+                    ),
+                });
+            };
+            let value =
+                field_value(pod, &field.field_path).ok_or_else(|| KubeletError::Volume {
+                    volume: name.into(),
+                    message: format!("unsupported fieldRef {:?}", field.field_path),
+                })?;
+            files.push((item.path.clone(), value.into_bytes()));
+        }
+        write_files(&path, &files)?;
+        return Ok(HostVolume { path });
+    }
+    Err(KubeletError::Volume {
+        volume: name.into(),
+        message: "unsupported volume type: the process kubelet handles emptyDir, hostPath, configMap, secret and downwardAPI".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn node_local_host_paths_are_rerooted() {
+        let root = Path::new("/nodes/n1");
+        assert_eq!(
+            host_path(root, "/var/run/kubevirt-private"),
+            PathBuf::from("/nodes/n1/var/run/kubevirt-private")
+        );
+        assert_eq!(
+            host_path(root, "/var/lib/kubelet/pods"),
+            PathBuf::from("/nodes/n1/var/lib/kubelet/pods")
+        );
+        assert_eq!(host_path(root, "/dev/kvm"), PathBuf::from("/dev/kvm"));
+    }
+
+    #[test]
+    fn projections() {
+        let data = BTreeMap::from([
+            ("a".to_string(), b"1".to_vec()),
+            ("b".into(), b"2".to_vec()),
+        ]);
+        assert_eq!(projected_files(&data, None, "v").unwrap().len(), 2);
+        let items = [KeyToPath {
+            key: "b".into(),
+            path: "sub/b.txt".into(),
+            ..KeyToPath::default()
+        }];
+        assert_eq!(
+            projected_files(&data, Some(&items), "v").unwrap(),
+            vec![("sub/b.txt".to_string(), b"2".to_vec())]
+        );
+        let missing = [KeyToPath {
+            key: "c".into(),
+            path: "c".into(),
+            ..KeyToPath::default()
+        }];
+        assert!(projected_files(&data, Some(&missing), "v").is_err());
+    }
+
+    #[test]
+    fn downward_fields() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u", "labels": {"app": "x", "tier": "web"}},
+            "spec": {"nodeName": "n1", "containers": []},
+        }))
+        .unwrap();
+        assert_eq!(field_value(&pod, "metadata.name").as_deref(), Some("p"));
+        assert_eq!(field_value(&pod, "spec.nodeName").as_deref(), Some("n1"));
+        assert_eq!(
+            field_value(&pod, "metadata.labels").as_deref(),
+            Some("app=\"x\"\ntier=\"web\"\n")
+        );
+        assert_eq!(
+            field_value(&pod, "metadata.labels['tier']").as_deref(),
+            Some("web")
+        );
+        assert_eq!(field_value(&pod, "status.podIP"), None);
+        assert_eq!(field_value(&pod, "spec.bogus"), None);
+    }
+}

@@ -1,0 +1,1007 @@
+//! One pod's life on the node: sandbox, init containers in order, app containers with their
+//! restart policy and readiness probes, status reports, and graceful termination.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Probe, Secret};
+use kube::Api;
+use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
+use nix::mount::MsFlags;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::{Value, json};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use super::cgroup::Cgroup;
+use super::network::PodNetwork;
+use super::spawn::{Launch, RootPlan, open_proc, spawn};
+use super::status::{PodView, Record, State};
+use super::volumes::{self, HostVolume};
+use super::{KubeletError, Sandbox, Shared, now};
+use crate::images::Rootfs;
+use crate::scheduler::parse_quantity;
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// How long the kubelet waits for containers after SIGKILL before giving up on them.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Init,
+    App,
+}
+
+/// A container process ended: which container, and how.
+type Exit = (Kind, usize, std::io::Result<ExitStatus>);
+
+#[derive(Debug)]
+struct Probing {
+    next: Instant,
+    failures: i32,
+    successes: i32,
+}
+
+#[derive(Debug)]
+struct Ctr {
+    spec: Container,
+    record: Record,
+    pid: Option<u32>,
+    next_start: Instant,
+    backoff: Duration,
+    probe: Probing,
+    started_at: String,
+}
+
+impl Ctr {
+    fn new(spec: &Container) -> Self {
+        Self {
+            record: Record::new(&spec.name, spec.image.as_deref().unwrap_or_default()),
+            spec: spec.clone(),
+            pid: None,
+            next_start: Instant::now(),
+            backoff: Duration::ZERO,
+            probe: Probing {
+                next: Instant::now(),
+                failures: 0,
+                successes: 0,
+            },
+            started_at: String::new(),
+        }
+    }
+}
+
+struct Worker {
+    shared: Arc<Shared>,
+    pod: Pod,
+    uid: String,
+    name: String,
+    api: Api<Pod>,
+    init: Vec<Ctr>,
+    app: Vec<Ctr>,
+    sandbox: Option<Sandbox>,
+    volumes: BTreeMap<String, HostVolume>,
+    sandbox_error: Option<String>,
+    sandbox_retry: Instant,
+    pod_ip: Option<String>,
+    start_time: String,
+    exits: (mpsc::UnboundedSender<Exit>, mpsc::UnboundedReceiver<Exit>),
+    terminating: bool,
+    published: Value,
+}
+
+/// Runs the pod until it is deleted (then deletes its object) or the kubelet stops.
+pub(super) async fn run(
+    shared: Arc<Shared>,
+    pod: Pod,
+    mut updates: watch::Receiver<Option<Pod>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let spec = pod.spec.clone().unwrap_or_default();
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let mut w = Worker {
+        api: Api::namespaced(shared.client.clone(), &namespace),
+        shared,
+        uid,
+        name,
+        init: spec
+            .init_containers
+            .iter()
+            .flatten()
+            .map(Ctr::new)
+            .collect(),
+        app: spec.containers.iter().map(Ctr::new).collect(),
+        pod,
+        sandbox: None,
+        volumes: BTreeMap::new(),
+        sandbox_error: None,
+        sandbox_retry: Instant::now(),
+        pod_ip: None,
+        start_time: now(),
+        exits: mpsc::unbounded_channel(),
+        terminating: false,
+        published: Value::Null,
+    };
+    tracing::info!(pod = %w.name, %namespace, uid = %w.uid, "pod worker started");
+    loop {
+        if w.pod.metadata.deletion_timestamp.is_some() {
+            let grace = w.pod.metadata.deletion_grace_period_seconds.unwrap_or(30);
+            w.terminate(Duration::from_secs(u64::try_from(grace).unwrap_or(0)))
+                .await;
+            // Everything is released before the last status write, so once the object is
+            // gone nothing of the pod is left on the node.
+            w.teardown().await;
+            w.publish().await;
+            w.delete_object().await;
+            return;
+        }
+        w.step().await;
+        w.publish().await;
+        let wake = w.next_wake();
+        let action = tokio::select! {
+            changed = updates.changed() => {
+                if changed.is_ok() { updates.borrow_and_update().clone().map_or(Action::Gone, |p| Action::Update(Box::new(p))) } else { Action::Gone }
+            }
+            Some((kind, idx, status)) = w.exits.1.recv() => Action::Exit(kind, idx, status),
+            _ = stop.wait_for(|s| *s) => Action::Stop,
+            () = tokio::time::sleep_until(wake) => Action::Tick,
+        };
+        match action {
+            Action::Update(p) => w.pod = *p,
+            Action::Gone => {
+                // The object is gone (deleted with no grace by someone else).
+                w.terminate(Duration::ZERO).await;
+                w.teardown().await;
+                return;
+            }
+            Action::Exit(kind, idx, status) => w.exited(kind, idx, &status),
+            Action::Stop => {
+                w.terminate(Duration::from_secs(2)).await;
+                w.teardown().await;
+                return;
+            }
+            Action::Tick => {}
+        }
+    }
+}
+
+enum Action {
+    Update(Box<Pod>),
+    Gone,
+    Exit(Kind, usize, std::io::Result<ExitStatus>),
+    Stop,
+    Tick,
+}
+
+fn spec_of(pod: &Pod) -> k8s_openapi::api::core::v1::PodSpec {
+    pod.spec.clone().unwrap_or_default()
+}
+
+fn exit_state(status: &std::io::Result<ExitStatus>, started_at: &str) -> State {
+    use std::os::unix::process::ExitStatusExt as _;
+    let (exit_code, signal) = match status {
+        Ok(s) => match (s.code(), s.signal()) {
+            (Some(c), _) => (c, None),
+            (None, Some(sig)) => (128 + sig, Some(sig)),
+            (None, None) => (-1, None),
+        },
+        Err(_) => (-1, None),
+    };
+    State::Terminated {
+        exit_code,
+        signal,
+        reason: if exit_code == 0 { "Completed" } else { "Error" }.into(),
+        started_at: started_at.into(),
+        finished_at: now(),
+    }
+}
+
+/// Kubernetes' QoS class of a pod.
+pub fn qos_class(pod: &Pod) -> &'static str {
+    let spec = spec_of(pod);
+    let all: Vec<&Container> = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+        .collect();
+    let get = |c: &Container, limits: bool, r: &str| {
+        c.resources.as_ref().and_then(|res| {
+            let m = if limits { &res.limits } else { &res.requests };
+            m.as_ref()
+                .and_then(|m| m.get(r))
+                .and_then(|q| parse_quantity(&q.0))
+        })
+    };
+    let any = all.iter().any(|c| {
+        ["cpu", "memory"]
+            .iter()
+            .any(|r| get(c, true, r).is_some() || get(c, false, r).is_some())
+    });
+    if !any {
+        return "BestEffort";
+    }
+    let guaranteed = all.iter().all(|c| {
+        ["cpu", "memory"].iter().all(|r| {
+            let limit = get(c, true, r);
+            limit.is_some() && get(c, false, r).is_none_or(|req| Some(req) == limit)
+        })
+    });
+    if guaranteed {
+        "Guaranteed"
+    } else {
+        "Burstable"
+    }
+}
+
+impl Worker {
+    fn config(&self) -> &super::NodeConfig {
+        &self.shared.config
+    }
+
+    fn pod_dir(&self) -> PathBuf {
+        self.config().pods_dir().join(&self.uid)
+    }
+
+    fn log_dir(&self) -> PathBuf {
+        self.config().log_dir().join(format!(
+            "{}_{}_{}",
+            self.pod.metadata.namespace.as_deref().unwrap_or_default(),
+            self.name,
+            self.uid
+        ))
+    }
+
+    fn restart_policy(&self) -> String {
+        spec_of(&self.pod)
+            .restart_policy
+            .unwrap_or_else(|| "Always".into())
+    }
+
+    fn next_wake(&self) -> Instant {
+        let mut wake = Instant::now() + Duration::from_secs(1);
+        for c in self.init.iter().chain(&self.app) {
+            if c.pid.is_none() {
+                wake = wake.min(c.next_start.max(Instant::now()));
+            } else if c.spec.readiness_probe.is_some() {
+                wake = wake.min(c.probe.next.max(Instant::now()));
+            }
+        }
+        wake
+    }
+
+    async fn setup_sandbox(&mut self) -> Result<(), KubeletError> {
+        let spec = spec_of(&self.pod);
+        let pod_dir = self.pod_dir();
+        std::fs::create_dir_all(&pod_dir).map_err(|source| KubeletError::Io {
+            path: pod_dir.display().to_string(),
+            source,
+        })?;
+        let cgroup = Cgroup::node(&self.config().name).child(&format!("pod{}", self.uid));
+        let mut sandbox = Sandbox {
+            network: None,
+            cgroup: cgroup.clone(),
+            pod_dir: pod_dir.clone(),
+            log_dir: self.log_dir(),
+        };
+        if spec.host_network.unwrap_or(false) {
+            self.pod_ip = Some(self.config().host_ip.clone());
+        } else {
+            let ip =
+                {
+                    let mut used = self.shared.addresses.lock().map_err(|_| {
+                        KubeletError::AddressesExhausted {
+                            cidr: self.config().pod_cidr.to_string(),
+                        }
+                    })?;
+                    let ip = self.config().pod_cidr.allocate(&used).ok_or_else(|| {
+                        KubeletError::AddressesExhausted {
+                            cidr: self.config().pod_cidr.to_string(),
+                        }
+                    })?;
+                    used.insert(ip);
+                    ip
+                };
+            let net = PodNetwork::for_uid(&self.uid, ip);
+            sandbox.network = Some(net.clone());
+            self.register(&sandbox);
+            let (bridge, cidr) = (self.config().bridge.clone(), self.config().pod_cidr);
+            let created = tokio::task::spawn_blocking(move || net.create(&bridge, cidr)).await;
+            match created {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(e) => {
+                    return Err(KubeletError::Io {
+                        path: "network setup task".into(),
+                        source: std::io::Error::other(e),
+                    });
+                }
+            }
+            self.pod_ip = Some(ip.to_string());
+        }
+        self.register(&sandbox);
+        cgroup.create()?;
+        let node_root = self.config().root.clone();
+        let mut volumes = BTreeMap::new();
+        for v in spec.volumes.iter().flatten() {
+            let host =
+                volumes::prepare(&self.shared.client, &self.pod, &pod_dir, &node_root, v).await?;
+            volumes.insert(v.name.clone(), host);
+        }
+        self.volumes = volumes;
+        self.sandbox = Some(sandbox);
+        Ok(())
+    }
+
+    fn register(&self, sandbox: &Sandbox) {
+        if let Ok(mut s) = self.shared.sandboxes.lock() {
+            s.insert(self.uid.clone(), sandbox.clone());
+        }
+    }
+
+    async fn step(&mut self) {
+        if self.terminating {
+            return;
+        }
+        if self.sandbox.is_none() {
+            if Instant::now() < self.sandbox_retry {
+                return;
+            }
+            match self.setup_sandbox().await {
+                Ok(()) => self.sandbox_error = None,
+                Err(e) => {
+                    let message = error_chain(&e);
+                    tracing::warn!(pod = %self.name, error = %message, "pod sandbox");
+                    self.sandbox_error = Some(message);
+                    self.sandbox_retry = Instant::now() + Duration::from_secs(2);
+                    return;
+                }
+            }
+        }
+        let policy = self.restart_policy();
+        if let Some(i) = self.init.iter().position(|c| !c.record.state.succeeded()) {
+            let c = &self.init[i];
+            let may_start = c.pid.is_none()
+                && Instant::now() >= c.next_start
+                && !(c.record.state.failed() && policy == "Never");
+            if may_start {
+                self.start(Kind::Init, i).await;
+            }
+            return;
+        }
+        for i in 0..self.app.len() {
+            let c = &self.app[i];
+            if c.pid.is_some() || Instant::now() < c.next_start {
+                continue;
+            }
+            let again = match (&c.record.state, policy.as_str()) {
+                (State::Waiting { .. }, _) | (State::Terminated { .. }, "Always") => true,
+                (State::Terminated { exit_code, .. }, "OnFailure") => *exit_code != 0,
+                _ => false,
+            };
+            if again {
+                self.start(Kind::App, i).await;
+            }
+        }
+        for i in 0..self.app.len() {
+            self.probe(i).await;
+        }
+    }
+
+    fn ctr(&mut self, kind: Kind, idx: usize) -> &mut Ctr {
+        match kind {
+            Kind::Init => &mut self.init[idx],
+            Kind::App => &mut self.app[idx],
+        }
+    }
+
+    async fn start(&mut self, kind: Kind, idx: usize) {
+        let result = self.launch(kind, idx).await;
+        let base = self.config().restart_backoff;
+        let c = self.ctr(kind, idx);
+        match result {
+            Ok(pid) => {
+                if c.record.started {
+                    c.record.restart_count += 1;
+                }
+                c.pid = Some(pid);
+                c.started_at = now();
+                c.record.started = true;
+                c.record.state = State::Running {
+                    started_at: c.started_at.clone(),
+                };
+                c.record.ready = false;
+                c.probe = Probing {
+                    next: Instant::now()
+                        + Duration::from_secs(
+                            c.spec
+                                .readiness_probe
+                                .as_ref()
+                                .and_then(|p| p.initial_delay_seconds)
+                                .and_then(|s| u64::try_from(s).ok())
+                                .unwrap_or(0),
+                        ),
+                    failures: 0,
+                    successes: 0,
+                };
+                tracing::info!(container = %c.spec.name, pid, "container started");
+            }
+            Err(e) => {
+                let reason = match e {
+                    KubeletError::Image { .. } => "ErrImagePull",
+                    _ => "CreateContainerError",
+                };
+                let message = error_chain(&e);
+                tracing::warn!(container = %c.spec.name, error = %message, "starting a container");
+                c.record.state = State::Waiting {
+                    reason: reason.into(),
+                    message: Some(message),
+                };
+                c.backoff = next_backoff(c.backoff, base);
+                c.next_start = Instant::now() + c.backoff;
+            }
+        }
+    }
+
+    async fn env(&self, c: &Container) -> Result<Vec<(String, String)>, KubeletError> {
+        let namespace = self.pod.metadata.namespace.clone().unwrap_or_default();
+        let path = match &self.config().bin_dir {
+            Some(b) => format!("{}:{DEFAULT_PATH}", b.display()),
+            None => DEFAULT_PATH.to_string(),
+        };
+        let mut env = vec![
+            ("PATH".to_string(), path),
+            ("HOSTNAME".to_string(), self.name.clone()),
+        ];
+        let mut pod = self.pod.clone();
+        if let Some(status) = pod.status.as_mut() {
+            status.pod_ip.clone_from(&self.pod_ip);
+            status.host_ip = Some(self.config().host_ip.clone());
+        } else {
+            pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
+                pod_ip: self.pod_ip.clone(),
+                host_ip: Some(self.config().host_ip.clone()),
+                ..Default::default()
+            });
+        }
+        for e in c.env.iter().flatten() {
+            let value = if let Some(v) = &e.value {
+                v.clone()
+            } else if let Some(from) = &e.value_from {
+                let bad = |m: String| KubeletError::Volume {
+                    volume: format!("env {}", e.name),
+                    message: m,
+                };
+                if let Some(f) = &from.field_ref {
+                    volumes::field_value(&pod, &f.field_path)
+                        .ok_or_else(|| bad(format!("unsupported fieldRef {:?}", f.field_path)))?
+                } else if let Some(k) = &from.config_map_key_ref {
+                    let cm = Api::<ConfigMap>::namespaced(self.shared.client.clone(), &namespace)
+                        .get_opt(&k.name)
+                        .await
+                        .map_err(|source| KubeletError::Api {
+                            what: format!("configmap {namespace}/{}", k.name),
+                            source,
+                        })?;
+                    match cm.and_then(|cm| cm.data?.get(&k.key).cloned()) {
+                        Some(v) => v,
+                        None if k.optional.unwrap_or(false) => continue,
+                        None => {
+                            return Err(bad(format!(
+                                "configmap key {}/{} not found",
+                                k.name, k.key
+                            )));
+                        }
+                    }
+                } else if let Some(k) = &from.secret_key_ref {
+                    let s = Api::<Secret>::namespaced(self.shared.client.clone(), &namespace)
+                        .get_opt(&k.name)
+                        .await
+                        .map_err(|source| KubeletError::Api {
+                            what: format!("secret {namespace}/{}", k.name),
+                            source,
+                        })?;
+                    match s.and_then(|s| s.data?.get(&k.key).cloned()) {
+                        Some(v) => String::from_utf8_lossy(&v.0).into_owned(),
+                        None if k.optional.unwrap_or(false) => continue,
+                        None => {
+                            return Err(bad(format!("secret key {}/{} not found", k.name, k.key)));
+                        }
+                    }
+                } else {
+                    return Err(bad(
+                        "only fieldRef, configMapKeyRef and secretKeyRef are supported".into(),
+                    ));
+                }
+            } else {
+                String::new()
+            };
+            env.retain(|(k, _)| *k != e.name);
+            env.push((e.name.clone(), value));
+        }
+        Ok(env)
+    }
+
+    /// Builds the container's root and mounts and starts its process; returns its pid.
+    async fn launch(&mut self, kind: Kind, idx: usize) -> Result<u32, KubeletError> {
+        let spec = self.ctr(kind, idx).spec.clone();
+        let restart = self.ctr(kind, idx).record.restart_count
+            + i32::from(self.ctr(kind, idx).record.started);
+        let image = spec.image.clone().unwrap_or_default();
+        let rootfs = self
+            .config()
+            .images
+            .resolve(&image)
+            .cloned()
+            .ok_or(KubeletError::Image {
+                image: image.clone(),
+            })?;
+        let mut argv: Vec<String> = spec.command.clone().unwrap_or_default();
+        argv.extend(spec.args.clone().unwrap_or_default());
+        if argv.is_empty() {
+            return Err(KubeletError::NoCommand);
+        }
+        let env = self.env(&spec).await?;
+        let io = |path: &std::path::Path| {
+            let path = path.display().to_string();
+            move |source| KubeletError::Io { path, source }
+        };
+
+        let ctr_dir = self.pod_dir().join("containers").join(&spec.name);
+        let (upper, work, root) = (
+            ctr_dir.join("upper"),
+            ctr_dir.join("work"),
+            ctr_dir.join("rootfs"),
+        );
+        // A restart gets a fresh writable layer, as a container does.
+        if upper.exists() {
+            std::fs::remove_dir_all(&upper).map_err(io(&upper))?;
+        }
+        for d in [&upper, &work, &root] {
+            std::fs::create_dir_all(d).map_err(io(d))?;
+        }
+        let lower = match &rootfs {
+            Rootfs::Host => "/".to_string(),
+            Rootfs::Dir(d) => {
+                if !d.is_dir() {
+                    return Err(KubeletError::Volume {
+                        volume: format!("image {image}"),
+                        message: format!("root directory {} does not exist", d.display()),
+                    });
+                }
+                format!("{}:/", d.display())
+            }
+        };
+        let mut plan = RootPlan::default();
+        plan.mount(
+            Some("overlay"),
+            &root,
+            Some("overlay"),
+            MsFlags::empty(),
+            Some(&format!(
+                "lowerdir={lower},upperdir={},workdir={}",
+                upper.display(),
+                work.display()
+            )),
+        );
+        let proc_dir = plan.mount_point(&root, std::path::Path::new("/proc"), false);
+        plan.mount(
+            Some("proc"),
+            &proc_dir,
+            Some("proc"),
+            MsFlags::empty(),
+            None,
+        );
+        for host in ["/dev", "/sys"] {
+            let target = plan.mount_point(&root, std::path::Path::new(host), false);
+            plan.bind(std::path::Path::new(host), &target, false);
+        }
+        if let Some(bin) = self.config().bin_dir.clone() {
+            let target = plan.mount_point(&root, &bin, false);
+            plan.bind(&bin, &target, true);
+        }
+        let mut propagation = MsFlags::MS_PRIVATE;
+        for m in spec.volume_mounts.iter().flatten() {
+            let volume = self
+                .volumes
+                .get(&m.name)
+                .ok_or_else(|| KubeletError::Volume {
+                    volume: m.name.clone(),
+                    message: format!("container {} mounts an undeclared volume", spec.name),
+                })?;
+            let mut source = volume.path.clone();
+            if let Some(sub) = m.sub_path.as_deref().filter(|s| !s.is_empty()) {
+                source = source.join(sub);
+                if !source.exists() {
+                    std::fs::create_dir_all(&source).map_err(io(&source))?;
+                }
+            }
+            let target =
+                plan.mount_point(&root, std::path::Path::new(&m.mount_path), source.is_file());
+            plan.bind(&source, &target, m.read_only.unwrap_or(false));
+            match m.mount_propagation.as_deref() {
+                Some("Bidirectional") => {
+                    propagation = MsFlags::MS_SLAVE;
+                    plan.mount(None, &target, None, MsFlags::MS_SHARED, None);
+                }
+                Some("HostToContainer") => propagation = MsFlags::MS_SLAVE,
+                _ => {}
+            }
+        }
+        plan.propagation = Some(propagation);
+        plan.root =
+            Some(std::ffi::CString::new(root.as_os_str().as_encoded_bytes()).unwrap_or_default());
+
+        let cgroup = self
+            .sandbox
+            .as_ref()
+            .map(|s| s.cgroup.child(&spec.name))
+            .ok_or(KubeletError::NoCommand)?;
+        cgroup.create()?;
+        if let Some(limit) = spec
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .and_then(|l| l.get("memory"))
+            .and_then(|q| parse_quantity(&q.0))
+            .and_then(|milli| u64::try_from(milli / 1000).ok())
+        {
+            cgroup.set_memory_limit(limit)?;
+        }
+        let netns = match self.sandbox.as_ref().and_then(|s| s.network.as_ref()) {
+            Some(n) => {
+                let path = n.netns_path();
+                Some(std::fs::File::open(&path).map_err(io(&path))?)
+            }
+            None => None,
+        };
+        let log_dir = self.log_dir().join(&spec.name);
+        std::fs::create_dir_all(&log_dir).map_err(io(&log_dir))?;
+        let log_path = log_dir.join(format!("{restart}.log"));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(io(&log_path))?;
+        let log2 = log.try_clone().map_err(io(&log_path))?;
+        let child = spawn(Launch {
+            argv,
+            env,
+            workdir: PathBuf::from(spec.working_dir.clone().unwrap_or_else(|| "/".into())),
+            netns,
+            mntns: None,
+            cgroups: cgroup.procs_files()?,
+            root: Some(plan),
+            stdout: Stdio::from(log),
+            stderr: Stdio::from(log2),
+        })?;
+        let pid = child.id().unwrap_or_default();
+        let tx = self.exits.0.clone();
+        tokio::spawn(async move {
+            let mut child = child;
+            let status = child.wait().await;
+            let _ = tx.send((kind, idx, status));
+        });
+        Ok(pid)
+    }
+
+    fn exited(&mut self, kind: Kind, idx: usize, status: &std::io::Result<ExitStatus>) {
+        let policy = self.restart_policy();
+        let base = self.config().restart_backoff;
+        let terminating = self.terminating;
+        let pod_name = self.name.clone();
+        let ctr_name = self.ctr(kind, idx).spec.name.clone();
+        let cgroup = self.sandbox.as_ref().map(|s| s.cgroup.child(&ctr_name));
+        let c = self.ctr(kind, idx);
+        c.pid = None;
+        c.record.ready = false;
+        let state = exit_state(status, &c.started_at);
+        tracing::info!(container = %c.spec.name, ?status, "container exited");
+        let restarts = !terminating
+            && match policy.as_str() {
+                "Always" => kind == Kind::App || !state.succeeded(),
+                "OnFailure" => !state.succeeded(),
+                _ => false,
+            };
+        if restarts {
+            c.backoff = next_backoff(c.backoff, base);
+            c.next_start = Instant::now() + c.backoff;
+            c.record.last = Some(state);
+            c.record.state = State::Waiting {
+                reason: "CrashLoopBackOff".into(),
+                message: Some(format!(
+                    "back-off {}s restarting failed container={} pod={}",
+                    c.backoff.as_secs(),
+                    c.spec.name,
+                    pod_name
+                )),
+            };
+        } else {
+            c.record.state = state;
+        }
+        // Whatever the container forked dies with it, as in a container's PID namespace.
+        if let Some(cg) = cgroup {
+            tokio::task::spawn_blocking(move || cg.destroy());
+        }
+    }
+
+    async fn probe(&mut self, idx: usize) {
+        let c = &self.app[idx];
+        let Some(pid) = c.pid else { return };
+        let Some(probe) = c.spec.readiness_probe.clone() else {
+            self.app[idx].record.ready = true;
+            return;
+        };
+        if Instant::now() < c.probe.next {
+            return;
+        }
+        let ok = self.run_probe(&probe, pid, &c.spec).await;
+        let c = &mut self.app[idx];
+        let period = probe
+            .period_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .unwrap_or(10);
+        c.probe.next = Instant::now() + Duration::from_secs(period.max(1));
+        if ok {
+            c.probe.failures = 0;
+            c.probe.successes += 1;
+            if c.probe.successes >= probe.success_threshold.unwrap_or(1) {
+                c.record.ready = true;
+            }
+        } else {
+            c.probe.successes = 0;
+            c.probe.failures += 1;
+            if c.probe.failures >= probe.failure_threshold.unwrap_or(3) || !c.record.ready {
+                c.record.ready = false;
+            }
+        }
+    }
+
+    async fn run_probe(&self, probe: &Probe, pid: u32, spec: &Container) -> bool {
+        let timeout = Duration::from_secs(
+            probe
+                .timeout_seconds
+                .and_then(|s| u64::try_from(s).ok())
+                .unwrap_or(1)
+                .max(1),
+        );
+        if let Some(exec) = &probe.exec {
+            let launch = || -> Result<tokio::process::Child, KubeletError> {
+                spawn(Launch {
+                    argv: exec.command.clone().unwrap_or_default(),
+                    env: vec![("PATH".into(), DEFAULT_PATH.into())],
+                    workdir: PathBuf::from("/"),
+                    netns: Some(open_proc(pid, "ns/net")?),
+                    mntns: Some(open_proc(pid, "ns/mnt")?),
+                    cgroups: Vec::new(),
+                    root: None,
+                    stdout: Stdio::null(),
+                    stderr: Stdio::null(),
+                })
+            };
+            let mut child = match launch() {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::debug!(error = %error_chain(&e), "exec probe");
+                    return false;
+                }
+            };
+            if let Ok(Ok(s)) = tokio::time::timeout(timeout, child.wait()).await {
+                return s.success();
+            }
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            return false;
+        }
+        if let Some(tcp) = &probe.tcp_socket {
+            let port = match &tcp.port {
+                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => *p,
+                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name) => spec
+                    .ports
+                    .iter()
+                    .flatten()
+                    .find(|p| p.name.as_deref() == Some(name))
+                    .map_or(0, |p| p.container_port),
+            };
+            let host = tcp
+                .host
+                .clone()
+                .or_else(|| self.pod_ip.clone())
+                .unwrap_or_default();
+            let addr = format!("{host}:{port}");
+            return matches!(
+                tokio::time::timeout(timeout, tokio::net::TcpStream::connect(&addr)).await,
+                Ok(Ok(_))
+            );
+        }
+        tracing::warn!(pod = %self.name, "readiness probe kind not supported by the process kubelet (exec and tcpSocket are); reporting not ready");
+        false
+    }
+
+    /// SIGTERM to every running container, SIGKILL to everything left after `grace`.
+    async fn terminate(&mut self, grace: Duration) {
+        self.terminating = true;
+        let running = |w: &Self| {
+            w.init
+                .iter()
+                .chain(&w.app)
+                .filter(|c| c.pid.is_some())
+                .count()
+        };
+        for c in self.init.iter().chain(&self.app) {
+            if let Some(pid) = c.pid {
+                let _ = kill(
+                    Pid::from_raw(i32::try_from(pid).unwrap_or(0)),
+                    Signal::SIGTERM,
+                );
+            }
+        }
+        let deadline = Instant::now() + grace;
+        while running(self) > 0 {
+            match tokio::time::timeout_at(deadline, self.exits.1.recv()).await {
+                Ok(Some((kind, idx, status))) => self.exited(kind, idx, &status),
+                _ => break,
+            }
+        }
+        if let Some(s) = &self.sandbox {
+            s.cgroup.signal_all(Signal::SIGKILL);
+        }
+        let deadline = Instant::now() + KILL_WAIT;
+        while running(self) > 0 {
+            match tokio::time::timeout_at(deadline, self.exits.1.recv()).await {
+                Ok(Some((kind, idx, status))) => self.exited(kind, idx, &status),
+                _ => break,
+            }
+        }
+    }
+
+    async fn teardown(&mut self) {
+        let sandbox = self
+            .shared
+            .sandboxes
+            .lock()
+            .ok()
+            .and_then(|mut s| s.remove(&self.uid));
+        if let Some(s) = sandbox {
+            let net = s.network.clone();
+            let _ = tokio::task::spawn_blocking(move || s.teardown()).await;
+            if let (Some(n), Ok(mut used)) = (net, self.shared.addresses.lock()) {
+                used.remove(&n.ip);
+            }
+        }
+        self.sandbox = None;
+        tracing::info!(pod = %self.name, "pod torn down");
+    }
+
+    async fn delete_object(&self) {
+        let params = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: Some(self.uid.clone()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match self.api.delete(&self.name, &params).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+            Err(e) => tracing::warn!(pod = %self.name, error = %e, "deleting the pod object"),
+        }
+    }
+
+    async fn publish(&mut self) {
+        let records = |v: &[Ctr]| v.iter().map(|c| c.record.clone()).collect::<Vec<_>>();
+        let (init, app) = (records(&self.init), records(&self.app));
+        let policy = self.restart_policy();
+        let host_ip = self.config().host_ip.clone();
+        let view = PodView {
+            uid: &self.uid,
+            restart_policy: &policy,
+            init: &init,
+            app: &app,
+            pod_ip: self.pod_ip.as_deref(),
+            host_ip: &host_ip,
+            start_time: &self.start_time,
+            sandbox_ready: self.sandbox.is_some(),
+            sandbox_error: self.sandbox_error.as_deref(),
+            qos_class: qos_class(&self.pod),
+        };
+        let previous: Vec<Value> = self
+            .published
+            .get("conditions")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let status = super::status::pod_status(&view, &previous, &now());
+        if status == self.published {
+            return;
+        }
+        match self
+            .api
+            .patch_status(
+                &self.name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({ "status": status })),
+            )
+            .await
+        {
+            Ok(_) => self.published = status,
+            Err(e) => tracing::warn!(pod = %self.name, error = %e, "updating pod status"),
+        }
+    }
+}
+
+fn next_backoff(current: Duration, base: Duration) -> Duration {
+    if current.is_zero() {
+        base
+    } else {
+        (current * 2).min(base * 30)
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = e.source();
+    while let Some(inner) = source {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        source = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qos_classes() {
+        let pod = |resources: Value| -> Pod {
+            serde_json::from_value(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+                {"name": "c", "image": "i", "resources": resources}]}}))
+            .unwrap()
+        };
+        assert_eq!(qos_class(&pod(json!({}))), "BestEffort");
+        assert_eq!(
+            qos_class(&pod(json!({"limits": {"cpu": "1", "memory": "1Gi"}}))),
+            "Guaranteed"
+        );
+        assert_eq!(
+            qos_class(&pod(json!({"requests": {"cpu": "1"}}))),
+            "Burstable"
+        );
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_a_cap() {
+        let base = Duration::from_secs(10);
+        let mut b = Duration::ZERO;
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            b = next_backoff(b, base);
+            seen.push(b.as_secs());
+        }
+        assert_eq!(seen, vec![10, 20, 40, 80, 160, 300, 300, 300]);
+    }
+
+    #[test]
+    fn exit_states() {
+        use std::os::unix::process::ExitStatusExt as _;
+        let ok = exit_state(&Ok(ExitStatus::from_raw(0)), "t");
+        assert!(ok.succeeded());
+        let killed = exit_state(&Ok(ExitStatus::from_raw(9)), "t");
+        assert!(matches!(
+            killed,
+            State::Terminated {
+                exit_code: 137,
+                signal: Some(9),
+                ..
+            }
+        ));
+    }
+}

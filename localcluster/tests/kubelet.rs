@@ -1,0 +1,479 @@
+//! The process kubelet against the in-process API server, with real namespaces, mounts,
+//! cgroups and veths (we are root).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{Cluster, eventually};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::Api;
+use kube::api::{DeleteParams, PostParams};
+use localcluster::images::{ImageTable, Rootfs};
+use localcluster::kubelet::network::PodCidr;
+use localcluster::kubelet::{Kubelet, NodeConfig};
+use serde_json::{Value, json};
+
+const IMAGE: &str = "kubevirt-rs/test-tools:latest";
+
+/// A node with a unique name, bridge and pod CIDR, rooted in a temp dir, so tests can run in
+/// parallel. Dropping it kills its pods and removes what they held.
+struct TestNode {
+    kubelet: Option<Kubelet>,
+    _dir: tempfile::TempDir,
+}
+
+impl TestNode {
+    async fn start(cluster: &Cluster) -> Self {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("localcluster=info")
+            .with_test_writer()
+            .try_init();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("n-{}", &id[..6]);
+        let bytes = id.as_bytes();
+        let cidr = PodCidr::parse(&format!(
+            "10.{}.{}.0/24",
+            200 + u32::from(bytes[6]) % 50,
+            u32::from(bytes[7]) * 2 % 250
+        ))
+        .expect("cidr");
+        let mut images = ImageTable::default();
+        images.insert(IMAGE, Rootfs::Host);
+        let mut config = NodeConfig::new(&name, dir.path(), cidr, images);
+        config.restart_backoff = Duration::from_millis(500);
+        config.heartbeat = Duration::from_secs(2);
+        let kubelet = Kubelet::start(cluster.client.clone(), config)
+            .await
+            .expect("starting the kubelet");
+        Self {
+            kubelet: Some(kubelet),
+            _dir: dir,
+        }
+    }
+
+    fn kubelet(&self) -> &Kubelet {
+        self.kubelet.as_ref().expect("running")
+    }
+
+    fn name(&self) -> String {
+        self.kubelet().node_name().to_string()
+    }
+
+    fn pods_dir(&self) -> PathBuf {
+        self.kubelet().config().pods_dir()
+    }
+
+    async fn stop(mut self) {
+        if let Some(k) = self.kubelet.take() {
+            k.stop().await;
+        }
+    }
+}
+
+fn pod(name: &str, node: &str, spec: &Value) -> Pod {
+    let mut p = json!({"metadata": {"name": name}, "spec": {"nodeName": node}});
+    json_patch::merge(&mut p["spec"], spec);
+    serde_json::from_value(p).expect("pod")
+}
+
+fn sh(name: &str, script: &str) -> Value {
+    json!({"name": name, "image": IMAGE, "command": ["/bin/sh", "-c", script]})
+}
+
+async fn wait_pod(api: &Api<Pod>, name: &str, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+    eventually(120, what, || async {
+        let p = api.get(name).await.ok()?;
+        let v = serde_json::to_value(&p).ok()?;
+        f(&v).then_some(v)
+    })
+    .await
+}
+
+fn condition(pod: &Value, kind: &str) -> Option<String> {
+    pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == kind)
+        .and_then(|c| c["status"].as_str().map(str::to_string))
+}
+
+fn mounts_mention(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .contains(path.to_str().unwrap_or("?"))
+}
+
+fn cgroup_dirs(node: &str, uid: &str) -> Vec<PathBuf> {
+    ["pids", "memory", "cpu", "unified"]
+        .iter()
+        .map(|h| {
+            Path::new("/sys/fs/cgroup")
+                .join(h)
+                .join("localcluster")
+                .join(node)
+                .join(format!("pod{uid}"))
+        })
+        .filter(|p| p.exists())
+        .collect()
+}
+
+fn pids_in(dir: &Path) -> Vec<i32> {
+    let mut out = Vec::new();
+    if let Ok(t) = std::fs::read_to_string(dir.join("cgroup.procs")) {
+        out.extend(t.lines().filter_map(|l| l.parse::<i32>().ok()));
+    }
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.path().is_dir() {
+            out.extend(pids_in(&e.path()));
+        }
+    }
+    out
+}
+
+#[tokio::test]
+async fn pod_runs_isolated_with_volumes_is_reachable_and_leaves_nothing_behind() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let node_name = node.name();
+    let pods: Api<Pod> = cluster.api();
+    let cms: Api<ConfigMap> = cluster.api();
+    cms.create(
+        &PostParams::default(),
+        &serde_json::from_value(
+            json!({"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}}),
+        )
+        .unwrap(),
+    )
+    .await
+    .expect("configmap");
+
+    let server_script = r"
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(('0.0.0.0', 8080))
+s.listen()
+while True:
+    c, _ = s.accept()
+    c.sendall(open('/etc/config/greeting').read().encode())
+    c.close()
+";
+    let mut server = sh(
+        "server",
+        "ip -o addr show > /data/addrs; cat /etc/config/greeting > /data/greet; exec python3 -c \"$SERVER\"",
+    );
+    server["env"] = json!([{"name": "SERVER", "value": server_script},
+        {"name": "MY_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]);
+    server["volumeMounts"] = json!([
+        {"name": "data", "mountPath": "/data"},
+        {"name": "config", "mountPath": "/etc/config", "readOnly": true},
+    ]);
+    server["readinessProbe"] =
+        json!({"exec": {"command": ["cat", "/data/greet"]}, "periodSeconds": 1});
+    let created = pods
+        .create(
+            &PostParams::default(),
+            &pod(
+                "server",
+                &node_name,
+                &json!({"containers": [server], "volumes": [
+                    {"name": "data", "emptyDir": {}},
+                    {"name": "config", "configMap": {"name": "cfg"}},
+                ]}),
+            ),
+        )
+        .await
+        .expect("creating the server pod");
+    let uid = created.metadata.uid.clone().expect("uid");
+
+    let running = wait_pod(&pods, "server", "server Running and Ready", |p| {
+        p["status"]["phase"] == "Running" && condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await;
+    let pod_ip = running["status"]["podIP"]
+        .as_str()
+        .expect("podIP")
+        .to_string();
+    assert_eq!(running["status"]["podIPs"][0]["ip"], pod_ip);
+    assert_eq!(running["status"]["containerStatuses"][0]["ready"], true);
+    assert!(running["status"]["containerStatuses"][0]["state"]["running"]["startedAt"].is_string());
+
+    // The emptyDir lives where the kubelet keeps it, and the container wrote through its mount.
+    let empty_dir = node
+        .pods_dir()
+        .join(&uid)
+        .join("volumes/kubernetes.io~empty-dir/data");
+    let addrs = std::fs::read_to_string(empty_dir.join("addrs")).expect("addrs in the emptyDir");
+    assert!(addrs.contains(&format!("inet {pod_ip}/24")), "{addrs}");
+    assert!(
+        !addrs.contains("192.0.2.2"),
+        "the pod sees the host's addresses: {addrs}"
+    );
+    let host_ifaces: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "lo" && n != "eth0")
+        .collect();
+    for iface in &host_ifaces {
+        assert!(
+            !addrs.contains(&format!(" {iface} ")),
+            "host interface {iface} visible: {addrs}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(empty_dir.join("greet")).unwrap(),
+        "hello"
+    );
+    // The mounts are private to the container: the host has no mount of the pod's volumes.
+    assert!(!mounts_mention(&node.pods_dir()));
+
+    // Another pod on the node reaches the server over TCP by pod IP.
+    let client_script = format!(
+        "import socket; s = socket.create_connection(('{pod_ip}', 8080), 10); print('got', s.recv(100).decode())"
+    );
+    let mut client = sh("client", "exec python3 -c \"$CLIENT\"");
+    client["env"] = json!([{"name": "CLIENT", "value": client_script}]);
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "client",
+            &node_name,
+            &json!({"restartPolicy": "Never", "containers": [client]}),
+        ),
+    )
+    .await
+    .expect("creating the client pod");
+    let done = wait_pod(&pods, "client", "client Succeeded", |p| {
+        matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    let client_uid = done["metadata"]["uid"].as_str().unwrap().to_string();
+    let log = node.kubelet().config().log_dir().join(format!(
+        "{}_client_{client_uid}/client/0.log",
+        cluster.namespace
+    ));
+    let log = std::fs::read_to_string(&log).unwrap_or_else(|e| format!("{}: {e}", log.display()));
+    assert_eq!(done["status"]["phase"], "Succeeded", "client log: {log}");
+    assert_eq!(log.trim(), "got hello");
+    assert_eq!(
+        done["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"],
+        0
+    );
+
+    // Delete: the process is killed and nothing the pod held is left.
+    let cgroups = cgroup_dirs(&node_name, &uid);
+    assert!(!cgroups.is_empty(), "the pod has cgroups");
+    let pids: Vec<i32> = cgroups.iter().flat_map(|d| pids_in(d)).collect();
+    assert!(!pids.is_empty(), "the server runs in its pod cgroup");
+    let netns = format!("/run/netns/lc-{}", uid.replace('-', "").get(..11).unwrap());
+    assert!(Path::new(&netns).exists(), "{netns}");
+    pods.delete("server", &DeleteParams::default())
+        .await
+        .expect("deleting the server");
+    eventually(60, "the server pod object gone", || async {
+        pods.get_opt("server").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    for pid in &pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "pid {pid} survived"
+        );
+    }
+    assert!(cgroup_dirs(&node_name, &uid).is_empty(), "cgroups left");
+    assert!(!Path::new(&netns).exists(), "netns left");
+    let veth = format!("lcv{}", uid.replace('-', "").get(..11).unwrap());
+    assert!(
+        !Path::new("/sys/class/net").join(&veth).exists(),
+        "veth left"
+    );
+    assert!(!node.pods_dir().join(&uid).exists(), "pod dir left");
+
+    let bridge = node.kubelet().config().bridge.clone();
+    node.stop().await;
+    assert!(
+        !Path::new("/sys/class/net").join(&bridge).exists(),
+        "bridge left"
+    );
+    assert!(
+        !Path::new("/sys/fs/cgroup/pids/localcluster")
+            .join(&node_name)
+            .exists(),
+        "node cgroup left"
+    );
+}
+
+#[tokio::test]
+async fn init_containers_run_in_order_and_restart_policy_applies() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let node_name = node.name();
+    let pods: Api<Pod> = cluster.api();
+    let mount = json!([{"name": "w", "mountPath": "/w"}]);
+    let with_mount = |mut c: Value| {
+        c["volumeMounts"] = mount.clone();
+        c
+    };
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "ordered",
+            &node_name,
+            &json!({
+                "restartPolicy": "OnFailure",
+                "volumes": [{"name": "w", "emptyDir": {}}],
+                "initContainers": [
+                    with_mount(sh("first", "sleep 0.3; echo first >> /w/order")),
+                    with_mount(sh("second", "echo second >> /w/order")),
+                ],
+                "containers": [with_mount(sh("main", "cat /w/order; exit 3"))],
+            }),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "ordered", "main restarted twice", |p| {
+        p["status"]["containerStatuses"][0]["restartCount"]
+            .as_i64()
+            .is_some_and(|n| n >= 2)
+    })
+    .await;
+    let status = &p["status"];
+    assert_eq!(status["phase"], "Running", "OnFailure keeps restarting");
+    for (i, name) in ["first", "second"].iter().enumerate() {
+        let s = &status["initContainerStatuses"][i];
+        assert_eq!(s["name"], *name);
+        assert_eq!(s["state"]["terminated"]["reason"], "Completed");
+        assert_eq!(s["restartCount"], 0);
+    }
+    assert_eq!(condition(&p, "Initialized").as_deref(), Some("True"));
+    assert_eq!(
+        status["containerStatuses"][0]["lastState"]["terminated"]["exitCode"],
+        3
+    );
+    let uid = p["metadata"]["uid"].as_str().unwrap();
+    let log = node
+        .kubelet()
+        .config()
+        .log_dir()
+        .join(format!("{}_ordered_{uid}/main/0.log", cluster.namespace));
+    assert_eq!(std::fs::read_to_string(log).unwrap(), "first\nsecond\n");
+
+    // Never: a failing init container fails the pod and the app container never starts.
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "init-fails",
+            &node_name,
+            &json!({"restartPolicy": "Never",
+                   "initContainers": [sh("boom", "exit 7")],
+                   "containers": [sh("main", "sleep 100")]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "init-fails", "pod Failed", |p| {
+        p["status"]["phase"] == "Failed"
+    })
+    .await;
+    assert_eq!(
+        p["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"],
+        7
+    );
+    assert!(p["status"]["containerStatuses"][0]["state"]["waiting"].is_object());
+    assert_eq!(condition(&p, "Initialized").as_deref(), Some("False"));
+
+    // Never with a failing app container: Failed, no restart.
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "fails",
+            &node_name,
+            &json!({"restartPolicy": "Never", "containers": [sh("main", "exit 1")]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "fails", "pod Failed", |p| {
+        p["status"]["phase"] == "Failed"
+    })
+    .await;
+    assert_eq!(p["status"]["containerStatuses"][0]["restartCount"], 0);
+
+    // An image missing from the table: the container waits with ErrImagePull.
+    let mut unknown = sh("main", "true");
+    unknown["image"] = json!("docker.io/library/nginx:1");
+    pods.create(
+        &PostParams::default(),
+        &pod("no-image", &node_name, &json!({"containers": [unknown]})),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "no-image", "ErrImagePull", |p| {
+        p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] == "ErrImagePull"
+    })
+    .await;
+    assert_eq!(p["status"]["phase"], "Pending");
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn grace_period_ends_with_sigkill_and_node_heartbeats() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let node_name = node.name();
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(cluster.client.clone());
+    let n = nodes.get(&node_name).await.expect("the node is registered");
+    let n = serde_json::to_value(&n).unwrap();
+    assert_eq!(n["metadata"]["labels"]["kubernetes.io/hostname"], node_name);
+    assert_eq!(condition(&n, "Ready").as_deref(), Some("True"));
+    assert!(n["status"]["allocatable"]["pods"].is_string());
+    assert!(n["spec"]["podCIDR"].is_string());
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(cluster.client.clone(), "kube-node-lease");
+    eventually(30, "the node lease", || async {
+        leases.get_opt(&node_name).await.ok().flatten()
+    })
+    .await;
+
+    let pods: Api<Pod> = cluster.api();
+    // Ignores SIGTERM: only SIGKILL after the 2 s grace period ends it.
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "stubborn",
+            &node_name,
+            &json!({"terminationGracePeriodSeconds": 2, "containers": [sh("main", "trap '' TERM; while true; do sleep 0.2; done")]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "stubborn", "Running", |p| {
+        p["status"]["phase"] == "Running"
+    })
+    .await;
+    let uid = p["metadata"]["uid"].as_str().unwrap().to_string();
+    let started = tokio::time::Instant::now();
+    pods.delete("stubborn", &DeleteParams::default())
+        .await
+        .expect("deleting");
+    let p = pods
+        .get("stubborn")
+        .await
+        .expect("still there while terminating");
+    assert!(p.metadata.deletion_timestamp.is_some());
+    eventually(60, "the pod object gone", || async {
+        pods.get_opt("stubborn").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "it waited out the grace period"
+    );
+    assert!(cgroup_dirs(&node_name, &uid).is_empty());
+    node.stop().await;
+}

@@ -471,3 +471,152 @@ async fn restart_mid_creation_of_20_vmis_leaves_exactly_20_pods() {
         .await
         .unwrap();
 }
+
+#[tokio::test]
+async fn silent_node_is_made_unschedulable_and_its_vmis_fail() {
+    let (_server, client) = cluster().await;
+    let opts = Options {
+        identity: "a".into(),
+        heartbeat_timeout: Duration::from_secs(30),
+        node_check_interval: Duration::from_secs(1),
+        ..Options::default()
+    };
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let old =
+        k8s_openapi::jiff::Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(120);
+    let fresh = k8s_openapi::jiff::Timestamp::now();
+    for (name, beat) in [("silent", old), ("alive", fresh)] {
+        nodes
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {
+                    "name": name,
+                    "labels": {"kubevirt.io/schedulable": "true"},
+                    "annotations": {"kubevirt.io/heartbeat": beat.to_string()},
+                }}))
+                .unwrap(),
+            )
+            .await
+            .unwrap();
+    }
+    // Two VMIs the handler had taken over, one per node. The silent node's launcher no longer
+    // reports Running (the kubelet there is as gone as the handler); the other one runs.
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    for (name, node, pod_phase) in [
+        ("on-silent", "silent", "Unknown"),
+        ("on-alive", "alive", "Running"),
+    ] {
+        let mut v = vmi(name);
+        v.metadata.labels = Some([("kubevirt.io/nodeName".to_owned(), node.to_owned())].into());
+        v.status = Some(api::VirtualMachineInstanceStatus {
+            phase: Some(api::VirtualMachineInstancePhase::Running),
+            node_name: Some(node.into()),
+            ..Default::default()
+        });
+        let v = vmis.create(&PostParams::default(), &v).await.unwrap();
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {
+                "name": format!("virt-launcher-{name}-abcde"),
+                "labels": {"kubevirt.io": "virt-launcher"},
+                "ownerReferences": [{
+                    "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+                    "name": name, "uid": v.uid().unwrap(), "controller": true,
+                }],
+            },
+            "spec": {"nodeName": node, "containers": [{"name": "compute", "image": "virt-launcher"}]},
+        }))
+        .unwrap();
+        let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+        pods.patch_status(
+            &pod.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": pod_phase}})),
+        )
+        .await
+        .unwrap();
+    }
+    // Started once the scene is set, as after a controller restart.
+    let c = client.clone();
+    let _c = Running(tokio::spawn(async move {
+        let _ = run_controllers(c, opts).await;
+    }));
+    wait_for("the silent node to be unschedulable", || async {
+        let n = nodes.get("silent").await.unwrap();
+        (n.labels()
+            .get("kubevirt.io/schedulable")
+            .map(String::as_str)
+            == Some("false"))
+        .then_some(())
+    })
+    .await;
+    let failed = wait_for("its VMI to fail", || async {
+        let v = vmis.get("on-silent").await.unwrap();
+        (phase(&v).as_deref() == Some("Failed")).then_some(v)
+    })
+    .await;
+    assert_eq!(
+        failed.status.unwrap().reason.as_deref(),
+        Some("NodeUnresponsive")
+    );
+    assert_eq!(
+        nodes.get("alive").await.unwrap().labels()["kubevirt.io/schedulable"],
+        "true"
+    );
+    assert_ne!(
+        phase(&vmis.get("on-alive").await.unwrap()).as_deref(),
+        Some("Failed")
+    );
+}
+
+#[tokio::test]
+async fn use_emulation_from_the_kubevirt_cr_applies_live() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let kvm_of = |p: &Pod| {
+        p.spec.as_ref().unwrap().containers[0]
+            .resources
+            .as_ref()
+            .and_then(|r| r.limits.as_ref())
+            .is_some_and(|l| l.contains_key("devices.kubevirt.io/kvm"))
+    };
+    let before = vmis
+        .create(&PostParams::default(), &vmi("before"))
+        .await
+        .unwrap();
+    let pod = wait_for("the first pod", || async {
+        pods_of(&client, &before).await.into_iter().next()
+    })
+    .await;
+    assert!(kvm_of(&pod), "without a KubeVirt CR, KVM is required");
+
+    let kvs: Api<api::KubeVirt> = Api::namespaced(client.clone(), "kubevirt");
+    let kv: api::KubeVirt = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "KubeVirt",
+        "metadata": {"name": "kubevirt", "namespace": "kubevirt"},
+        "spec": {"configuration": {"developerConfiguration": {"useEmulation": true}}},
+    }))
+    .unwrap();
+    kvs.create(&PostParams::default(), &kv).await.unwrap();
+    // The controller's cache sees the CR shortly; VMIs created from then on run emulated.
+    let mut n = 0;
+    let pod = loop {
+        let v = vmis
+            .create(&PostParams::default(), &vmi(&format!("after{n}")))
+            .await
+            .unwrap();
+        let pod = wait_for("a pod", || async {
+            pods_of(&client, &v).await.into_iter().next()
+        })
+        .await;
+        if !kvm_of(&pod) {
+            break pod;
+        }
+        n += 1;
+        assert!(n < 20, "useEmulation never took effect");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let args = pod.spec.unwrap().containers[0].args.clone().unwrap();
+    assert!(args.contains(&"--allow-emulation".to_owned()), "{args:?}");
+}

@@ -3,6 +3,7 @@
 //! consoles and lifecycle calls over mTLS.
 
 pub mod client;
+pub mod deviceplugin;
 pub mod events;
 pub mod guestinfo;
 pub mod heartbeat;

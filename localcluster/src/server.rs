@@ -354,6 +354,14 @@ fn parse_body(body: &Bytes) -> Result<Value, ApiError> {
     if body.is_empty() {
         return Ok(json!({}));
     }
+    // Kubernetes' protobuf envelope starts with "k8s\0"; there are no protobuf schemas here.
+    if body.starts_with(b"k8s\0") {
+        return Err(ApiError::new(
+            415,
+            "UnsupportedMediaType",
+            "this server accepts JSON and YAML request bodies only, not protobuf",
+        ));
+    }
     serde_json::from_slice(body).or_else(|json_err| {
         serde_yaml::from_slice::<Value>(body).map_err(|_| {
             ApiError::bad_request(format!("the request body is not valid JSON: {json_err}"))
@@ -1626,6 +1634,21 @@ mod tests {
             visible(&mk(EventType::Deleted, Some(a.clone()), a), &filter),
             Some(EventType::Deleted)
         );
+    }
+
+    #[test]
+    fn bodies_are_json_or_yaml_never_protobuf() {
+        assert_eq!(
+            parse_body(&Bytes::from_static(b"{\"a\": 1}")).unwrap(),
+            json!({"a": 1})
+        );
+        assert_eq!(
+            parse_body(&Bytes::from_static(b"a: 1\n")).unwrap(),
+            json!({"a": 1})
+        );
+        let err = parse_body(&Bytes::from_static(b"k8s\0\n\x0b\n\x07apps/v1")).unwrap_err();
+        assert_eq!(err.code, 415);
+        assert_eq!(parse_body(&Bytes::from_static(b"{")).unwrap_err().code, 400);
     }
 
     #[test]

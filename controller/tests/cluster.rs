@@ -620,3 +620,52 @@ async fn use_emulation_from_the_kubevirt_cr_applies_live() {
     let args = pod.spec.unwrap().containers[0].args.clone().unwrap();
     assert!(args.contains(&"--allow-emulation".to_owned()), "{args:?}");
 }
+
+#[tokio::test]
+async fn failing_vm_backs_off_before_restarting() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let vm: VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "crashy", "namespace": "default"},
+        "spec": {"runStrategy": "Always", "template": {"spec": vmi_spec()}},
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &vm).await.unwrap();
+    let first = wait_for("the first VMI", || async {
+        vmis.get_opt("crashy").await.unwrap()
+    })
+    .await;
+    // virt-handler's part: the guest failed before it ever ran.
+    vmis.patch(
+        "crashy",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Failed"}})),
+    )
+    .await
+    .unwrap();
+    let failed_at = tokio::time::Instant::now();
+    let status = wait_for("CrashLoopBackOff", || async {
+        let s = vms.get("crashy").await.unwrap().status?;
+        (s.printable_status.as_ref()?.as_str() == "CrashLoopBackOff").then_some(s)
+    })
+    .await;
+    let failure = status.start_failure.unwrap();
+    assert_eq!(failure.consecutive_fail_count, Some(1));
+    assert_eq!(failure.last_failed_vmi_uid, first.uid());
+    let second = wait_for("the restarted VMI", || async {
+        vmis.get_opt("crashy")
+            .await
+            .unwrap()
+            .filter(|v| v.uid() != first.uid())
+    })
+    .await;
+    let waited = failed_at.elapsed();
+    assert!(
+        waited >= Duration::from_secs(9),
+        "restarted after {waited:?}, before the 10 s back-off"
+    );
+    assert_ne!(second.uid(), first.uid());
+}

@@ -1359,6 +1359,20 @@ struct WatchView {
 }
 
 impl WatchView {
+    /// One watch event line. Plain objects in the requested version are serialized once per
+    /// event and shared by all watchers.
+    fn event_line(&self, ev: &Event, t: EventType, first: &mut bool) -> Bytes {
+        if self.shape == Shape::Object && ev.object["apiVersion"] == self.def.api_version().as_str()
+        {
+            return Bytes::from(format!(
+                "{{\"type\":\"{}\",\"object\":{}}}\n",
+                t.as_str(),
+                ev.object_json()
+            ));
+        }
+        line(&json!({"type": t.as_str(), "object": self.object(&ev.object, first)}))
+    }
+
     fn object(&self, obj: &Value, first: &mut bool) -> Value {
         let obj = with_version(&self.def, obj.clone());
         match self.shape {
@@ -1488,8 +1502,8 @@ fn watch_response(
                 for ev in events {
                     seen = seen.max(ev.rv);
                     if let Some(t) = visible(&ev, &filter) {
-                        let out = json!({"type": t.as_str(), "object": view.object(&ev.object, &mut first)});
-                        if tx.send(Ok(line(&out))).await.is_err() {
+                        let out = view.event_line(&ev, t, &mut first);
+                        if tx.send(Ok(out)).await.is_err() {
                             return;
                         }
                     }
@@ -1518,8 +1532,8 @@ fn watch_response(
                             continue;
                         }
                         if let Some(t) = visible(&ev, &filter) {
-                            let out = json!({"type": t.as_str(), "object": view.object(&ev.object, &mut first)});
-                            if tx.send(Ok(line(&out))).await.is_err() {
+                            let out = view.event_line(&ev, t, &mut first);
+                            if tx.send(Ok(out)).await.is_err() {
                                 return;
                             }
                         }
@@ -1606,6 +1620,7 @@ mod tests {
             type_,
             object: new,
             old,
+            json: std::sync::OnceLock::new(),
         };
         let a = json!({"metadata": {"labels": {"app": "a"}}});
         let b = json!({"metadata": {"labels": {"app": "b"}}});

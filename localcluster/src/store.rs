@@ -5,7 +5,7 @@
 //! which is what makes watches gap-free and ordered.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use serde_json::Value;
 use tokio::sync::broadcast;
@@ -41,6 +41,14 @@ pub struct Event {
     pub object: Value,
     /// The object before the change, so watches can tell selector transitions.
     pub old: Option<Value>,
+    /// `object` serialized once, shared by every watcher that sends it unchanged.
+    pub json: OnceLock<String>,
+}
+
+impl Event {
+    pub fn object_json(&self) -> &str {
+        self.json.get_or_init(|| self.object.to_string())
+    }
 }
 
 /// Objects of one group/resource, keyed by (namespace, name); namespace is "" when cluster-scoped.
@@ -211,6 +219,7 @@ impl Store {
             type_,
             object: object.clone(),
             old: current,
+            json: OnceLock::new(),
         });
         inner.history.push_back(event.clone());
         while inner.history.len() > inner.window {

@@ -29,6 +29,8 @@ enum Command {
         /// Address to listen on.
         #[arg(long, default_value_t = Ipv4Addr::LOCALHOST)]
         address: Ipv4Addr,
+        #[command(flatten)]
+        nodes: localcluster::kubelet::cluster::NodeArgs,
     },
     /// Stop a cluster started with `up` in the same state directory.
     Down {
@@ -56,12 +58,21 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     match Cli::parse().command {
-        Command::Up { dir, port, address } => up(&dir, SocketAddr::from((address, port))).await,
+        Command::Up {
+            dir,
+            port,
+            address,
+            nodes,
+        } => up(&dir, SocketAddr::from((address, port)), &nodes).await,
         Command::Down { dir } => down(&dir).await,
     }
 }
 
-async fn up(dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
+async fn up(
+    dir: &Path,
+    listen: SocketAddr,
+    node_args: &localcluster::kubelet::cluster::NodeArgs,
+) -> anyhow::Result<()> {
     let pid_path = pid_file(dir);
     if let Ok(pid) = std::fs::read_to_string(&pid_path)
         && let Ok(pid) = pid.trim().parse::<i32>()
@@ -81,6 +92,12 @@ async fn up(dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
     .await?;
     let kubeconfig = dir.join("kubeconfig");
     server.write_kubeconfig(&kubeconfig)?;
+    let nodes =
+        localcluster::kubelet::cluster::LocalNodes::start(server.client().await?, node_args, dir)
+            .await?;
+    for (name, root) in nodes.nodes() {
+        println!("node {name} ready, host paths under {}", root.display());
+    }
     std::fs::write(&pid_path, std::process::id().to_string())
         .with_context(|| format!("writing {}", pid_path.display()))?;
     println!("localcluster API server: {}", server.url());
@@ -96,6 +113,7 @@ async fn up(dir: &Path, listen: SocketAddr) -> anyhow::Result<()> {
         _ = term.recv() => {}
     }
     println!("stopping");
+    nodes.stop().await;
     server.shutdown().await;
     for path in [&kubeconfig, &pid_path] {
         if let Err(e) = std::fs::remove_file(path) {

@@ -163,7 +163,7 @@ while True:
 ";
     let mut server = sh(
         "server",
-        "ip -o addr show > /data/addrs; cat /etc/config/greeting > /data/greet; exec python3 -c \"$SERVER\"",
+        "ip -o addr show > /data/addrs; hostname > /data/hostname; cat /etc/config/greeting > /data/greet; exec python3 -c \"$SERVER\"",
     );
     server["env"] = json!([{"name": "SERVER", "value": server_script},
         {"name": "MY_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]);
@@ -227,6 +227,11 @@ while True:
     assert_eq!(
         std::fs::read_to_string(empty_dir.join("greet")).unwrap(),
         "hello"
+    );
+    assert_eq!(
+        std::fs::read_to_string(empty_dir.join("hostname")).unwrap(),
+        "server\n",
+        "the pod has its own host name"
     );
     // The mounts are private to the container: the host has no mount of the pod's volumes.
     assert!(!mounts_mention(&node.pods_dir()));

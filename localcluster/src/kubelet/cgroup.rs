@@ -59,6 +59,13 @@ impl Cgroup {
             .collect()
     }
 
+    /// Removes the cgroup's directories where they are empty (others may still use them).
+    pub fn remove_if_unused(&self) {
+        for dir in self.dirs() {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+
     /// Creates the cgroup in every hierarchy.
     pub fn create(&self) -> Result<(), KubeletError> {
         for dir in self.dirs() {

@@ -7,6 +7,7 @@
 //! `docs/kubelet.md`.
 
 pub mod cgroup;
+pub mod cluster;
 pub mod network;
 pub mod node;
 pub mod spawn;
@@ -293,6 +294,10 @@ fn release_node(shared: &Shared) {
         s.teardown();
     }
     cgroup::Cgroup::node(&shared.config.name).destroy();
+    cgroup::Cgroup {
+        relative: PathBuf::from("localcluster"),
+    }
+    .remove_if_unused();
     network::delete_bridge(&shared.config.bridge);
 }
 

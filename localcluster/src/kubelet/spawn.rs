@@ -126,6 +126,8 @@ pub struct Launch {
     pub mntns: Option<File>,
     /// `cgroup.procs` files the child joins.
     pub cgroups: Vec<File>,
+    /// A new UTS namespace with this host name; `None` shares the kubelet's.
+    pub hostname: Option<String>,
     /// A new mount namespace built by this plan; `None` shares the kubelet's.
     pub root: Option<RootPlan>,
     pub stdout: Stdio,
@@ -150,12 +152,17 @@ pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
     let mntns = launch.mntns;
     let cgroups = launch.cgroups;
     let root = launch.root;
+    let hostname = launch.hostname;
     let run = move || -> std::io::Result<()> {
         for f in &cgroups {
             nix::unistd::write(f.as_fd(), b"0")?;
         }
         if let Some(ns) = &netns {
             nix::sched::setns(ns.as_fd(), CloneFlags::CLONE_NEWNET)?;
+        }
+        if let Some(name) = &hostname {
+            nix::sched::unshare(CloneFlags::CLONE_NEWUTS)?;
+            nix::unistd::sethostname(name)?;
         }
         if let Some(ns) = &mntns {
             nix::sched::setns(ns.as_fd(), CloneFlags::CLONE_NEWNS)?;
@@ -214,7 +221,7 @@ pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
         nix::unistd::setsid()?;
         Ok(())
     };
-    // SAFETY: the closure only makes system calls (write, setns, unshare, mount, mkdir, open,
+    // SAFETY: the closure only makes system calls (write, setns, unshare, sethostname, mount, mkdir, open,
     // chdir, pivot_root, umount2, setsid) on files and C strings prepared before the fork; it
     // allocates nothing and takes no locks, so it is safe between fork and exec.
     unsafe {

@@ -675,6 +675,8 @@ impl Worker {
             workdir: PathBuf::from(spec.working_dir.clone().unwrap_or_else(|| "/".into())),
             netns,
             mntns: None,
+            hostname: (!spec_of(&self.pod).host_network.unwrap_or(false))
+                .then(|| self.name.clone()),
             cgroups: cgroup.procs_files()?,
             root: Some(plan),
             stdout: Stdio::from(log),
@@ -778,6 +780,7 @@ impl Worker {
                     workdir: PathBuf::from("/"),
                     netns: Some(open_proc(pid, "ns/net")?),
                     mntns: Some(open_proc(pid, "ns/mnt")?),
+                    hostname: None,
                     cgroups: Vec::new(),
                     root: None,
                     stdout: Stdio::null(),

@@ -1,0 +1,194 @@
+//! The nodes `localcluster up` starts: N process kubelets with the scheduler.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use super::network::PodCidr;
+use super::{Kubelet, KubeletError, NodeConfig};
+use crate::images::{self, ImageTable};
+use crate::scheduler;
+
+/// Node flags of `localcluster up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NodeArgs {
+    /// How many simulated nodes to run (0: the API server alone).
+    #[arg(long = "nodes", default_value_t = 1)]
+    pub nodes: u8,
+    /// Where each node gets its root directory (`<root>/<node>/var/lib/kubelet`, ...);
+    /// default `<dir>/nodes`.
+    #[arg(long = "root")]
+    pub root: Option<PathBuf>,
+    /// An image table (YAML, `image: {rootfs: host | <dir>}`) merged over the built-in one.
+    #[arg(long = "images")]
+    pub images: Option<PathBuf>,
+    /// Our binaries, put first on every container's PATH; default: this binary's directory.
+    #[arg(long = "bin-dir")]
+    pub bin_dir: Option<PathBuf>,
+    /// The test guest build, for the guest images.
+    #[arg(
+        long = "guest-dir",
+        env = "KUBEVIRT_RS_GUEST_DIR",
+        default_value = ".cache/guest"
+    )]
+    pub guest_dir: PathBuf,
+    /// Extended resources every node offers, `name=quantity` (stand-ins for device plugins).
+    #[arg(long = "extended-resource", value_parser = parse_resource, default_values = [
+        "devices.kubevirt.io/kvm=1k", "devices.kubevirt.io/tun=1k", "devices.kubevirt.io/vhost-net=1k",
+    ])]
+    pub extended_resources: Vec<(String, String)>,
+}
+
+fn parse_resource(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not name=quantity"))?;
+    if scheduler::parse_quantity(v).is_none() {
+        return Err(format!("{v:?} is not a quantity"));
+    }
+    Ok((k.to_string(), v.to_string()))
+}
+
+/// Errors of starting the nodes.
+#[derive(Debug, thiserror::Error)]
+pub enum NodesError {
+    #[error("localcluster needs iproute2's `ip` for pod networks")]
+    NoIp(#[source] std::io::Error),
+    #[error("image table")]
+    Images(#[from] images::ImageError),
+    #[error("preparing the guest kernel image under {dir}")]
+    GuestKernel { dir: String, source: std::io::Error },
+    #[error("node {node}")]
+    Node { node: String, source: KubeletError },
+}
+
+/// Running nodes and the scheduler.
+#[derive(Debug)]
+pub struct LocalNodes {
+    kubelets: Vec<Kubelet>,
+    scheduler: JoinHandle<()>,
+}
+
+/// The image table of `args`: built-in entries, then the file's.
+pub fn image_table(args: &NodeArgs) -> Result<ImageTable, NodesError> {
+    let mut table = ImageTable::builtin(&args.guest_dir);
+    if args.guest_dir.join("vmlinuz").exists() {
+        images::prepare_guest_kernel_image(&args.guest_dir).map_err(|source| {
+            NodesError::GuestKernel {
+                dir: args.guest_dir.display().to_string(),
+                source,
+            }
+        })?;
+    }
+    if let Some(file) = &args.images {
+        table.merge(ImageTable::load(file)?);
+    }
+    Ok(table)
+}
+
+impl LocalNodes {
+    /// Starts the scheduler and `args.nodes` kubelets named `node-1`, `node-2`, ... with pod
+    /// CIDRs `10.244.<i>.0/24`; `state_dir` holds their roots unless `--root` says otherwise.
+    pub async fn start(
+        client: kube::Client,
+        args: &NodeArgs,
+        state_dir: &Path,
+    ) -> Result<Self, NodesError> {
+        let scheduler = tokio::spawn(scheduler::run(
+            client.clone(),
+            scheduler::DEFAULT_SCHEDULER.into(),
+            Duration::from_secs(5),
+        ));
+        let mut nodes = Self {
+            kubelets: Vec::new(),
+            scheduler,
+        };
+        if args.nodes == 0 {
+            return Ok(nodes);
+        }
+        std::process::Command::new("ip")
+            .arg("-V")
+            .output()
+            .map_err(NodesError::NoIp)?;
+        let table = image_table(args)?;
+        let root = args.root.clone().unwrap_or_else(|| state_dir.join("nodes"));
+        let bin_dir = args.bin_dir.clone().or_else(|| {
+            std::env::current_exe()
+                .ok()
+                .and_then(|e| e.parent().map(Path::to_path_buf))
+        });
+        for i in 1..=args.nodes {
+            let name = format!("node-{i}");
+            let cidr = PodCidr::parse(&format!("10.244.{i}.0/24")).expect("a valid CIDR");
+            let mut config = NodeConfig::new(&name, &root, cidr, table.clone());
+            config.bin_dir.clone_from(&bin_dir);
+            config.extended_resources = args
+                .extended_resources
+                .iter()
+                .cloned()
+                .collect::<BTreeMap<_, _>>();
+            match Kubelet::start(client.clone(), config).await {
+                Ok(k) => nodes.kubelets.push(k),
+                Err(source) => {
+                    nodes.stop().await;
+                    return Err(NodesError::Node { node: name, source });
+                }
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// The nodes' names and roots.
+    pub fn nodes(&self) -> Vec<(String, PathBuf)> {
+        self.kubelets
+            .iter()
+            .map(|k| (k.node_name().to_string(), k.config().root.clone()))
+            .collect()
+    }
+
+    /// Stops the scheduler, then every kubelet (killing their pods and removing what they held).
+    pub async fn stop(self) {
+        self.scheduler.abort();
+        for k in self.kubelets {
+            k.stop().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser as _;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        nodes: NodeArgs,
+    }
+
+    #[test]
+    fn flags() {
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(cli.nodes.nodes, 1);
+        assert_eq!(cli.nodes.extended_resources.len(), 3);
+        let cli = Cli::try_parse_from([
+            "x",
+            "--nodes",
+            "3",
+            "--extended-resource",
+            "example.com/gpu=2",
+        ])
+        .unwrap();
+        assert_eq!(cli.nodes.nodes, 3);
+        assert_eq!(
+            cli.nodes.extended_resources,
+            vec![("example.com/gpu".to_string(), "2".to_string())]
+        );
+        let err = Cli::try_parse_from(["x", "--extended-resource", "gpu=lots"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not a quantity"), "{err}");
+    }
+}

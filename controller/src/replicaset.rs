@@ -103,6 +103,54 @@ fn active(vmi: &VirtualMachineInstance) -> bool {
     vmi.metadata.deletion_timestamp.is_none() && !is_final(vmi)
 }
 
+/// VMIs whose ownership changes (KubeVirt's controller-ref manager): orphans matching the
+/// selector are adopted, controlled ones that no longer match are released.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Claims {
+    /// Names of orphans to adopt.
+    pub adopt: Vec<String>,
+    /// Names of VMIs to release.
+    pub release: Vec<String>,
+}
+
+/// The ownership changes `rs` makes among `vmis` (all in its namespace). A ReplicaSet being
+/// deleted adopts nothing.
+pub fn claims(rs: &VirtualMachineInstanceReplicaSet, vmis: &[VirtualMachineInstance]) -> Claims {
+    let mut out = Claims::default();
+    for v in vmis {
+        let matches = selector_matches(&rs.spec.selector, v.metadata.labels.as_ref());
+        let has_controller = v
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| o.controller == Some(true));
+        let name = v.metadata.name.clone().unwrap_or_default();
+        if controlled_by(&v.metadata, rs) && !matches {
+            out.release.push(name);
+        } else if !has_controller
+            && matches
+            && v.metadata.deletion_timestamp.is_none()
+            && rs.metadata.deletion_timestamp.is_none()
+        {
+            out.adopt.push(name);
+        }
+    }
+    out
+}
+
+/// A controller owner reference pointing at `rs`.
+pub fn controller_ref(rs: &VirtualMachineInstanceReplicaSet) -> OwnerReference {
+    OwnerReference {
+        api_version: "kubevirt.io/v1".into(),
+        kind: "VirtualMachineInstanceReplicaSet".into(),
+        name: rs.metadata.name.clone().unwrap_or_default(),
+        uid: rs.metadata.uid.clone().unwrap_or_default(),
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }
+}
+
 /// Finished VMIs the ReplicaSet removes so they can be replaced (KubeVirt's
 /// `cleanFinishedVmis`).
 pub fn finished(owned: &[&VirtualMachineInstance]) -> Vec<String> {
@@ -193,21 +241,13 @@ pub fn next_status(
 /// annotations, a controller owner reference.
 pub fn vmi_from_template(rs: &VirtualMachineInstanceReplicaSet) -> VirtualMachineInstance {
     let t = rs.spec.template.metadata.clone().unwrap_or_default();
-    let name = rs.metadata.name.clone().unwrap_or_default();
     VirtualMachineInstance {
         metadata: ObjectMeta {
-            generate_name: Some(name.clone()),
+            generate_name: rs.metadata.name.clone(),
             namespace: rs.metadata.namespace.clone(),
             labels: t.labels,
             annotations: t.annotations,
-            owner_references: Some(vec![OwnerReference {
-                api_version: "kubevirt.io/v1".into(),
-                kind: "VirtualMachineInstanceReplicaSet".into(),
-                name,
-                uid: rs.metadata.uid.clone().unwrap_or_default(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]),
+            owner_references: Some(vec![controller_ref(rs)]),
             ..ObjectMeta::default()
         },
         spec: rs.spec.template.spec.clone().unwrap_or_default(),
@@ -325,6 +365,25 @@ mod tests {
         r.status = Some(s);
         r.spec.paused = None;
         assert!(next_status(&r, &[], Timestamp::now()).conditions.is_empty());
+    }
+
+    #[test]
+    fn claims_adopt_matching_orphans_and_release_mismatches() {
+        let r = rs(1);
+        let mut orphan = vmi("orphan", None, false);
+        orphan.metadata.owner_references = None;
+        let mut foreign_orphan = vmi("other-app", None, false);
+        foreign_orphan.metadata.owner_references = None;
+        foreign_orphan.metadata.labels = Some([("app".to_owned(), "y".to_owned())].into());
+        let mut relabelled = vmi("relabelled", None, false);
+        relabelled.metadata.labels = None;
+        let mut someone_elses = vmi("taken", None, false);
+        someone_elses.metadata.owner_references.as_mut().unwrap()[0].uid = "other-rs".into();
+        let mine = vmi("mine", None, false);
+        let all = vec![orphan, foreign_orphan, relabelled, someone_elses, mine];
+        let c = claims(&r, &all);
+        assert_eq!(c.adopt, ["orphan"]);
+        assert_eq!(c.release, ["relabelled"]);
     }
 
     #[test]

@@ -899,15 +899,70 @@ async fn sync_rs(s: &Shared, key: &str) {
     }
     let rs_api: Api<VirtualMachineInstanceReplicaSet> = Api::namespaced(s.client.clone(), ns);
     let vmi_api: Api<VirtualMachineInstance> = Api::namespaced(s.client.clone(), ns);
-    let all: Vec<VirtualMachineInstance> = s
+    let mut all: Vec<VirtualMachineInstance> = s
         .vmis
         .state()
         .iter()
         .filter(|v| v.namespace().as_deref() == Some(ns))
         .map(|v| (**v).clone())
         .collect();
+    let claims = replicaset::claims(&rs, &all);
+    let mut claimed_all = true;
+    for (vmi_name, adopt) in claims
+        .adopt
+        .iter()
+        .map(|n| (n, true))
+        .chain(claims.release.iter().map(|n| (n, false)))
+    {
+        let Some(v) = all
+            .iter()
+            .find(|v| v.metadata.name.as_deref() == Some(vmi_name))
+        else {
+            continue;
+        };
+        let mut refs: Vec<_> = v
+            .metadata
+            .owner_references
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| Some(&r.uid) != rs.metadata.uid.as_ref())
+            .collect();
+        if adopt {
+            refs.push(replicaset::controller_ref(&rs));
+        }
+        // The resourceVersion makes this a compare-and-swap against a concurrent claim.
+        let patch = json!({"metadata": {"ownerReferences": refs, "resourceVersion": v.metadata.resource_version}});
+        match vmi_api
+            .patch(vmi_name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+        {
+            Ok(updated) => {
+                if let Some(slot) = all
+                    .iter_mut()
+                    .find(|x| x.metadata.name.as_deref() == Some(vmi_name))
+                {
+                    *slot = updated;
+                }
+            }
+            Err(e) => {
+                claimed_all = false;
+                retry_later(
+                    &s.rs_q,
+                    key,
+                    if adopt {
+                        "adopting a VMI"
+                    } else {
+                        "releasing a VMI"
+                    },
+                    &e,
+                );
+            }
+        }
+    }
     let owned = replicaset::owned(&rs, &all);
-    if rs.spec.paused != Some(true) && rs.metadata.deletion_timestamp.is_none() {
+    // Scaling on a cache that may still show a VMI we failed to claim could overshoot.
+    if claimed_all && rs.spec.paused != Some(true) && rs.metadata.deletion_timestamp.is_none() {
         let mut delete = replicaset::finished(&owned);
         match replicaset::scale(&rs, &owned) {
             replicaset::Scale::None => {}

@@ -1086,3 +1086,54 @@ async fn sync_node(s: &Shared, name: &str) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_patch_nulls_fields_that_went_away() {
+        let old = api::VirtualMachineStatus {
+            created: Some(true),
+            start_failure: Some(api::vm::VirtualMachineStartFailure::default()),
+            state_change_requests: vec![api::vm::VirtualMachineStateChangeRequest {
+                action: api::vm::StateChangeRequestAction::Start,
+                data: std::collections::BTreeMap::new(),
+                uid: None,
+            }],
+            ..Default::default()
+        };
+        let new = api::VirtualMachineStatus {
+            created: Some(false),
+            ..Default::default()
+        };
+        assert_eq!(
+            status_patch(&old, &new),
+            json!({"created": false, "startFailure": null, "stateChangeRequests": null})
+        );
+    }
+
+    #[tokio::test]
+    async fn queue_deduplicates_and_keeps_order() {
+        let q = Queue::default();
+        q.add("a".into());
+        q.add("b".into());
+        q.add("a".into());
+        assert_eq!(q.pop().await, "a");
+        q.add("a".into());
+        assert_eq!(q.pop().await, "b");
+        assert_eq!(q.pop().await, "a");
+    }
+
+    #[tokio::test]
+    async fn queue_wakes_a_waiting_worker() {
+        let q = Arc::new(Queue::default());
+        let waiter = tokio::spawn({
+            let q = q.clone();
+            async move { q.pop().await }
+        });
+        tokio::task::yield_now().await;
+        q.add_after("later".into(), Duration::from_millis(10));
+        assert_eq!(waiter.await.unwrap(), "later");
+    }
+}

@@ -161,9 +161,24 @@ impl Launcher {
     }
 
     pub fn wait_console(&self, uid: &str, marker: &str) {
-        wait_until(BOOT, &format!("{marker:?} on the console"), || {
-            self.serial_log(uid).contains(marker).then_some(())
-        });
+        let deadline = Instant::now() + BOOT;
+        while !self.serial_log(uid).contains(marker) {
+            if Instant::now() > deadline {
+                let log = self.serial_log(uid);
+                let tail: String = log
+                    .chars()
+                    .rev()
+                    .take(1500)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect();
+                panic!(
+                    "timed out after {BOOT:?} waiting for {marker:?} on the console; it shows:\n{tail}"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 
     pub fn pid(&self) -> u32 {

@@ -9,9 +9,9 @@
 //! ```
 //!
 //! `host` means the host's own root file system (our component images: their binaries and QEMU
-//! are host binaries, found through the bin dir put first on `PATH`). A directory is layered over
-//! the host root, so a container-disk image shows its `disk/disk.qcow2` at `/disk/disk.qcow2`
-//! while host tools still run inside it.
+//! are host binaries, found through the bin dir put first on `PATH`). A directory's top-level
+//! entries are bound read-only over the host root, so a container-disk image shows its
+//! `disk/disk.qcow2` at `/disk/disk.qcow2` while host tools still run inside it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -40,7 +40,7 @@ pub enum ImageError {
 pub enum Rootfs {
     /// The host's root, as is.
     Host,
-    /// This directory layered over the host's root.
+    /// This directory's entries bound read-only over the host's root.
     Dir(PathBuf),
 }
 

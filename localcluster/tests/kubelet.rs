@@ -26,6 +26,10 @@ struct TestNode {
 
 impl TestNode {
     async fn start(cluster: &Cluster) -> Self {
+        Self::start_with(cluster, ImageTable::default()).await
+    }
+
+    async fn start_with(cluster: &Cluster, mut images: ImageTable) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter("localcluster=info")
             .with_test_writer()
@@ -40,7 +44,6 @@ impl TestNode {
             u32::from(bytes[7]) * 2 % 250
         ))
         .expect("cidr");
-        let mut images = ImageTable::default();
         images.insert(IMAGE, Rootfs::Host);
         let mut config = NodeConfig::new(&name, dir.path(), cidr, images);
         config.restart_backoff = Duration::from_millis(500);
@@ -480,5 +483,55 @@ async fn grace_period_ends_with_sigkill_and_node_heartbeats() {
         "it waited out the grace period"
     );
     assert!(cgroup_dirs(&node_name, &uid).is_empty());
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn directory_images_are_bound_read_only_over_the_host_root() {
+    let cluster = Cluster::start().await;
+    let image_dir = tempfile::tempdir().expect("image dir");
+    std::fs::create_dir(image_dir.path().join("disk")).unwrap();
+    std::fs::write(image_dir.path().join("disk/disk.qcow2"), "not really qcow2").unwrap();
+    let mut images = ImageTable::default();
+    images.insert(
+        "example.com/container-disk:1",
+        Rootfs::Dir(image_dir.path().to_path_buf()),
+    );
+    let node = TestNode::start_with(&cluster, images).await;
+    let pods: Api<Pod> = cluster.api();
+    let mut c = sh(
+        "disk",
+        "cat /disk/disk.qcow2 > /out/seen; if echo changed > /disk/disk.qcow2 || touch /disk/new; then exit 1; fi",
+    );
+    c["image"] = json!("example.com/container-disk:1");
+    c["volumeMounts"] = json!([{"name": "out", "mountPath": "/out"}]);
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "disk",
+            &node.name(),
+            &json!({"restartPolicy": "Never", "containers": [c],
+                    "volumes": [{"name": "out", "emptyDir": {}}]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "disk", "pod finished", |p| {
+        matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    assert_eq!(p["status"]["phase"], "Succeeded", "{p}");
+    let uid = p["metadata"]["uid"].as_str().unwrap();
+    let seen = node
+        .pods_dir()
+        .join(uid)
+        .join("volumes/kubernetes.io~empty-dir/out/seen");
+    assert_eq!(std::fs::read_to_string(seen).unwrap(), "not really qcow2");
+    // The image is read-only to the container.
+    assert_eq!(
+        std::fs::read_to_string(image_dir.path().join("disk/disk.qcow2")).unwrap(),
+        "not really qcow2"
+    );
+    assert!(!image_dir.path().join("disk/new").exists());
     node.stop().await;
 }

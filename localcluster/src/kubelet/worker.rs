@@ -565,18 +565,20 @@ impl Worker {
         for d in [&upper, &work, &root] {
             std::fs::create_dir_all(d).map_err(io(d))?;
         }
-        let lower = match &rootfs {
-            Rootfs::Host => "/".to_string(),
-            Rootfs::Dir(d) => {
-                if !d.is_dir() {
-                    return Err(KubeletError::Volume {
-                        volume: format!("image {image}"),
-                        message: format!("root directory {} does not exist", d.display()),
-                    });
-                }
-                format!("{}:/", d.display())
-            }
+        // The image's own files are bound read-only over the host root rather than stacked as
+        // an overlay layer: overlayfs refuses a layer inside another layer ("/").
+        let image_entries: Vec<PathBuf> = match &rootfs {
+            Rootfs::Host => Vec::new(),
+            Rootfs::Dir(d) => std::fs::read_dir(d)
+                .map_err(|source| KubeletError::Io {
+                    path: format!("root of image {image}: {}", d.display()),
+                    source,
+                })?
+                .flatten()
+                .map(|e| e.path())
+                .collect(),
         };
+        let lower = "/";
         let mut plan = RootPlan::default();
         plan.mount(
             Some("overlay"),
@@ -589,6 +591,13 @@ impl Worker {
                 work.display()
             )),
         );
+        for entry in &image_entries {
+            let Some(name) = entry.file_name() else {
+                continue;
+            };
+            let target = plan.mount_point(&root, &PathBuf::from("/").join(name), entry.is_file());
+            plan.bind(entry, &target, true);
+        }
         let proc_dir = plan.mount_point(&root, std::path::Path::new("/proc"), false);
         plan.mount(
             Some("proc"),

@@ -1,10 +1,10 @@
-//! The thin I/O shells: reflectors feeding work queues, one serial worker per controller
-//! calling the pure decisions, writes through the API, Events, leader election.
+//! The thin I/O shells: reflectors feeding work queues, a few workers per controller (never
+//! two on one key) calling the pure decisions, writes through the API, Events, leader election.
 //!
 //! kube-runtime's `Controller` is not used: expectations must be observed by the very cache
 //! the reconcile reads (KubeVirt's informer handlers), and wiring our own reflectors into a
-//! `Controller` needs kube's unstable stream features. A reflector per kind, a deduplicating
-//! queue per controller and one worker each is all the machinery this needs.
+//! `Controller` needs kube's unstable stream features. A reflector per kind and a client-go
+//! style work queue per controller is all the machinery this needs.
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -91,23 +91,36 @@ pub const LEASE_DURATION_SECS: u64 = 15;
 /// Seconds before expiry the holder renews.
 pub const LEASE_GRACE_SECS: u64 = 5;
 
-/// A deduplicating FIFO of keys.
+/// A work queue with client-go's semantics: a key is queued at most once, and a key being
+/// processed is not handed to another worker; re-added meanwhile, it is queued again when done.
 #[derive(Debug, Default)]
 struct Queue {
-    state: Mutex<(VecDeque<String>, HashSet<String>)>,
+    state: Mutex<QueueState>,
     notify: Notify,
 }
 
+#[derive(Debug, Default)]
+struct QueueState {
+    order: VecDeque<String>,
+    dirty: HashSet<String>,
+    processing: HashSet<String>,
+}
+
 impl Queue {
-    fn add(&self, key: String) {
-        let mut s = self
-            .state
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if s.1.insert(key.clone()) {
-            s.0.push_back(key);
-            self.notify.notify_one();
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn add(&self, key: String) {
+        let mut s = self.lock();
+        if !s.dirty.insert(key.clone()) || s.processing.contains(&key) {
+            return;
         }
+        s.order.push_back(key);
+        drop(s);
+        self.notify.notify_one();
     }
 
     fn add_after(self: &Arc<Self>, key: String, after: Duration) {
@@ -122,19 +135,39 @@ impl Queue {
         loop {
             let notified = self.notify.notified();
             {
-                let mut s = self
-                    .state
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                if let Some(k) = s.0.pop_front() {
-                    s.1.remove(&k);
+                let mut s = self.lock();
+                if let Some(k) = s.order.pop_front() {
+                    s.dirty.remove(&k);
+                    s.processing.insert(k.clone());
+                    let more = !s.order.is_empty();
+                    drop(s);
+                    if more {
+                        // Pass the wake-up on: several workers may be waiting.
+                        self.notify.notify_one();
+                    }
                     return k;
                 }
             }
             notified.await;
         }
     }
+
+    fn done(&self, key: &str) {
+        let mut s = self.lock();
+        s.processing.remove(key);
+        if s.dirty.contains(key) {
+            s.order.push_back(key.to_owned());
+            drop(s);
+            self.notify.notify_one();
+        }
+    }
 }
+
+/// Workers per controller, as KubeVirt's defaults (`--vmi-controller-threads` ...).
+const VMI_WORKERS: usize = 10;
+const VM_WORKERS: usize = 3;
+const RS_WORKERS: usize = 3;
+const NODE_WORKERS: usize = 3;
 
 fn key_of(ns: Option<&str>, name: &str) -> String {
     match ns {
@@ -394,34 +427,46 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         node_q,
     });
 
-    let s = shared.clone();
-    tasks.spawn(async move {
-        loop {
-            let key = s.vmi_q.pop().await;
-            Box::pin(sync_vmi(&s, &key)).await;
-        }
-    });
-    let s = shared.clone();
-    tasks.spawn(async move {
-        loop {
-            let key = s.vm_q.pop().await;
-            Box::pin(sync_vm(&s, &key)).await;
-        }
-    });
-    let s = shared.clone();
-    tasks.spawn(async move {
-        loop {
-            let key = s.rs_q.pop().await;
-            Box::pin(sync_rs(&s, &key)).await;
-        }
-    });
-    let s = shared.clone();
-    tasks.spawn(async move {
-        loop {
-            let key = s.node_q.pop().await;
-            sync_node(&s, &key).await;
-        }
-    });
+    for _ in 0..VMI_WORKERS {
+        let s = shared.clone();
+        tasks.spawn(async move {
+            loop {
+                let key = s.vmi_q.pop().await;
+                Box::pin(sync_vmi(&s, &key)).await;
+                s.vmi_q.done(&key);
+            }
+        });
+    }
+    for _ in 0..VM_WORKERS {
+        let s = shared.clone();
+        tasks.spawn(async move {
+            loop {
+                let key = s.vm_q.pop().await;
+                Box::pin(sync_vm(&s, &key)).await;
+                s.vm_q.done(&key);
+            }
+        });
+    }
+    for _ in 0..RS_WORKERS {
+        let s = shared.clone();
+        tasks.spawn(async move {
+            loop {
+                let key = s.rs_q.pop().await;
+                Box::pin(sync_rs(&s, &key)).await;
+                s.rs_q.done(&key);
+            }
+        });
+    }
+    for _ in 0..NODE_WORKERS {
+        let s = shared.clone();
+        tasks.spawn(async move {
+            loop {
+                let key = s.node_q.pop().await;
+                sync_node(&s, &key).await;
+                s.node_q.done(&key);
+            }
+        });
+    }
     let s = shared;
     tasks.spawn(async move {
         let mut tick = tokio::time::interval(s.opts.node_check_interval);
@@ -1120,8 +1165,11 @@ mod tests {
         q.add("b".into());
         q.add("a".into());
         assert_eq!(q.pop().await, "a");
+        // Re-added while a worker holds it: not handed out until that worker is done.
         q.add("a".into());
         assert_eq!(q.pop().await, "b");
+        assert!(q.lock().order.is_empty());
+        q.done("a");
         assert_eq!(q.pop().await, "a");
     }
 

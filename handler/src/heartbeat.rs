@@ -47,6 +47,69 @@ pub fn jitter_sample() -> f64 {
     f64::from(nanos) / 1e9
 }
 
+/// Writes node patches; the Kubernetes API in production.
+#[derive(Debug, Clone)]
+pub struct NodePatcher {
+    nodes: kube::Api<k8s_openapi::api::core::v1::Node>,
+    node: String,
+}
+
+impl NodePatcher {
+    pub fn new(client: kube::Client, node: &str) -> Self {
+        NodePatcher {
+            nodes: kube::Api::all(client),
+            node: node.to_owned(),
+        }
+    }
+
+    pub async fn patch(&self, schedulable: bool) -> Result<(), kube::Error> {
+        let patch = node_patch(schedulable, false, Utc::now());
+        self.nodes
+            .patch(
+                &self.node,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+            .map(drop)
+    }
+}
+
+/// The heartbeat loop: the node is marked unschedulable at once, then heartbeats every
+/// `interval` (plus jitter) with `schedulable` following `ready` (true once the device plugins
+/// are registered), right away whenever `ready` changes; when `stop` fires (SIGTERM) the node
+/// is marked unschedulable a last time. Failed patches are logged and retried on the next beat.
+pub async fn run(
+    patcher: NodePatcher,
+    mut ready: tokio::sync::watch::Receiver<bool>,
+    interval: Duration,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let beat = |schedulable: bool| {
+        let p = patcher.clone();
+        async move {
+            match p.patch(schedulable).await {
+                Ok(()) => tracing::debug!(node = %p.node, schedulable, "heartbeat"),
+                Err(e) => tracing::warn!(node = %p.node, error = %e, "heartbeat patch failed"),
+            }
+        }
+    };
+    beat(false).await;
+    let mut source_open = true;
+    loop {
+        let schedulable = *ready.borrow_and_update();
+        beat(schedulable).await;
+        let wait = interval + interval.mul_f64(JITTER_FACTOR * jitter_sample());
+        tokio::select! {
+            () = stop.cancelled() => break,
+            () = tokio::time::sleep(wait) => {}
+            // A closed readiness source keeps its last value; the beat goes on.
+            r = ready.changed(), if source_open => source_open = r.is_ok(),
+        }
+    }
+    beat(false).await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

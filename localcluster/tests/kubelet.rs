@@ -535,3 +535,41 @@ async fn directory_images_are_bound_read_only_over_the_host_root() {
     assert!(!image_dir.path().join("disk/new").exists());
     node.stop().await;
 }
+
+#[tokio::test]
+async fn http_and_tcp_readiness_probes() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let pods: Api<Pod> = cluster.api();
+    let mut web = sh(
+        "web",
+        "exec python3 -m http.server 8080 --bind 0.0.0.0 --directory /",
+    );
+    web["ports"] = json!([{"name": "http", "containerPort": 8080}]);
+    web["readinessProbe"] = json!({"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1});
+    let mut tcp = sh(
+        "tcp",
+        "exec python3 -m http.server 8081 --bind 0.0.0.0 --directory /",
+    );
+    tcp["readinessProbe"] = json!({"tcpSocket": {"port": 8081}, "periodSeconds": 1});
+    let mut never = sh("never", "exec sleep 1000");
+    never["readinessProbe"] = json!({"httpGet": {"path": "/", "port": 9999}, "periodSeconds": 1});
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "probed",
+            &node.name(),
+            &json!({"containers": [web, tcp, never]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "probed", "web and tcp ready", |p| {
+        let s = &p["status"]["containerStatuses"];
+        s[0]["ready"] == true && s[1]["ready"] == true
+    })
+    .await;
+    assert_eq!(p["status"]["containerStatuses"][2]["ready"], false);
+    assert_eq!(condition(&p, "Ready").as_deref(), Some("False"));
+    node.stop().await;
+}

@@ -10,6 +10,7 @@ pub mod cgroup;
 pub mod cluster;
 pub mod network;
 pub mod node;
+pub mod probe;
 pub mod spawn;
 pub mod status;
 pub mod volumes;

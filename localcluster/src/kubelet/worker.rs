@@ -811,15 +811,7 @@ impl Worker {
             return false;
         }
         if let Some(tcp) = &probe.tcp_socket {
-            let port = match &tcp.port {
-                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => *p,
-                k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name) => spec
-                    .ports
-                    .iter()
-                    .flatten()
-                    .find(|p| p.name.as_deref() == Some(name))
-                    .map_or(0, |p| p.container_port),
-            };
+            let port = port_number(&tcp.port, spec);
             let host = tcp
                 .host
                 .clone()
@@ -831,7 +823,32 @@ impl Worker {
                 Ok(Ok(_))
             );
         }
-        tracing::warn!(pod = %self.name, "readiness probe kind not supported by the process kubelet (exec and tcpSocket are); reporting not ready");
+        if let Some(get) = &probe.http_get {
+            let port = port_number(&get.port, spec);
+            let host = get
+                .host
+                .clone()
+                .or_else(|| self.pod_ip.clone())
+                .unwrap_or_default();
+            let headers: Vec<(String, String)> = get
+                .http_headers
+                .iter()
+                .flatten()
+                .map(|h| (h.name.clone(), h.value.clone()))
+                .collect();
+            let https = get.scheme.as_deref() == Some("HTTPS");
+            let path = get.path.as_deref().unwrap_or("/");
+            return super::probe::http_get(
+                &host,
+                u16::try_from(port).unwrap_or(0),
+                path,
+                https,
+                &headers,
+                timeout,
+            )
+            .await;
+        }
+        tracing::warn!(pod = %self.name, "readiness probe kind not supported by the process kubelet (exec, tcpSocket and httpGet are); reporting not ready");
         false
     }
 
@@ -945,6 +962,22 @@ impl Worker {
             Ok(_) => self.published = status,
             Err(e) => tracing::warn!(pod = %self.name, error = %e, "updating pod status"),
         }
+    }
+}
+
+/// A probe's port: a number, or the name of one of the container's ports.
+fn port_number(
+    port: &k8s_openapi::apimachinery::pkg::util::intstr::IntOrString,
+    spec: &Container,
+) -> i32 {
+    match port {
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => *p,
+        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name) => spec
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some(name))
+            .map_or(0, |p| p.container_port),
     }
 }
 

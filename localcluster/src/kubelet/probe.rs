@@ -1,0 +1,188 @@
+//! HTTP(S) GET probes, answered like the kubelet's: any status from 200 to 399 is success, and
+//! HTTPS certificates are not verified (the kubelet probes with InsecureSkipVerify too).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{DigitallySignedStruct, SignatureScheme};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+
+/// Accepts any server certificate, checking only that handshake signatures are valid.
+#[derive(Debug)]
+struct AnyCertificate(Arc<rustls::crypto::CryptoProvider>);
+
+impl ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// The status code of an HTTP/1.x response's first line.
+pub fn status_code(head: &[u8]) -> Option<u16> {
+    let line = head.split(|b| *b == b'\n').next()?;
+    let text = std::str::from_utf8(line).ok()?;
+    let mut parts = text.split_whitespace();
+    parts.next().filter(|v| v.starts_with("HTTP/1."))?;
+    parts.next()?.parse().ok()
+}
+
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, request: &[u8]) -> Option<u16> {
+    stream.write_all(request).await.ok()?;
+    let mut head = Vec::new();
+    let mut buf = [0u8; 512];
+    while !head.contains(&b'\n') && head.len() < 8192 {
+        let n = stream.read(&mut buf).await.ok()?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    status_code(&head)
+}
+
+/// GETs `path` from `host:port`; true when the answer is 2xx or 3xx within `timeout`.
+pub async fn http_get(
+    host: &str,
+    port: u16,
+    path: &str,
+    https: bool,
+    headers: &[(String, String)],
+    timeout: Duration,
+) -> bool {
+    let mut request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: kube-probe/1.32\r\nAccept: */*\r\nConnection: close\r\n"
+    );
+    for (k, v) in headers {
+        use std::fmt::Write as _;
+        let _ = write!(request, "{k}: {v}\r\n");
+    }
+    request.push_str("\r\n");
+    let attempt = async {
+        let tcp = tokio::net::TcpStream::connect((host, port)).await.ok()?;
+        if https {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let config = rustls::ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .ok()?
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider)))
+                .with_no_client_auth();
+            let name = ServerName::try_from(host.to_string()).ok()?;
+            let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+                .connect(name, tcp)
+                .await
+                .ok()?;
+            exchange(tls, request.as_bytes()).await
+        } else {
+            exchange(tcp, request.as_bytes()).await
+        }
+    };
+    matches!(
+        tokio::time::timeout(timeout, attempt).await,
+        Ok(Some(200..=399))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_lines() {
+        assert_eq!(status_code(b"HTTP/1.1 200 OK\r\n"), Some(200));
+        assert_eq!(status_code(b"HTTP/1.0 503 Busy\r\nx: y"), Some(503));
+        assert_eq!(status_code(b"SSH-2.0-OpenSSH\r\n"), None);
+        assert_eq!(status_code(b""), None);
+    }
+
+    #[tokio::test]
+    async fn plain_http() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            for answer in [
+                "HTTP/1.1 204 No Content\r\n\r\n",
+                "HTTP/1.1 500 Oops\r\n\r\n",
+            ] {
+                let (mut s, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 1024];
+                let n = s.read(&mut buf).await.unwrap();
+                assert!(buf[..n].starts_with(b"GET /healthz HTTP/1.1\r\n"));
+                s.write_all(answer.as_bytes()).await.unwrap();
+            }
+        });
+        let t = Duration::from_secs(5);
+        assert!(http_get("127.0.0.1", port, "/healthz", false, &[], t).await);
+        assert!(!http_get("127.0.0.1", port, "/healthz", false, &[], t).await);
+    }
+
+    #[tokio::test]
+    async fn https_with_an_unverified_certificate() {
+        let certs = crate::tls::ServingCerts::generate().unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(certs.server_config().unwrap());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut s = acceptor.accept(tcp).await.unwrap();
+            let mut buf = [0u8; 1024];
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(buf[..n].windows(8).any(|w| w == b"X-A: b\r\n"));
+            s.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+            s.shutdown().await.unwrap();
+        });
+        let headers = [("X-A".to_string(), "b".to_string())];
+        assert!(
+            http_get(
+                "127.0.0.1",
+                port,
+                "/",
+                true,
+                &headers,
+                Duration::from_secs(5)
+            )
+            .await
+        );
+    }
+}

@@ -573,3 +573,33 @@ async fn http_and_tcp_readiness_probes() {
     assert_eq!(condition(&p, "Ready").as_deref(), Some("False"));
     node.stop().await;
 }
+
+#[tokio::test]
+async fn failing_liveness_probe_restarts_the_container() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let pods: Api<Pod> = cluster.api();
+    let mut c = sh(
+        "main",
+        "touch /tmp/alive; sleep 1; rm /tmp/alive; exec sleep 1000",
+    );
+    c["livenessProbe"] = json!({"exec": {"command": ["test", "-f", "/tmp/alive"]},
+        "periodSeconds": 1, "failureThreshold": 2});
+    pods.create(
+        &PostParams::default(),
+        &pod("live", &node.name(), &json!({"containers": [c]})),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "live", "a liveness restart", |p| {
+        p["status"]["containerStatuses"][0]["restartCount"]
+            .as_i64()
+            .is_some_and(|n| n >= 1)
+    })
+    .await;
+    assert_eq!(
+        p["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"], 137,
+        "killed by SIGKILL"
+    );
+    node.stop().await;
+}

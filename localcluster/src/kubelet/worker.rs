@@ -46,6 +46,31 @@ struct Probing {
     successes: i32,
 }
 
+impl Probing {
+    /// Due after the probe's initial delay.
+    fn after(probe: Option<&Probe>) -> Self {
+        let delay = probe
+            .and_then(|p| p.initial_delay_seconds)
+            .and_then(|s| u64::try_from(s).ok())
+            .unwrap_or(0);
+        Self {
+            next: Instant::now() + Duration::from_secs(delay),
+            failures: 0,
+            successes: 0,
+        }
+    }
+}
+
+fn period(probe: &Probe) -> Duration {
+    Duration::from_secs(
+        probe
+            .period_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .unwrap_or(10)
+            .max(1),
+    )
+}
+
 #[derive(Debug)]
 struct Ctr {
     spec: Container,
@@ -54,6 +79,7 @@ struct Ctr {
     next_start: Instant,
     backoff: Duration,
     probe: Probing,
+    liveness: Probing,
     started_at: String,
 }
 
@@ -65,11 +91,8 @@ impl Ctr {
             pid: None,
             next_start: Instant::now(),
             backoff: Duration::ZERO,
-            probe: Probing {
-                next: Instant::now(),
-                failures: 0,
-                successes: 0,
-            },
+            probe: Probing::after(None),
+            liveness: Probing::after(None),
             started_at: String::new(),
         }
     }
@@ -268,8 +291,13 @@ impl Worker {
         for c in self.init.iter().chain(&self.app) {
             if c.pid.is_none() {
                 wake = wake.min(c.next_start.max(Instant::now()));
-            } else if c.spec.readiness_probe.is_some() {
-                wake = wake.min(c.probe.next.max(Instant::now()));
+            } else {
+                if c.spec.readiness_probe.is_some() {
+                    wake = wake.min(c.probe.next.max(Instant::now()));
+                }
+                if c.spec.liveness_probe.is_some() {
+                    wake = wake.min(c.liveness.next.max(Instant::now()));
+                }
             }
         }
         wake
@@ -390,6 +418,7 @@ impl Worker {
         }
         for i in 0..self.app.len() {
             self.probe(i).await;
+            self.liveness(i).await;
         }
     }
 
@@ -416,19 +445,8 @@ impl Worker {
                     started_at: c.started_at.clone(),
                 };
                 c.record.ready = false;
-                c.probe = Probing {
-                    next: Instant::now()
-                        + Duration::from_secs(
-                            c.spec
-                                .readiness_probe
-                                .as_ref()
-                                .and_then(|p| p.initial_delay_seconds)
-                                .and_then(|s| u64::try_from(s).ok())
-                                .unwrap_or(0),
-                        ),
-                    failures: 0,
-                    successes: 0,
-                };
+                c.probe = Probing::after(c.spec.readiness_probe.as_ref());
+                c.liveness = Probing::after(c.spec.liveness_probe.as_ref());
                 tracing::info!(container = %c.spec.name, pid, "container started");
             }
             Err(e) => {
@@ -753,11 +771,7 @@ impl Worker {
         }
         let ok = self.run_probe(&probe, pid, &c.spec).await;
         let c = &mut self.app[idx];
-        let period = probe
-            .period_seconds
-            .and_then(|s| u64::try_from(s).ok())
-            .unwrap_or(10);
-        c.probe.next = Instant::now() + Duration::from_secs(period.max(1));
+        c.probe.next = Instant::now() + period(&probe);
         if ok {
             c.probe.failures = 0;
             c.probe.successes += 1;
@@ -769,6 +783,33 @@ impl Worker {
             c.probe.failures += 1;
             if c.probe.failures >= probe.failure_threshold.unwrap_or(3) || !c.record.ready {
                 c.record.ready = false;
+            }
+        }
+    }
+
+    /// Kills the container once its liveness probe failed `failureThreshold` times in a row;
+    /// its restart policy then decides. SIGKILL at once: the grace period is not honored here.
+    async fn liveness(&mut self, idx: usize) {
+        let c = &self.app[idx];
+        let (Some(pid), Some(probe)) = (c.pid, c.spec.liveness_probe.clone()) else {
+            return;
+        };
+        if Instant::now() < c.liveness.next {
+            return;
+        }
+        let ok = self.run_probe(&probe, pid, &c.spec).await;
+        let c = &mut self.app[idx];
+        c.liveness.next = Instant::now() + period(&probe);
+        if ok {
+            c.liveness.failures = 0;
+            return;
+        }
+        c.liveness.failures += 1;
+        if c.liveness.failures >= probe.failure_threshold.unwrap_or(3) {
+            tracing::info!(container = %c.spec.name, "liveness probe failed; killing the container");
+            c.liveness.failures = 0;
+            if let Some(s) = &self.sandbox {
+                s.cgroup.child(&c.spec.name).signal_all(Signal::SIGKILL);
             }
         }
     }

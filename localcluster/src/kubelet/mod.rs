@@ -233,6 +233,9 @@ impl Kubelet {
             })?;
         }
         network::ensure_bridge(&config.bridge, config.pod_cidr)?;
+        // Processes left in this node's cgroups by a kubelet that died without stopping are
+        // killed: their pods are no longer tracked by anyone.
+        cgroup::Cgroup::node(&config.name).destroy();
         cgroup::Cgroup::node(&config.name).create()?;
         register(&client, &config).await?;
         let shared = Arc::new(Shared {

@@ -363,15 +363,24 @@ pub fn prepare_update(
     Ok(out)
 }
 
-/// Decides how an updated object is stored: unchanged, replaced, or gone once its last
-/// finalizer is removed while it is being deleted.
+/// Decides how an updated object is stored: unchanged, replaced, or gone. An update deletes the
+/// object only when it takes away the last finalizer of an object whose deletion grace period is
+/// over, as kube-apiserver's `ShouldDeleteDuringUpdate`: a pod in graceful deletion stays, however
+/// often its status is written, until its kubelet deletes it.
 pub fn finish_update(old: &Value, new: Value) -> Outcome {
     if without_volatile(old) == without_volatile(&new)
         && old["metadata"]["managedFields"] == new["metadata"]["managedFields"]
     {
         return Outcome::Unchanged(old.clone());
     }
-    if new["metadata"]["deletionTimestamp"].is_string() && !has_finalizers(&new) {
+    if new["metadata"]["deletionTimestamp"].is_string()
+        && !has_finalizers(&new)
+        && has_finalizers(old)
+        && old["metadata"]["deletionGracePeriodSeconds"]
+            .as_i64()
+            .unwrap_or(0)
+            == 0
+    {
         return Outcome::Delete(new);
     }
     Outcome::Put(new)
@@ -634,6 +643,16 @@ mod tests {
         done["metadata"]["finalizers"] = json!([]);
         let out = prepare_update(&cm, &deleting, done, None).unwrap();
         assert!(matches!(finish_update(&deleting, out), Outcome::Delete(_)));
+        let mut pod = json!({"kind": "Pod", "metadata": {"name": "p", "uid": "u", "resourceVersion": "3"},
+            "spec": {"nodeName": "n1", "terminationGracePeriodSeconds": 30}});
+        pod["metadata"]["deletionTimestamp"] = json!("now");
+        pod["metadata"]["deletionGracePeriodSeconds"] = json!(30);
+        let mut status_write = pod.clone();
+        status_write["status"]["phase"] = json!("Succeeded");
+        assert!(
+            matches!(finish_update(&pod, status_write), Outcome::Put(_)),
+            "a pod in graceful deletion must wait for its kubelet's final delete"
+        );
         let wrong_uid = DeleteOptions {
             uid: Some("other".into()),
             ..DeleteOptions::default()

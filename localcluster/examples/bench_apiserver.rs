@@ -1,6 +1,6 @@
 //! Figures for the API server: write throughput, watch fan-out and memory per stored object.
 //!
-//! `cargo run --release -p localcluster --example bench [-- OBJECTS WATCHERS]` (defaults 10000 and
+//! `cargo run --release -p localcluster --example bench_apiserver [-- OBJECTS WATCHERS]` (defaults 10000 and
 //! 100). Client and server share the process, so the figures include the client's share of the
 //! work; memory is the growth of this process's resident set while the objects are created.
 

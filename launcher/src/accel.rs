@@ -90,8 +90,8 @@ pub async fn probe(qemu: &Path, accel: Accel, scratch: &Path) -> Probe {
     if let Err(e) = std::fs::write(&fw, probe_firmware()) {
         return Probe::Fails(format!("cannot write probe firmware {}: {e}", fw.display()));
     }
-    let child = Command::new(qemu)
-        .args(["-machine", "pc", "-accel"])
+    let mut cmd = Command::new(qemu);
+    cmd.args(["-machine", "pc", "-accel"])
         .arg(accel.to_string())
         .args([
             "-nodefaults",
@@ -108,9 +108,10 @@ pub async fn probe(qemu: &Path, accel: Accel, scratch: &Path) -> Probe {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn();
-    let result = match child {
+        .kill_on_drop(true);
+    // A broken KVM never finishes the probe: it must not outlive a launcher that exits early.
+    crate::child::die_with_launcher(&mut cmd);
+    let result = match cmd.spawn() {
         Err(e) => Probe::Fails(format!("cannot run {}: {e}", qemu.display())),
         Ok(child) => match tokio::time::timeout(PROBE_TIMEOUT, child.wait_with_output()).await {
             Err(_) => Probe::Fails(format!(

@@ -2,6 +2,7 @@
 //! with a small HTTP+JSON command API on a unix socket. No libvirt.
 
 pub mod accel;
+pub mod child;
 pub mod console;
 pub mod convert;
 pub mod domain;

@@ -309,16 +309,7 @@ impl Launcher {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the
-        // parent; it makes the kernel kill QEMU if the launcher dies without cleaning up.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        crate::child::die_with_launcher(&mut cmd);
         let mut child = cmd.spawn().map_err(|e| Error::QemuStart {
             binary: self.cfg.qemu_binary.display().to_string(),
             message: e.to_string(),

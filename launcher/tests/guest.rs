@@ -231,7 +231,8 @@ fn guest_q35_efi_disk_boot_sigterm() {
         &id,
         json!({
             "domain": {
-                "resources": {"requests": {"memory": "256Mi"}},
+                // GRUB 2.06 under OVMF runs out of memory loading the guest at 256Mi.
+                "resources": {"requests": {"memory": "512Mi"}},
                 "firmware": {"bootloader": {"efi": {"secureBoot": false}}},
                 "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1}]},
             },

@@ -53,14 +53,19 @@ enum Shape {
     Partial,
 }
 
-fn shape(headers: &HeaderMap) -> Shape {
-    let accept = headers
+/// The media types of the Accept header, in the client's order of preference, spaces removed.
+fn accepted_media(headers: &HeaderMap) -> impl Iterator<Item = String> + '_ {
+    headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    // Media types come in preference order; the first one we can serve wins.
-    for media in accept.split(',') {
-        let media = media.replace(' ', "");
+        .unwrap_or_default()
+        .split(',')
+        .map(|media| media.replace(' ', ""))
+}
+
+fn shape(headers: &HeaderMap) -> Shape {
+    // The first media type we can serve wins.
+    for media in accepted_media(headers) {
         if !media.starts_with("application/json") && !media.starts_with("*/*") {
             continue;
         }
@@ -76,12 +81,7 @@ fn shape(headers: &HeaderMap) -> Shape {
 }
 
 fn aggregated_discovery(headers: &HeaderMap) -> Option<&'static str> {
-    let accept = headers
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    for media in accept.split(',') {
-        let media = media.replace(' ', "");
+    for media in accepted_media(headers) {
         if media.contains("as=APIGroupDiscoveryList") && media.starts_with("application/json") {
             if media.contains("v=v2beta1") {
                 return Some("v2beta1");

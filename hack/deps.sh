@@ -12,7 +12,7 @@ packages=(
   cpio              # packing the test guest's initramfs
   xz-utils zstd     # unpacking kernel modules from Debian packages
   mtools dosfstools syslinux syslinux-common binutils  # the test guest: bootable disk (FAT + syslinux), readelf
-  ca-certificates curl jq yq socat
+  ca-certificates curl jq yq socat openssl
 )
 
 missing=()

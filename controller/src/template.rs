@@ -47,6 +47,12 @@ const GRACE_PERIOD_PADDING_SECONDS: i64 = 15;
 /// container from the launcher image, as KubeVirt does, since disk images carry no binaries).
 const VIRT_BIN_DIR: &str = "/init/usr/bin";
 const VIRT_BIN_VOLUME: &str = "virt-bin-share-dir";
+/// KubeVirt's `containerdisk.KernelBootName`: the kernel-boot container serves
+/// `<container-disk dir>/kernel-boot.sock`, and virt-handler mounts the image's kernel and
+/// initrd into `<container-disk dir>/kernel-boot/`, where the launcher looks for them.
+pub const KERNEL_BOOT_NAME: &str = "kernel-boot";
+/// KubeVirt's `containerdisk.KernelBootVolumeName`; the container is `volumekernel-boot-volume`.
+pub const KERNEL_BOOT_VOLUME: &str = "kernel-boot-volume";
 
 /// Memory overhead constants, in MiB. They come from the launcher benchmarks: the
 /// launcher's resident set goal is 8 MiB, and QEMU's own footprint beyond guest RAM (code,
@@ -202,6 +208,66 @@ fn container_disk_container_name(volume: &str) -> String {
     format!("volume{}", volume.to_lowercase())
 }
 
+/// Where disk-image containers mount the `container-disks` emptyDir: KubeVirt's
+/// `<container-disk-dir>/<vmi uid>`. The launcher mounts the same emptyDir at
+/// `<container-disk-dir>` itself, so `--copy-path <this>/disk_<n>` puts the socket at
+/// `disk_<n>.sock` in the launcher's container-disk dir.
+fn container_disk_mount_dir(cfg: &TemplateConfig, uid: &str) -> String {
+    format!("{}/{uid}", cfg.container_disk_dir)
+}
+
+/// One image the pod runs only so that virt-handler can reach its files: a containerDisk
+/// volume or the kernel-boot container.
+struct DiskImage<'a> {
+    /// Volume name (`kernel-boot-volume` for the kernel-boot container); names the container.
+    volume: &'a str,
+    image: &'a str,
+    pull_policy: Option<&'a str>,
+    /// Base name of the socket in the container-disk dir: `disk_<volume index>` or
+    /// `kernel-boot`.
+    copy_name: String,
+}
+
+/// The two containers KubeVirt renders per disk image.
+#[derive(Clone, Copy)]
+enum DiskContainerRole {
+    /// Init container `<name>-init` running `container-disk --no-op`: pulls the image
+    /// before the launcher starts.
+    PrePull,
+    /// App container serving `<copy path>.sock` for as long as the pod lives.
+    Serve,
+}
+
+impl DiskImage<'_> {
+    fn container(&self, mount_dir: &str, role: DiskContainerRole) -> Container {
+        let name = container_disk_container_name(self.volume);
+        let (name, args) = match role {
+            DiskContainerRole::PrePull => (format!("{name}-init"), vec!["--no-op".to_owned()]),
+            DiskContainerRole::Serve => (
+                name,
+                vec![
+                    "--copy-path".to_owned(),
+                    format!("{mount_dir}/{}", self.copy_name),
+                ],
+            ),
+        };
+        Container {
+            name,
+            image: Some(self.image.to_owned()),
+            image_pull_policy: self.pull_policy.map(str::to_owned),
+            command: Some(vec!["/usr/bin/container-disk".into()]),
+            args: Some(args),
+            volume_mounts: Some(vec![
+                mount("container-disks", mount_dir),
+                mount(VIRT_BIN_VOLUME, "/usr/bin"),
+            ]),
+            resources: Some(container_disk_resources()),
+            security_context: Some(non_root_security_context()),
+            ..Container::default()
+        }
+    }
+}
+
 /// KubeVirt's pod labels: the VMI's own plus the launcher ones.
 fn labels(vmi: &VirtualMachineInstance, uid: &str, host: &str) -> BTreeMap<String, String> {
     let mut l = vmi.metadata.labels.clone().unwrap_or_default();
@@ -323,27 +389,17 @@ pub fn render_launcher_pod(
         host_to_container("container-disks", &cfg.container_disk_dir),
         host_to_container("hotplug-disks", &cfg.hotplug_disk_dir),
     ];
-    let mut disk_containers = Vec::new();
+    let disk_mount_dir = container_disk_mount_dir(cfg, uid);
+    let mut disks: Vec<DiskImage<'_>> = Vec::new();
     let mut pull_secrets: Vec<String> = Vec::new();
     for (index, v) in spec.volumes.iter().enumerate() {
         match v.source() {
             Some(VolumeSource::ContainerDisk(cd)) => {
-                disk_containers.push(Container {
-                    name: container_disk_container_name(&v.name),
-                    image: Some(cd.image.clone()),
-                    image_pull_policy: cd.image_pull_policy.as_ref().map(|p| p.as_str().to_owned()),
-                    command: Some(vec!["/usr/bin/container-disk".into()]),
-                    args: Some(vec![
-                        "--copy-path".into(),
-                        format!("{}/disk_{index}", cfg.container_disk_dir),
-                    ]),
-                    volume_mounts: Some(vec![
-                        mount("container-disks", &cfg.container_disk_dir),
-                        mount(VIRT_BIN_VOLUME, "/usr/bin"),
-                    ]),
-                    resources: Some(container_disk_resources()),
-                    security_context: Some(non_root_security_context()),
-                    ..Container::default()
+                disks.push(DiskImage {
+                    volume: &v.name,
+                    image: &cd.image,
+                    pull_policy: cd.image_pull_policy.as_ref().map(api::common::PullPolicy::as_str),
+                    copy_name: format!("disk_{index}"),
                 });
                 if let Some(s) = &cd.image_pull_secret {
                     pull_secrets.push(s.clone());
@@ -380,7 +436,18 @@ pub fn render_launcher_pod(
             _ => {}
         }
     }
-    if !disk_containers.is_empty() {
+    if let Some(kb) = spec.kernel_boot().and_then(|k| k.container.as_ref()) {
+        disks.push(DiskImage {
+            volume: KERNEL_BOOT_VOLUME,
+            image: &kb.image,
+            pull_policy: kb.image_pull_policy.as_ref().map(api::common::PullPolicy::as_str),
+            copy_name: KERNEL_BOOT_NAME.to_owned(),
+        });
+        if let Some(s) = &kb.image_pull_secret {
+            pull_secrets.push(s.clone());
+        }
+    }
+    if !disks.is_empty() {
         volumes.push(empty_dir(VIRT_BIN_VOLUME));
     }
 
@@ -417,9 +484,13 @@ pub fn render_launcher_pod(
         ..Container::default()
     };
     let mut containers = vec![compute];
-    containers.extend(disk_containers);
-    let init_containers = (containers.len() > 1).then(|| {
-        vec![Container {
+    containers.extend(
+        disks
+            .iter()
+            .map(|d| d.container(&disk_mount_dir, DiskContainerRole::Serve)),
+    );
+    let init_containers = (!disks.is_empty()).then(|| {
+        let mut init = vec![Container {
             name: "container-disk-binary".into(),
             image: Some(cfg.launcher_image.clone()),
             command: Some(vec!["/usr/bin/cp".into()]),
@@ -432,7 +503,14 @@ pub fn render_launcher_pod(
             resources: Some(container_disk_resources()),
             security_context: Some(non_root_security_context()),
             ..Container::default()
-        }]
+        }];
+        // As KubeVirt: the images are pulled before the launcher starts.
+        init.extend(
+            disks
+                .iter()
+                .map(|d| d.container(&disk_mount_dir, DiskContainerRole::PrePull)),
+        );
+        init
     });
 
     let mut node_selector = spec.node_selector.clone();

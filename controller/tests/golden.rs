@@ -49,3 +49,14 @@ fn emulated_launcher_pod_matches_golden() {
     };
     check("vmi.yaml", "launcher-pod-emulated.yaml", &cluster);
 }
+
+/// `spec.domain.firmware.kernelBoot.container` gets KubeVirt's `volumekernel-boot-volume`
+/// containers serving `kernel-boot.sock`, and the image's pull secret.
+#[test]
+fn kernel_boot_launcher_pod_matches_golden() {
+    check(
+        "vmi-kernel-boot.yaml",
+        "launcher-pod-kernel-boot.yaml",
+        &ClusterConfig::default(),
+    );
+}

@@ -145,6 +145,31 @@ impl ImageTable {
     }
 }
 
+/// Where a `host` image shows the binaries of the kubelet's bin dir, as if the image shipped them.
+pub const IMAGE_BIN_DIR: &str = "/usr/bin";
+
+/// The programs of a bin dir that `host` images carry in [`IMAGE_BIN_DIR`]: its executable
+/// regular files (symlinks followed), sorted. A cargo target dir also holds `.d` files, rlibs and
+/// directories, none of which is a program. Empty when the bin dir is `/usr/bin` itself.
+pub fn image_binaries(bin_dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    use std::os::unix::fs::PermissionsExt as _;
+    if std::fs::canonicalize(bin_dir)? == Path::new(IMAGE_BIN_DIR) {
+        return Ok(Vec::new());
+    }
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(bin_dir)? {
+        let path = entry?.path();
+        let Ok(meta) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if meta.is_file() && meta.permissions().mode() & 0o111 != 0 {
+            out.push(path);
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// Lays out the test guest's kernel image (`boot/vmlinuz`, `boot/initrd.img`) under
 /// `<guest_dir>/kernel-image` from the guest build's `vmlinuz` and `initrd.img`, by hard link
 /// where possible, so `kubevirt-rs/test-guest-kernel:latest` resolves to a real directory.
@@ -202,6 +227,33 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("\"a\" has an empty rootfs"), "{err}");
+    }
+
+    #[test]
+    fn image_binaries_are_the_executable_files() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, mode: u32| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, b"x").unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        };
+        write("virt-launcher", 0o755);
+        write("container-disk", 0o700);
+        write("virt-launcher.d", 0o644);
+        write("libapi.rlib", 0o644);
+        std::fs::create_dir(dir.path().join("deps")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("virt-launcher"), dir.path().join("alias"))
+            .unwrap();
+        std::os::unix::fs::symlink(dir.path().join("missing"), dir.path().join("dangling"))
+            .unwrap();
+        let names: Vec<String> = image_binaries(dir.path())
+            .unwrap()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["alias", "container-disk", "virt-launcher"]);
+        assert!(image_binaries(Path::new("/usr/bin")).unwrap().is_empty());
     }
 
     #[test]

@@ -29,7 +29,16 @@ impl TestNode {
         Self::start_with(cluster, ImageTable::default()).await
     }
 
-    async fn start_with(cluster: &Cluster, mut images: ImageTable) -> Self {
+    async fn start_with(cluster: &Cluster, images: ImageTable) -> Self {
+        Self::start_config(cluster, images, |_| {}).await
+    }
+
+    /// Starts a node whose configuration `adjust` changes last.
+    async fn start_config(
+        cluster: &Cluster,
+        mut images: ImageTable,
+        adjust: impl FnOnce(&mut NodeConfig),
+    ) -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter("localcluster=info")
             .with_test_writer()
@@ -48,6 +57,7 @@ impl TestNode {
         let mut config = NodeConfig::new(&name, dir.path(), cidr, images);
         config.restart_backoff = Duration::from_millis(500);
         config.heartbeat = Duration::from_secs(2);
+        adjust(&mut config);
         let kubelet = Kubelet::start(cluster.client.clone(), config)
             .await
             .expect("starting the kubelet");
@@ -600,6 +610,82 @@ async fn failing_liveness_probe_restarts_the_container() {
     assert_eq!(
         p["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"], 137,
         "killed by SIGKILL"
+    );
+    node.stop().await;
+}
+
+/// The log of a finished container, read from the node's log dir.
+fn container_log(node: &TestNode, namespace: &str, pod: &Value, container: &str) -> String {
+    let name = pod["metadata"]["name"].as_str().unwrap_or_default();
+    let uid = pod["metadata"]["uid"].as_str().unwrap_or_default();
+    let path = node
+        .kubelet()
+        .config()
+        .log_dir()
+        .join(format!("{namespace}_{name}_{uid}/{container}/0.log"));
+    std::fs::read_to_string(&path).unwrap_or_else(|e| format!("{}: {e}", path.display()))
+}
+
+#[tokio::test]
+async fn host_images_carry_the_bin_dir_in_usr_bin() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let cluster = Cluster::start().await;
+    // A real ELF program (coreutils' echo), so it also runs where /bin/sh is hidden.
+    let bin = tempfile::tempdir().expect("bin dir");
+    std::fs::copy("/usr/bin/echo", bin.path().join("lc-echo")).expect("copying echo");
+    std::fs::write(bin.path().join("notes"), "not a program").unwrap();
+    std::fs::set_permissions(
+        bin.path().join("notes"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let image_dir = tempfile::tempdir().expect("image dir");
+    std::fs::create_dir(image_dir.path().join("disk")).unwrap();
+    let mut images = ImageTable::default();
+    images.insert(
+        "example.com/container-disk:1",
+        Rootfs::Dir(image_dir.path().to_path_buf()),
+    );
+    let bin_dir = bin.path().to_path_buf();
+    let node = TestNode::start_config(&cluster, images, |c| c.bin_dir = Some(bin_dir)).await;
+    let pods: Api<Pod> = cluster.api();
+    // KubeVirt's container-disk pattern: an init container of our image copies a binary into
+    // an emptyDir that the disk container mounts over /usr/bin.
+    let copy = json!({"name": "copy", "image": IMAGE,
+        "command": ["/usr/bin/cp", "/usr/bin/lc-echo", "/init/usr/bin/lc-echo"],
+        "volumeMounts": [{"name": "bin", "mountPath": "/init/usr/bin"}]});
+    let host = sh(
+        "host",
+        "/usr/bin/lc-echo host && test ! -e /usr/bin/notes && test -x /usr/bin/cat",
+    );
+    let disk = json!({"name": "disk", "image": "example.com/container-disk:1",
+        "command": ["/usr/bin/lc-echo", "disk"],
+        "volumeMounts": [{"name": "bin", "mountPath": "/usr/bin"}]});
+    let mut plain = sh("plain", "test ! -e /usr/bin/lc-echo");
+    plain["image"] = json!("example.com/container-disk:1");
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "bins",
+            &node.name(),
+            &json!({"restartPolicy": "Never", "volumes": [{"name": "bin", "emptyDir": {}}],
+                    "initContainers": [copy], "containers": [host, disk, plain]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "bins", "pod finished", |p| {
+        matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    assert_eq!(p["status"]["phase"], "Succeeded", "{p}");
+    assert_eq!(
+        container_log(&node, &cluster.namespace, &p, "host"),
+        "host\n"
+    );
+    assert_eq!(
+        container_log(&node, &cluster.namespace, &p, "disk"),
+        "disk\n"
     );
     node.stop().await;
 }

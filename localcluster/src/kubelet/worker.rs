@@ -2,7 +2,7 @@
 //! restart policy and readiness probes, status reports, and graceful termination.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +23,7 @@ use super::spawn::{Launch, RootPlan, open_proc, spawn};
 use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
 use super::{KubeletError, Sandbox, Shared, now};
-use crate::images::Rootfs;
+use crate::images::{self, Rootfs};
 use crate::scheduler::parse_quantity;
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -631,6 +631,19 @@ impl Worker {
         if let Some(bin) = self.config().bin_dir.clone() {
             let target = plan.mount_point(&root, &bin, false);
             plan.bind(&bin, &target, true);
+            // Our component images ship their binaries in /usr/bin, and KubeVirt's pod
+            // templates name them by that absolute path (`/usr/bin/virt-launcher`), so a
+            // host-root container sees each binary of the bin dir there too. Volumes are
+            // mounted after these, so an emptyDir over /usr/bin still hides them, as it would
+            // hide an image's.
+            if rootfs == Rootfs::Host {
+                for binary in images::image_binaries(&bin).map_err(io(&bin))? {
+                    let inside = Path::new(images::IMAGE_BIN_DIR)
+                        .join(binary.file_name().unwrap_or_default());
+                    let target = plan.mount_point(&root, &inside, true);
+                    plan.bind(&binary, &target, true);
+                }
+            }
         }
         let mut propagation = MsFlags::MS_PRIVATE;
         for m in spec.volume_mounts.iter().flatten() {

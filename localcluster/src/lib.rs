@@ -22,7 +22,7 @@ pub mod table;
 pub mod tls;
 pub mod workloads;
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -68,6 +68,10 @@ pub struct Config {
     pub bookmark_interval: Duration,
     /// The bearer token clients must present; a random one when `None`.
     pub token: Option<String>,
+    /// Where pods reach the server (kube-apiserver's `--advertise-address`): the serving
+    /// certificate names it and the server listens there too, on the same port. Pods are
+    /// told this address ([`ApiServer::pod_access`]).
+    pub advertise_address: Option<IpAddr>,
 }
 
 impl Default for Config {
@@ -77,6 +81,7 @@ impl Default for Config {
             history_window: 10_000,
             bookmark_interval: Duration::from_secs(30),
             token: None,
+            advertise_address: None,
         }
     }
 }
@@ -87,6 +92,9 @@ pub struct ApiServer {
     url: String,
     kubeconfig: String,
     token: String,
+    ca_pem: String,
+    /// The advertise address and port, when pods are to reach the server.
+    advertised: Option<SocketAddr>,
     tasks: JoinSet<()>,
 }
 
@@ -95,18 +103,23 @@ const DEFAULT_NAMESPACES: &[&str] = &["default", "kube-system", "kube-public", "
 impl ApiServer {
     /// Starts serving on `config.listen`, with the default namespaces in place.
     pub async fn start(config: Config) -> Result<Self, Error> {
-        let certs = tls::ServingCerts::generate()?;
+        let certs = tls::ServingCerts::generate_for(config.advertise_address.as_slice())?;
         let acceptor = tokio_rustls::TlsAcceptor::from(certs.server_config()?);
-        let listener = tokio::net::TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| Error::Bind {
-                addr: config.listen,
-                source,
-            })?;
+        let listener = bind(config.listen).await?;
         let local = listener.local_addr().map_err(|source| Error::Bind {
             addr: config.listen,
             source,
         })?;
+        let advertised = config
+            .advertise_address
+            .map(|ip| SocketAddr::new(ip, local.port()));
+        let mut listeners = vec![listener];
+        if let Some(addr) = advertised
+            && !local.ip().is_unspecified()
+            && local.ip() != addr.ip()
+        {
+            listeners.push(bind(addr).await?);
+        }
         let host = if local.ip().is_unspecified() {
             "127.0.0.1".to_string()
         } else if local.is_ipv6() {
@@ -133,36 +146,9 @@ impl ApiServer {
         let mut tasks = JoinSet::new();
         tasks.spawn(controllers::namespace_controller(state.clone()));
         tasks.spawn(controllers::garbage_collector(state.clone()));
-        tasks.spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                let (tcp, peer) = match listener.accept().await {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accepting a connection");
-                        continue;
-                    }
-                };
-                let acceptor = acceptor.clone();
-                let service = TowerToHyperService::new(app.clone());
-                connections.spawn(async move {
-                    let tls = match acceptor.accept(tcp).await {
-                        Ok(t) => t,
-                        Err(e) => {
-                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                            return;
-                        }
-                    };
-                    let served = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection_with_upgrades(TokioIo::new(tls), service)
-                        .await;
-                    if let Err(e) = served {
-                        tracing::debug!(%peer, error = %e, "connection ended");
-                    }
-                });
-                while connections.try_join_next().is_some() {}
-            }
-        });
+        for listener in listeners {
+            tasks.spawn(serve(listener, acceptor.clone(), app.clone()));
+        }
         let kubeconfig = tls::kubeconfig(&url, &certs.ca_pem, &token);
         tasks.spawn(workloads::run(client_for(&kubeconfig).await?));
         tracing::info!(%url, "API server listening");
@@ -170,7 +156,19 @@ impl ApiServer {
             url,
             kubeconfig,
             token,
+            ca_pem: certs.ca_pem,
+            advertised,
             tasks,
+        })
+    }
+
+    /// How pods reach this server: its advertise address, the CA and the token for their
+    /// service account mounts. `None` without an advertise address.
+    pub fn pod_access(&self) -> Option<kubelet::ApiAccess> {
+        self.advertised.map(|address| kubelet::ApiAccess {
+            address,
+            ca_pem: self.ca_pem.clone(),
+            token: self.token.clone(),
         })
     }
 
@@ -217,6 +215,48 @@ impl ApiServer {
     /// Stops serving; open connections are closed.
     pub async fn shutdown(mut self) {
         self.tasks.shutdown().await;
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, Error> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| Error::Bind { addr, source })
+}
+
+/// Accepts TLS connections on `listener` and serves `app` on each, until aborted.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    app: axum::Router,
+) {
+    let mut connections = JoinSet::new();
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a connection");
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let service = TowerToHyperService::new(app.clone());
+        connections.spawn(async move {
+            let tls = match acceptor.accept(tcp).await {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+            };
+            let served = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection_with_upgrades(TokioIo::new(tls), service)
+                .await;
+            if let Err(e) = served {
+                tracing::debug!(%peer, error = %e, "connection ended");
+            }
+        });
+        while connections.try_join_next().is_some() {}
     }
 }
 

@@ -1,6 +1,6 @@
 //! `localcluster up` / `localcluster down`.
 
-use std::net::{Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -29,6 +29,10 @@ enum Command {
         /// Address to listen on.
         #[arg(long, default_value_t = Ipv4Addr::LOCALHOST)]
         address: Ipv4Addr,
+        /// Where pods reach the API server (it listens there too, and its certificate names
+        /// it); default: the machine's address (the source address of its default route).
+        #[arg(long)]
+        advertise_address: Option<IpAddr>,
         #[command(flatten)]
         nodes: localcluster::kubelet::cluster::NodeArgs,
     },
@@ -62,8 +66,17 @@ async fn main() -> anyhow::Result<()> {
             dir,
             port,
             address,
+            advertise_address,
             nodes,
-        } => up(&dir, SocketAddr::from((address, port)), &nodes).await,
+        } => {
+            let advertise = match advertise_address {
+                Some(a) => a,
+                None => localcluster::kubelet::node::host_ip()
+                    .parse()
+                    .context("the machine's address")?,
+            };
+            up(&dir, SocketAddr::from((address, port)), advertise, &nodes).await
+        }
         Command::Down { dir } => down(&dir).await,
     }
 }
@@ -71,6 +84,7 @@ async fn main() -> anyhow::Result<()> {
 async fn up(
     dir: &Path,
     listen: SocketAddr,
+    advertise: IpAddr,
     node_args: &localcluster::kubelet::cluster::NodeArgs,
 ) -> anyhow::Result<()> {
     let pid_path = pid_file(dir);
@@ -87,20 +101,28 @@ async fn up(
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let server = localcluster::ApiServer::start(localcluster::Config {
         listen,
+        advertise_address: Some(advertise),
         ..localcluster::Config::default()
     })
     .await?;
     let kubeconfig = dir.join("kubeconfig");
     server.write_kubeconfig(&kubeconfig)?;
-    let nodes =
-        localcluster::kubelet::cluster::LocalNodes::start(server.client().await?, node_args, dir)
-            .await?;
+    let nodes = localcluster::kubelet::cluster::LocalNodes::start(
+        server.client().await?,
+        node_args,
+        dir,
+        server.pod_access(),
+    )
+    .await?;
     for (name, root) in nodes.nodes() {
         println!("node {name} ready, host paths under {}", root.display());
     }
     std::fs::write(&pid_path, std::process::id().to_string())
         .with_context(|| format!("writing {}", pid_path.display()))?;
     println!("localcluster API server: {}", server.url());
+    if let Some(access) = server.pod_access() {
+        println!("pods reach it at https://{}", access.address);
+    }
     println!("kubeconfig written to {}", kubeconfig.display());
     println!("  export KUBECONFIG={}", kubeconfig.display());
     println!("  kubectl get namespaces");

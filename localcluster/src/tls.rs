@@ -27,6 +27,12 @@ pub struct ServingCerts {
 impl ServingCerts {
     /// Makes a CA and a server certificate for `localhost`, `127.0.0.1` and `::1`.
     pub fn generate() -> Result<Self, TlsError> {
+        Self::generate_for(&[])
+    }
+
+    /// Like [`ServingCerts::generate`], the certificate also naming `addresses` (where pods
+    /// reach the server).
+    pub fn generate_for(addresses: &[std::net::IpAddr]) -> Result<Self, TlsError> {
         let ca_key = KeyPair::generate()?;
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -41,11 +47,13 @@ impl ServingCerts {
         let ca_cert = ca_params.self_signed(&ca_key)?;
         let issuer = Issuer::new(ca_params, ca_key);
         let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(vec![
+        let mut names = vec![
             "localhost".to_string(),
             "127.0.0.1".to_string(),
             "::1".to_string(),
-        ])?;
+        ];
+        names.extend(addresses.iter().map(ToString::to_string));
+        let mut params = CertificateParams::new(names)?;
         params
             .distinguished_name
             .push(DnType::CommonName, "localcluster-apiserver");

@@ -689,3 +689,76 @@ async fn host_images_carry_the_bin_dir_in_usr_bin() {
     );
     node.stop().await;
 }
+
+#[tokio::test]
+async fn pods_get_in_cluster_config_and_kubectl_lists_pods_with_it() {
+    let host_ip: std::net::IpAddr = localcluster::kubelet::node::host_ip()
+        .parse()
+        .expect("the machine's address");
+    let cluster = Cluster::start_with(localcluster::Config {
+        advertise_address: Some(host_ip),
+        ..localcluster::Config::default()
+    })
+    .await;
+    let access = cluster.pod_access().expect("an in-process server");
+    let node = TestNode::start_config(&cluster, ImageTable::default(), |c| {
+        c.api_access = Some(access);
+    })
+    .await;
+    let pods: Api<Pod> = cluster.api();
+    // kubectl with no kubeconfig (no HOME) takes the in-cluster configuration: the
+    // KUBERNETES_SERVICE_* address, the token and CA, and the namespace file.
+    let kubectl = "set -e; d=/var/run/secrets/kubernetes.io/serviceaccount; \
+        test \"$(cat $d/namespace)\" = \"$NS\"; test -s $d/ca.crt; \
+        echo \"$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT\"; \
+        kubectl get pods -o name; \
+        if echo x > $d/token; then exit 9; fi";
+    let with_ns = |mut c: Value| {
+        c["env"] =
+            json!([{"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]);
+        c
+    };
+    let no_token = sh(
+        "main",
+        "test -n \"$KUBERNETES_SERVICE_HOST\" && test ! -e /var/run/secrets/kubernetes.io/serviceaccount",
+    );
+    for (name, spec) in [
+        (
+            "incluster",
+            json!({"containers": [with_ns(sh("main", kubectl))]}),
+        ),
+        (
+            "incluster-host",
+            json!({"hostNetwork": true, "containers": [with_ns(sh("main", kubectl))]}),
+        ),
+        (
+            "no-token",
+            json!({"automountServiceAccountToken": false, "containers": [no_token]}),
+        ),
+    ] {
+        let mut spec = spec;
+        spec["restartPolicy"] = json!("Never");
+        pods.create(&PostParams::default(), &pod(name, &node.name(), &spec))
+            .await
+            .expect("creating the pod");
+    }
+    for name in ["incluster", "incluster-host", "no-token"] {
+        let p = wait_pod(&pods, name, "pod finished", |p| {
+            matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+        })
+        .await;
+        let log = container_log(&node, &cluster.namespace, &p, "main");
+        assert_eq!(p["status"]["phase"], "Succeeded", "{name}: {log}");
+        if name != "no-token" {
+            assert!(
+                log.starts_with(&format!("{host_ip}:")),
+                "{name} was told the advertise address: {log}"
+            );
+            assert!(
+                log.contains(&format!("pod/{name}\n")),
+                "{name} listed itself: {log}"
+            );
+        }
+    }
+    node.stop().await;
+}

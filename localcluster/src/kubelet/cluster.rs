@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use super::network::PodCidr;
-use super::{Kubelet, KubeletError, NodeConfig};
+use super::{ApiAccess, Kubelet, KubeletError, NodeConfig};
 use crate::images::{self, ImageTable};
 use crate::scheduler;
 
@@ -91,10 +91,12 @@ pub fn image_table(args: &NodeArgs) -> Result<ImageTable, NodesError> {
 impl LocalNodes {
     /// Starts the scheduler and `args.nodes` kubelets named `node-1`, `node-2`, ... with pod
     /// CIDRs `10.244.<i>.0/24`; `state_dir` holds their roots unless `--root` says otherwise.
+    /// `api_access` tells pods how to reach the API server.
     pub async fn start(
         client: kube::Client,
         args: &NodeArgs,
         state_dir: &Path,
+        api_access: Option<ApiAccess>,
     ) -> Result<Self, NodesError> {
         let scheduler = tokio::spawn(scheduler::run(
             client.clone(),
@@ -124,6 +126,7 @@ impl LocalNodes {
             let cidr = PodCidr::parse(&format!("10.244.{i}.0/24")).expect("a valid CIDR");
             let mut config = NodeConfig::new(&name, &root, cidr, table.clone());
             config.bin_dir.clone_from(&bin_dir);
+            config.api_access.clone_from(&api_access);
             config.extended_resources = args
                 .extended_resources
                 .iter()

@@ -11,6 +11,7 @@ pub mod cluster;
 pub mod network;
 pub mod node;
 pub mod probe;
+pub mod serviceaccount;
 pub mod spawn;
 pub mod status;
 pub mod volumes;
@@ -34,6 +35,7 @@ use tokio::task::JoinHandle;
 
 use crate::images::ImageTable;
 use network::{PodCidr, PodNetwork};
+pub use serviceaccount::ApiAccess;
 
 /// Why the kubelet or one of its pods failed.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +96,9 @@ pub struct NodeConfig {
     pub restart_backoff: Duration,
     /// The address of the node (Node InternalIP, hostNetwork pods' IP).
     pub host_ip: String,
+    /// How pods reach the API server (`KUBERNETES_SERVICE_*`, the service account mount);
+    /// `None` gives pods neither.
+    pub api_access: Option<ApiAccess>,
 }
 
 impl NodeConfig {
@@ -121,6 +126,7 @@ impl NodeConfig {
             heartbeat: Duration::from_secs(10),
             restart_backoff: Duration::from_secs(10),
             host_ip: node::host_ip(),
+            api_access: None,
         }
     }
 

@@ -39,6 +39,52 @@ fn cstr(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).unwrap_or_default()
 }
 
+/// `path` inside a container whose root mirrors `lower` (the host root, every container's lower
+/// layer), with the symlinks along it resolved against that root rather than the host's:
+/// Debian's `/var/run -> /run` makes `/var/run/secrets` `/run/secrets`. Mount targets are
+/// reached from outside the new root, where an absolute link would lead into the host's own
+/// directories (and the mount would be invisible in the container). Loops stop after 40 links,
+/// like the kernel's.
+pub fn resolve_links(lower: &Path, path: &Path) -> PathBuf {
+    use std::collections::VecDeque;
+    use std::path::Component;
+    let mut out = PathBuf::from("/");
+    let mut pending: VecDeque<std::ffi::OsString> = path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir))
+        .map(|c| c.as_os_str().to_owned())
+        .collect();
+    let mut links = 0;
+    while let Some(c) = pending.pop_front() {
+        if c == ".." {
+            out.pop();
+            continue;
+        }
+        if c == "." {
+            continue;
+        }
+        let candidate = out.join(&c);
+        let on_host = lower.join(candidate.strip_prefix("/").unwrap_or(&candidate));
+        match std::fs::read_link(&on_host) {
+            Ok(link) if links < 40 => {
+                links += 1;
+                if link.is_absolute() {
+                    out = PathBuf::from("/");
+                }
+                for part in link
+                    .components()
+                    .filter(|c| !matches!(c, Component::RootDir))
+                    .rev()
+                {
+                    pending.push_front(part.as_os_str().to_owned());
+                }
+            }
+            _ => out = candidate,
+        }
+    }
+    out
+}
+
 /// The mount namespace and root a container gets.
 #[derive(Debug, Default)]
 pub struct RootPlan {
@@ -63,7 +109,10 @@ impl RootPlan {
     }
 
     /// The mount point `target` (inside `root`) for `source`: a directory, or a file for a file.
+    /// Symlinks along `target` are resolved as the container sees them (see
+    /// [`resolve_links`]).
     pub fn mount_point(&mut self, root: &Path, target: &Path, source_is_file: bool) -> PathBuf {
+        let target = &resolve_links(Path::new("/"), target);
         let inside = root.join(target.strip_prefix("/").unwrap_or(target));
         if source_is_file {
             if let Some(parent) = target.parent() {
@@ -235,4 +284,28 @@ pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
 pub fn open_proc(pid: u32, what: &str) -> Result<File, KubeletError> {
     let path = format!("/proc/{pid}/{what}");
     File::open(&path).map_err(|source| KubeletError::Io { path, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn links_resolve_inside_the_container_root() {
+        let lower = tempfile::tempdir().unwrap();
+        let l = lower.path();
+        std::fs::create_dir_all(l.join("run")).unwrap();
+        std::fs::create_dir_all(l.join("usr/lib")).unwrap();
+        std::os::unix::fs::symlink("/run", l.join("var-run")).unwrap();
+        std::os::unix::fs::symlink("usr/lib", l.join("lib")).unwrap();
+        std::os::unix::fs::symlink("../run", l.join("usr/up")).unwrap();
+        std::os::unix::fs::symlink("loop", l.join("loop")).unwrap();
+        let r = |p: &str| resolve_links(l, Path::new(p));
+        assert_eq!(r("/var-run/secrets/x"), Path::new("/run/secrets/x"));
+        assert_eq!(r("/lib/modules"), Path::new("/usr/lib/modules"));
+        assert_eq!(r("/usr/up/a"), Path::new("/run/a"));
+        assert_eq!(r("/plain/dir"), Path::new("/plain/dir"));
+        assert_eq!(r("/a/../b/./c"), Path::new("/b/c"));
+        assert_eq!(r("/loop/x"), Path::new("/loop/x"));
+    }
 }

@@ -7,7 +7,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Probe, Secret};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Probe, Secret, ServiceAccount};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use nix::mount::MsFlags;
@@ -19,6 +19,7 @@ use tokio::time::Instant;
 
 use super::cgroup::Cgroup;
 use super::network::PodNetwork;
+use super::serviceaccount;
 use super::spawn::{Launch, RootPlan, open_proc, spawn};
 use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
@@ -108,6 +109,8 @@ struct Worker {
     app: Vec<Ctr>,
     sandbox: Option<Sandbox>,
     volumes: BTreeMap<String, HostVolume>,
+    /// The service account files every container mounts, when the pod gets them.
+    service_account: Option<PathBuf>,
     sandbox_error: Option<String>,
     sandbox_retry: Instant,
     pod_ip: Option<String>,
@@ -143,6 +146,7 @@ pub(super) async fn run(
         pod,
         sandbox: None,
         volumes: BTreeMap::new(),
+        service_account: None,
         sandbox_error: None,
         sandbox_retry: Instant::now(),
         pod_ip: None,
@@ -362,8 +366,29 @@ impl Worker {
             volumes.insert(v.name.clone(), host);
         }
         self.volumes = volumes;
+        self.service_account = self.service_account_files(&pod_dir).await?;
         self.sandbox = Some(sandbox);
         Ok(())
+    }
+
+    /// Writes the service account files unless the pod or its account opts out.
+    async fn service_account_files(&self, pod_dir: &Path) -> Result<Option<PathBuf>, KubeletError> {
+        let Some(access) = &self.config().api_access else {
+            return Ok(None);
+        };
+        let namespace = self.pod.metadata.namespace.clone().unwrap_or_default();
+        let name = serviceaccount::account_name(&self.pod);
+        let account = Api::<ServiceAccount>::namespaced(self.shared.client.clone(), &namespace)
+            .get_opt(&name)
+            .await
+            .map_err(|source| KubeletError::Api {
+                what: format!("service account {namespace}/{name}"),
+                source,
+            })?;
+        if !serviceaccount::automount(&self.pod, account.as_ref()) {
+            return Ok(None);
+        }
+        serviceaccount::write_files(pod_dir, access, &namespace).map(Some)
     }
 
     fn register(&self, sandbox: &Sandbox) {
@@ -476,6 +501,9 @@ impl Worker {
             ("PATH".to_string(), path),
             ("HOSTNAME".to_string(), self.name.clone()),
         ];
+        if let Some(access) = &self.config().api_access {
+            env.extend(serviceaccount::service_env(access.address));
+        }
         let mut pod = self.pod.clone();
         if let Some(status) = pod.status.as_mut() {
             status.pod_ip.clone_from(&self.pod_ip);
@@ -672,6 +700,12 @@ impl Worker {
                 Some("HostToContainer") => propagation = MsFlags::MS_SLAVE,
                 _ => {}
             }
+        }
+        if let Some(dir) = &self.service_account
+            && serviceaccount::wants_mount(&spec)
+        {
+            let target = plan.mount_point(&root, Path::new(serviceaccount::MOUNT_PATH), false);
+            plan.bind(dir, &target, true);
         }
         plan.propagation = Some(propagation);
         plan.root =

@@ -72,6 +72,11 @@ impl Cluster {
         }
     }
 
+    /// How pods reach the in-process server (started with an advertise address).
+    pub fn pod_access(&self) -> Option<localcluster::kubelet::ApiAccess> {
+        self.server.as_ref().and_then(ApiServer::pod_access)
+    }
+
     /// Whether the cluster is the in-process one (tests of its configuration need that).
     pub fn in_process(&self) -> bool {
         self.server.is_some()

@@ -93,6 +93,7 @@ pub fn router(launcher: Arc<Launcher>) -> Router {
             "/v1/guest/filesystems",
             get(|State(l): State<Arc<Launcher>>| async move { l.guest_filesystems().await.map(axum::Json) }),
         )
+        .route("/v1/screendump", get(screendump).post(screendump))
         .fallback(|| async {
             Error::BadRequest("no such endpoint; see docs/launcher.md for the /v1 API".into())
                 .into_response()
@@ -111,6 +112,11 @@ async fn info(State(l): State<Arc<Launcher>>) -> axum::Json<Info> {
 
 async fn domain(State(l): State<Arc<Launcher>>) -> axum::Json<crate::domain::Domain> {
     axum::Json(l.domain())
+}
+
+async fn screendump(State(l): State<Arc<Launcher>>) -> Result<Response, Error> {
+    let png = l.screendump().await?;
+    Ok(([(header::CONTENT_TYPE, "image/png")], png).into_response())
 }
 
 /// The body is taken as bytes and parsed here so that a bad VMI gets our JSON error with

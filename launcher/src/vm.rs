@@ -606,6 +606,30 @@ impl Launcher {
         Ok(self.domain())
     }
 
+    /// A PNG of the guest's display (QMP `screendump` with `format: png`, QEMU 7.1+). QEMU
+    /// writes the image itself, so it goes to the VM's private dir, which only the launcher and
+    /// QEMU use; the ops lock keeps two requests from sharing the file.
+    pub async fn screendump(&self) -> Result<Vec<u8>, Error> {
+        let mut ops = self.ops.lock().await;
+        let uid = ops.uid.clone().ok_or(Error::NoDomain)?;
+        let vm = self.live_vm(&mut ops, "screendump")?;
+        let file = self.cfg.dirs.vm_dir(&uid).join("screendump.png");
+        vm.qmp
+            .execute(qmp::qapi::qmp::screendump {
+                filename: file.display().to_string(),
+                device: None,
+                head: None,
+                format: Some(qmp::qapi::qmp::ImageFormat::png),
+            })
+            .await?;
+        let png = tokio::fs::read(&file).await.map_err(Error::io(format!(
+            "reading the screendump {}",
+            file.display()
+        )))?;
+        let _ = tokio::fs::remove_file(&file).await;
+        Ok(png)
+    }
+
     async fn agent(&self, action: &'static str) -> Result<qmp::GuestAgent, Error> {
         let mut ops = self.ops.lock().await;
         let vm = self.live_vm(&mut ops, action)?;

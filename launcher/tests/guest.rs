@@ -182,6 +182,17 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     let pid = d["qemuPid"].as_i64().unwrap();
     l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
     assert!(l.serial_log(&id).contains("CONFIGDRIVE-USERDATA-RAN"));
+    // The VGA display as a PNG: the signature, then the IHDR chunk with a real size.
+    for method in ["GET", "POST"] {
+        let (status, png) = common::http_bytes(&l.socket, method, "/v1/screendump", None);
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&png));
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        assert_eq!(&png[12..16], b"IHDR");
+        let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
+        let height = u32::from_be_bytes(png[20..24].try_into().unwrap());
+        assert!(width >= 320 && height >= 200, "{width}x{height}");
+    }
+    assert!(!l.vm_dir(&id).join("screendump.png").exists());
     l.wait_agent();
     let users = l.get("/v1/guest/users");
     assert!(users.is_array(), "{users}");

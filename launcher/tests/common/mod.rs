@@ -229,6 +229,18 @@ pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<
 
 /// One HTTP/1.1 request over the unix socket (`Connection: close`, body read to the end).
 pub fn http(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let (status, payload) = http_bytes(socket, method, path, body);
+    let v = if payload.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&payload)
+            .unwrap_or_else(|_| json!({ "raw": String::from_utf8_lossy(&payload).into_owned() }))
+    };
+    (status, v)
+}
+
+/// Like [`http`], with the response body as bytes (a PNG from `/v1/screendump`).
+pub fn http_bytes(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u16, Vec<u8>) {
     let mut s =
         UnixStream::connect(socket).unwrap_or_else(|e| panic!("connect {}: {e}", socket.display()));
     s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
@@ -259,13 +271,7 @@ pub fn http(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u
     } else {
         rest.to_vec()
     };
-    let v = if payload.is_empty() {
-        Value::Null
-    } else {
-        serde_json::from_slice(&payload)
-            .unwrap_or_else(|_| json!({ "raw": String::from_utf8_lossy(&payload).into_owned() }))
-    };
-    (status, v)
+    (status, payload)
 }
 
 fn split_head(raw: &[u8]) -> (String, &[u8]) {

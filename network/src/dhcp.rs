@@ -1,0 +1,389 @@
+//! The launcher's DHCPv4 server: one per interface, bound to the in-pod bridge, answering only
+//! the guest's MAC, with what phase 1 cached (address, gateway, MTU, routes) and the pod's
+//! resolv.conf (DNS servers, search domains). Leases are effectively infinite (999 days, as in
+//! KubeVirt): the address is the guest's for the life of the pod.
+//!
+//! Packets are parsed and built by `dhcproto`; [`respond`] is pure, [`serve`] is the socket.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::str::FromStr as _;
+
+use dhcproto::v4::{DhcpOption, Message, MessageType, Opcode, OptionCode};
+use dhcproto::{Decodable as _, Decoder, Encodable as _, Encoder, Name};
+use ipnet::Ipv4Net;
+use tracing::{debug, info, warn};
+
+use crate::cache::{CachedInterface, Ipv4Cidr, Route};
+use crate::error::{NetworkError, Result};
+
+/// 999 days, KubeVirt's "infinite" lease.
+pub const LEASE_SECONDS: u32 = 999 * 24 * 3600;
+
+/// What the server hands out, and to whom.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DhcpConfig {
+    /// The bridge the server listens on.
+    pub interface: String,
+    /// The only client answered.
+    pub mac: [u8; 6],
+    pub address: Ipv4Cidr,
+    pub gateway: Option<Ipv4Addr>,
+    /// Server identifier (the bridge's address).
+    pub server: Ipv4Addr,
+    pub dns: Vec<Ipv4Addr>,
+    pub search: Vec<String>,
+    pub mtu: u16,
+    pub hostname: String,
+    /// Sent as classless static routes (option 121) only when the pod has routes beyond its
+    /// default one.
+    pub routes: Vec<Route>,
+}
+
+/// `nameserver` (IPv4 only: this is DHCPv4) and `search` / `domain` lines of a resolv.conf.
+pub fn parse_resolv_conf(text: &str) -> (Vec<Ipv4Addr>, Vec<String>) {
+    let mut dns = Vec::new();
+    let mut search = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("nameserver") => {
+                if let Some(Ok(ip)) = words.next().map(Ipv4Addr::from_str) {
+                    dns.push(ip);
+                }
+            }
+            // The last search/domain line wins, as in the resolver.
+            Some("search" | "domain") => search = words.map(str::to_owned).collect(),
+            _ => {}
+        }
+    }
+    (dns, search)
+}
+
+/// The server's configuration for one cached interface. `None` when phase 1 left the guest no
+/// IPv4 address to give.
+pub fn config(
+    cached: &CachedInterface,
+    mac: [u8; 6],
+    hostname: &str,
+    resolv_conf: &str,
+) -> Option<DhcpConfig> {
+    let (dns, search) = parse_resolv_conf(resolv_conf);
+    Some(DhcpConfig {
+        interface: cached.bridge.clone(),
+        mac,
+        address: cached.guest_ipv4?,
+        gateway: cached.gateway_ipv4,
+        server: cached.server_ipv4,
+        dns,
+        search,
+        mtu: u16::try_from(cached.mtu).unwrap_or(u16::MAX),
+        hostname: hostname.to_owned(),
+        routes: cached.routes.clone(),
+    })
+}
+
+fn prefix_mask(prefix: u8) -> Ipv4Addr {
+    Ipv4Net::new(Ipv4Addr::UNSPECIFIED, prefix.min(32)).map_or(Ipv4Addr::BROADCAST, |n| n.netmask())
+}
+
+/// The answer to one client packet, or `None` when it is not for us (another MAC, not a
+/// request, a release or decline).
+pub fn respond(cfg: &DhcpConfig, req: &Message) -> Option<Message> {
+    if req.opcode() != Opcode::BootRequest || req.chaddr().get(..6) != Some(&cfg.mac[..]) {
+        return None;
+    }
+    let ours = cfg.address.address;
+    let (kind, ok) = match req.opts().msg_type()? {
+        MessageType::Discover => (MessageType::Offer, true),
+        MessageType::Request => {
+            let asked = match req.opts().get(OptionCode::RequestedIpAddress) {
+                Some(DhcpOption::RequestedIpAddress(ip)) => Some(*ip),
+                _ => (!req.ciaddr().is_unspecified()).then(|| req.ciaddr()),
+            };
+            let other_server = matches!(
+                req.opts().get(OptionCode::ServerIdentifier),
+                Some(DhcpOption::ServerIdentifier(s)) if *s != cfg.server
+            );
+            if other_server {
+                return None;
+            }
+            if asked.is_none_or(|a| a == ours) {
+                (MessageType::Ack, true)
+            } else {
+                (MessageType::Nak, false)
+            }
+        }
+        _ => return None,
+    };
+    let mut m = Message::default();
+    m.set_opcode(Opcode::BootReply)
+        .set_xid(req.xid())
+        .set_flags(req.flags())
+        .set_giaddr(req.giaddr())
+        .set_chaddr(&cfg.mac);
+    let o = m.opts_mut();
+    o.insert(DhcpOption::MessageType(kind));
+    o.insert(DhcpOption::ServerIdentifier(cfg.server));
+    if !ok {
+        return Some(m);
+    }
+    m.set_yiaddr(ours).set_siaddr(cfg.server);
+    let o = m.opts_mut();
+    o.insert(DhcpOption::AddressLeaseTime(LEASE_SECONDS));
+    o.insert(DhcpOption::SubnetMask(prefix_mask(cfg.address.prefix)));
+    if let Some(gw) = cfg.gateway {
+        o.insert(DhcpOption::Router(vec![gw]));
+    }
+    if !cfg.dns.is_empty() {
+        o.insert(DhcpOption::DomainNameServer(cfg.dns.clone()));
+    }
+    let search: Vec<Name> = cfg
+        .search
+        .iter()
+        .filter_map(|d| Name::from_str(d).ok())
+        .collect();
+    if !search.is_empty() {
+        o.insert(DhcpOption::DomainSearch(search));
+    }
+    if !cfg.hostname.is_empty() {
+        o.insert(DhcpOption::Hostname(cfg.hostname.clone()));
+    }
+    o.insert(DhcpOption::InterfaceMtu(cfg.mtu));
+    if cfg.routes.iter().any(|r| r.prefix != 0) {
+        let routes = cfg
+            .routes
+            .iter()
+            .filter_map(|r| {
+                Some((
+                    Ipv4Net::new(r.destination, r.prefix).ok()?,
+                    r.gateway.unwrap_or(Ipv4Addr::UNSPECIFIED),
+                ))
+            })
+            .collect();
+        o.insert(DhcpOption::ClasslessStaticRoute(routes));
+    }
+    Some(m)
+}
+
+fn socket(interface: &str) -> Result<std::net::UdpSocket> {
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, SockaddrIn, bind, setsockopt, socket, sockopt,
+    };
+    let err = |what: &str| {
+        let action = format!("DHCP socket on {interface}: {what}");
+        move |e: nix::Error| NetworkError::io(action)(e.into())
+    };
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )
+    .map_err(err("socket"))?;
+    // One server per bridge, all on port 67: each bound to its own device.
+    setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(err("SO_REUSEADDR"))?;
+    setsockopt(&fd, sockopt::Broadcast, &true).map_err(err("SO_BROADCAST"))?;
+    setsockopt(&fd, sockopt::BindToDevice, &interface.into()).map_err(err("SO_BINDTODEVICE"))?;
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 67)),
+    )
+    .map_err(err("bind to port 67"))?;
+    Ok(std::net::UdpSocket::from(fd))
+}
+
+/// Serves DHCP on the configured bridge until the task is dropped. The socket is bound before
+/// this returns the serving future, so errors in binding (no bridge, no privilege for port 67)
+/// come back at once.
+pub fn serve(cfg: DhcpConfig) -> Result<impl Future<Output = ()>> {
+    let sock = tokio::net::UdpSocket::from_std(socket(&cfg.interface)?).map_err(
+        NetworkError::io(format!("DHCP socket on {}", cfg.interface)),
+    )?;
+    info!(interface = %cfg.interface, address = %cfg.address, "DHCP server listening");
+    Ok(async move {
+        let mut buf = vec![0u8; 1500];
+        loop {
+            let n = match sock.recv_from(&mut buf).await {
+                Ok((n, _)) => n,
+                Err(e) => {
+                    warn!(interface = %cfg.interface, error = %e, "DHCP receive failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(req) = Message::decode(&mut Decoder::new(&buf[..n])) else {
+                debug!(interface = %cfg.interface, "undecodable DHCP packet ignored");
+                continue;
+            };
+            let Some(reply) = respond(&cfg, &req) else {
+                continue;
+            };
+            let mut out = Vec::new();
+            if reply.encode(&mut Encoder::new(&mut out)).is_err() {
+                warn!(interface = %cfg.interface, "DHCP reply could not be encoded");
+                continue;
+            }
+            // The client has no address yet: broadcast on the bridge (the socket is bound to it).
+            let to = SocketAddrV4::new(Ipv4Addr::BROADCAST, 68);
+            match sock.send_to(&out, to).await {
+                Ok(_) => {
+                    debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply sent")
+                }
+                Err(e) => warn!(interface = %cfg.interface, error = %e, "DHCP send failed"),
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Binding;
+
+    const MAC: [u8; 6] = [0x52, 0x54, 0, 1, 2, 3];
+
+    fn cfg() -> DhcpConfig {
+        let cached = CachedInterface {
+            name: "default".into(),
+            binding: Binding::Bridge,
+            pod_interface: "eth0".into(),
+            bridge: "k6t-eth0".into(),
+            tap: "tap0".into(),
+            mtu: 1400,
+            pod_mac: "52:54:00:01:02:03".into(),
+            pod_ipv4: None,
+            routes: vec![
+                Route {
+                    destination: Ipv4Addr::UNSPECIFIED,
+                    prefix: 0,
+                    gateway: Some(Ipv4Addr::new(10, 244, 0, 1)),
+                },
+                Route {
+                    destination: Ipv4Addr::new(10, 96, 0, 0),
+                    prefix: 12,
+                    gateway: Some(Ipv4Addr::new(10, 244, 0, 1)),
+                },
+            ],
+            guest_ipv4: Some(Ipv4Cidr {
+                address: Ipv4Addr::new(10, 244, 0, 7),
+                prefix: 24,
+            }),
+            gateway_ipv4: Some(Ipv4Addr::new(10, 244, 0, 1)),
+            server_ipv4: Ipv4Addr::new(169, 254, 75, 10),
+        };
+        config(
+            &cached,
+            MAC,
+            "vm1",
+            "# comment\nnameserver 10.96.0.10\nnameserver ::1\nsearch default.svc.cluster.local svc.cluster.local\noptions ndots:5\n",
+        )
+        .unwrap()
+    }
+
+    fn request(kind: MessageType, mac: [u8; 6], asked: Option<Ipv4Addr>) -> Message {
+        let mut m = Message::default();
+        m.set_chaddr(&mac).set_xid(0x1234);
+        m.opts_mut().insert(DhcpOption::MessageType(kind));
+        if let Some(a) = asked {
+            m.opts_mut().insert(DhcpOption::RequestedIpAddress(a));
+        }
+        // Round-trip through the wire format, as the server sees it.
+        let mut b = Vec::new();
+        m.encode(&mut Encoder::new(&mut b)).unwrap();
+        Message::decode(&mut Decoder::new(&b)).unwrap()
+    }
+
+    #[test]
+    fn resolv_conf() {
+        let (dns, search) =
+            parse_resolv_conf("nameserver 1.1.1.1\ndomain a\nsearch b c\nnameserver x\n");
+        assert_eq!(dns, vec![Ipv4Addr::new(1, 1, 1, 1)]);
+        assert_eq!(search, vec!["b", "c"]);
+    }
+
+    #[test]
+    fn offer_carries_everything() {
+        let c = cfg();
+        let r = respond(&c, &request(MessageType::Discover, MAC, None)).unwrap();
+        assert_eq!(r.opcode(), Opcode::BootReply);
+        assert_eq!(r.xid(), 0x1234);
+        assert_eq!(r.yiaddr(), Ipv4Addr::new(10, 244, 0, 7));
+        let o = r.opts();
+        assert_eq!(o.msg_type(), Some(MessageType::Offer));
+        assert_eq!(
+            o.get(OptionCode::SubnetMask),
+            Some(&DhcpOption::SubnetMask(Ipv4Addr::new(255, 255, 255, 0)))
+        );
+        assert_eq!(
+            o.get(OptionCode::Router),
+            Some(&DhcpOption::Router(vec![Ipv4Addr::new(10, 244, 0, 1)]))
+        );
+        assert_eq!(
+            o.get(OptionCode::DomainNameServer),
+            Some(&DhcpOption::DomainNameServer(vec![Ipv4Addr::new(
+                10, 96, 0, 10
+            )]))
+        );
+        assert_eq!(
+            o.get(OptionCode::InterfaceMtu),
+            Some(&DhcpOption::InterfaceMtu(1400))
+        );
+        assert_eq!(
+            o.get(OptionCode::Hostname),
+            Some(&DhcpOption::Hostname("vm1".into()))
+        );
+        assert_eq!(
+            o.get(OptionCode::ServerIdentifier),
+            Some(&DhcpOption::ServerIdentifier(Ipv4Addr::new(
+                169, 254, 75, 10
+            )))
+        );
+        assert!(
+            matches!(o.get(OptionCode::DomainSearch), Some(DhcpOption::DomainSearch(s)) if s.len() == 2)
+        );
+        assert!(
+            matches!(o.get(OptionCode::ClasslessStaticRoute), Some(DhcpOption::ClasslessStaticRoute(r)) if r.len() == 2)
+        );
+        // And it encodes.
+        let mut b = Vec::new();
+        r.encode(&mut Encoder::new(&mut b)).unwrap();
+    }
+
+    #[test]
+    fn request_ack_nak_and_strangers() {
+        let c = cfg();
+        let ack = respond(
+            &c,
+            &request(
+                MessageType::Request,
+                MAC,
+                Some(Ipv4Addr::new(10, 244, 0, 7)),
+            ),
+        )
+        .unwrap();
+        assert_eq!(ack.opts().msg_type(), Some(MessageType::Ack));
+        let nak = respond(
+            &c,
+            &request(MessageType::Request, MAC, Some(Ipv4Addr::new(10, 0, 0, 9))),
+        )
+        .unwrap();
+        assert_eq!(nak.opts().msg_type(), Some(MessageType::Nak));
+        assert_eq!(nak.yiaddr(), Ipv4Addr::UNSPECIFIED);
+        assert!(
+            respond(
+                &c,
+                &request(MessageType::Discover, [2, 0, 0, 0, 0, 1], None)
+            )
+            .is_none()
+        );
+        assert!(respond(&c, &request(MessageType::Release, MAC, None)).is_none());
+    }
+
+    #[test]
+    fn no_classless_routes_with_only_a_default_route() {
+        let mut c = cfg();
+        c.routes.truncate(1);
+        let r = respond(&c, &request(MessageType::Discover, MAC, None)).unwrap();
+        assert!(r.opts().get(OptionCode::ClasslessStaticRoute).is_none());
+    }
+}

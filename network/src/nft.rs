@@ -1,0 +1,323 @@
+//! The masquerade binding's NAT, as nftables JSON (the `nftables` crate's schema, applied by
+//! `nft -j -f -`). The rule set mirrors KubeVirt's (`pkg/network/setup/netpod/masquerade`) but
+//! lives in a table of its own per pod interface, so it never touches rules others put in the
+//! pod, and is replaced in one `nft` transaction: add (so a first run has something to delete),
+//! delete, add again with every chain and rule. A transaction swaps the rules atomically and
+//! conntrack keeps the NAT of established connections, so re-running phase 1 breaks no
+//! connection.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+
+use nftables::batch::Batch;
+use nftables::expr::{Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, SetItem};
+use nftables::schema::{Chain, NfListObject, Nftables, Rule, Table};
+use nftables::stmt::{Counter, JumpTarget, Match, NAT, Operator, Statement};
+use nftables::types::{NfChainType, NfFamily, NfHook};
+
+use crate::error::{NetworkError, Result};
+use crate::plan::{InterfacePlan, RESERVED_TCP_PORTS};
+
+const PRE_INBOUND: &str = "KUBEVIRT_PREINBOUND";
+const POST_INBOUND: &str = "KUBEVIRT_POSTINBOUND";
+
+/// `kubevirt_nat_<pod interface>`; nft identifiers take letters, digits, `_` and `.`.
+pub fn table_name(pod_interface: &str) -> String {
+    let clean: String = pod_interface
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    format!("kubevirt_nat_{clean}")
+}
+
+fn table(name: &str) -> NfListObject<'static> {
+    NfListObject::Table(Table {
+        family: NfFamily::IP,
+        name: Cow::Owned(name.to_owned()),
+        handle: None,
+    })
+}
+
+fn base_chain(table: &str, name: &'static str, hook: NfHook, prio: i32) -> NfListObject<'static> {
+    NfListObject::Chain(Chain {
+        family: NfFamily::IP,
+        table: Cow::Owned(table.to_owned()),
+        name: Cow::Borrowed(name),
+        _type: Some(NfChainType::NAT),
+        hook: Some(hook),
+        prio: Some(prio),
+        ..Chain::default()
+    })
+}
+
+fn chain(table: &str, name: &'static str) -> NfListObject<'static> {
+    NfListObject::Chain(Chain {
+        family: NfFamily::IP,
+        table: Cow::Owned(table.to_owned()),
+        name: Cow::Borrowed(name),
+        ..Chain::default()
+    })
+}
+
+fn rule(table: &str, chain: &'static str, expr: Vec<Statement<'static>>) -> NfListObject<'static> {
+    NfListObject::Rule(Rule {
+        family: NfFamily::IP,
+        table: Cow::Owned(table.to_owned()),
+        chain: Cow::Borrowed(chain),
+        expr: Cow::Owned(expr),
+        ..Rule::default()
+    })
+}
+
+fn eq(left: Expression<'static>, right: Expression<'static>) -> Statement<'static> {
+    Statement::Match(Match {
+        left,
+        right,
+        op: Operator::EQ,
+    })
+}
+
+fn field(protocol: &'static str, name: &'static str) -> Expression<'static> {
+    Expression::Named(NamedExpression::Payload(Payload::PayloadField(
+        PayloadField {
+            protocol: Cow::Borrowed(protocol),
+            field: Cow::Borrowed(name),
+        },
+    )))
+}
+
+fn meta(key: MetaKey) -> Expression<'static> {
+    Expression::Named(NamedExpression::Meta(Meta { key }))
+}
+
+fn string(s: &str) -> Expression<'static> {
+    Expression::String(Cow::Owned(s.to_owned()))
+}
+
+fn port_set(ports: &[u16]) -> Expression<'static> {
+    Expression::Named(NamedExpression::Set(
+        ports
+            .iter()
+            .map(|p| SetItem::Element(Expression::Number(u32::from(*p))))
+            .collect(),
+    ))
+}
+
+fn counter() -> Statement<'static> {
+    Statement::Counter(Counter::Anonymous(None))
+}
+
+fn nat_to(addr: std::net::Ipv4Addr) -> NAT<'static> {
+    NAT {
+        addr: Some(string(&addr.to_string())),
+        family: None,
+        port: None,
+        flags: None::<HashSet<_>>,
+    }
+}
+
+/// The whole masquerade table for one interface, as one transaction that replaces any earlier
+/// version of it.
+pub fn masquerade_ruleset(p: &InterfacePlan) -> Nftables<'static> {
+    let t = table_name(&p.pod_interface);
+    let guest = p.guest().address;
+    let gateway = p.gateway().address;
+    let loopback = std::net::Ipv4Addr::LOCALHOST;
+    let mut b = Batch::new();
+    b.add(table(&t));
+    b.delete(table(&t));
+    b.add(table(&t));
+    b.add(base_chain(&t, "prerouting", NfHook::Prerouting, -100));
+    b.add(base_chain(&t, "output", NfHook::Output, -100));
+    b.add(base_chain(&t, "postrouting", NfHook::Postrouting, 100));
+    b.add(chain(&t, PRE_INBOUND));
+    b.add(chain(&t, POST_INBOUND));
+    // Guest -> world: leaves with the pod's address.
+    b.add(rule(
+        &t,
+        "postrouting",
+        vec![
+            eq(field("ip", "saddr"), string(&guest.to_string())),
+            counter(),
+            Statement::Masquerade(None),
+        ],
+    ));
+    // World -> pod interface: into the inbound chain, which forwards to the guest.
+    b.add(rule(
+        &t,
+        "prerouting",
+        vec![
+            eq(meta(MetaKey::Iifname), string(&p.pod_interface)),
+            counter(),
+            Statement::Jump(JumpTarget {
+                target: Cow::Borrowed(PRE_INBOUND),
+            }),
+        ],
+    ));
+    b.add(rule(
+        &t,
+        "postrouting",
+        vec![
+            eq(meta(MetaKey::Oifname), string(&p.bridge)),
+            counter(),
+            Statement::Jump(JumpTarget {
+                target: Cow::Borrowed(POST_INBOUND),
+            }),
+        ],
+    ));
+    let from_loopback = || eq(field("ip", "saddr"), string(&loopback.to_string()));
+    let to_loopback = || eq(field("ip", "daddr"), string(&loopback.to_string()));
+    if p.ports.is_empty() {
+        // Every port, but the ones the pod keeps for itself.
+        b.add(rule(
+            &t,
+            PRE_INBOUND,
+            vec![
+                eq(field("tcp", "dport"), port_set(&RESERVED_TCP_PORTS)),
+                counter(),
+                Statement::Return(None),
+            ],
+        ));
+        b.add(rule(
+            &t,
+            "output",
+            vec![
+                eq(field("tcp", "dport"), port_set(&RESERVED_TCP_PORTS)),
+                from_loopback(),
+                counter(),
+                Statement::Return(None),
+            ],
+        ));
+        b.add(rule(
+            &t,
+            PRE_INBOUND,
+            vec![counter(), Statement::DNAT(Some(nat_to(guest)))],
+        ));
+        b.add(rule(
+            &t,
+            POST_INBOUND,
+            vec![
+                from_loopback(),
+                counter(),
+                Statement::SNAT(Some(nat_to(gateway))),
+            ],
+        ));
+        b.add(rule(
+            &t,
+            "output",
+            vec![
+                to_loopback(),
+                counter(),
+                Statement::DNAT(Some(nat_to(guest))),
+            ],
+        ));
+    } else {
+        for port in &p.ports {
+            let dport = || eq(field(port.protocol, "dport"), port_set(&[port.port]));
+            b.add(rule(
+                &t,
+                PRE_INBOUND,
+                vec![dport(), counter(), Statement::DNAT(Some(nat_to(guest)))],
+            ));
+            b.add(rule(
+                &t,
+                POST_INBOUND,
+                vec![
+                    dport(),
+                    from_loopback(),
+                    counter(),
+                    Statement::SNAT(Some(nat_to(gateway))),
+                ],
+            ));
+            b.add(rule(
+                &t,
+                "output",
+                vec![
+                    to_loopback(),
+                    dport(),
+                    counter(),
+                    Statement::DNAT(Some(nat_to(guest))),
+                ],
+            ));
+        }
+    }
+    b.to_nftables()
+}
+
+/// Removes the interface's table if it exists (add-then-delete in one transaction).
+pub fn delete_ruleset(pod_interface: &str) -> Nftables<'static> {
+    let t = table_name(pod_interface);
+    let mut b = Batch::new();
+    b.add(table(&t));
+    b.delete(table(&t));
+    b.to_nftables()
+}
+
+/// Runs `nft -j -f -` with the rule set, in the calling thread's network namespace.
+pub fn apply(rules: &Nftables<'_>, action: &str) -> Result<()> {
+    nftables::helper::apply_ruleset(rules).map_err(|source| NetworkError::Nft {
+        action: action.to_owned(),
+        source,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Binding;
+    use crate::plan::ForwardedPort;
+
+    fn plan(ports: Vec<ForwardedPort>) -> InterfacePlan {
+        InterfacePlan {
+            index: 0,
+            name: "default".into(),
+            binding: Binding::Masquerade,
+            pod_interface: "eth0".into(),
+            bridge: "k6t-eth0".into(),
+            tap: "tap0".into(),
+            ports,
+            vm_network: "10.0.2.0/24".parse().unwrap(),
+        }
+    }
+
+    fn text(n: &Nftables<'_>) -> String {
+        serde_json::to_string(n).unwrap()
+    }
+
+    #[test]
+    fn all_ports_but_the_reserved_ones() {
+        let j = text(&masquerade_ruleset(&plan(vec![])));
+        assert!(
+            j.contains(r#"{"delete":{"table":{"family":"ip","name":"kubevirt_nat_eth0"}}}"#),
+            "{j}"
+        );
+        assert!(j.contains(r#""masquerade":null"#), "{j}");
+        assert!(j.contains(r#"{"dnat":{"addr":"10.0.2.2"}}"#), "{j}");
+        assert!(j.contains(r#"{"snat":{"addr":"10.0.2.1"}}"#), "{j}");
+        assert!(j.contains(r#"{"set":[49152,49153]}"#), "{j}");
+        assert!(j.contains(r#"{"meta":{"key":"iifname"}}"#), "{j}");
+    }
+
+    #[test]
+    fn listed_ports_only() {
+        let j = text(&masquerade_ruleset(&plan(vec![
+            ForwardedPort {
+                protocol: "tcp",
+                port: 80,
+            },
+            ForwardedPort {
+                protocol: "udp",
+                port: 53,
+            },
+        ])));
+        assert!(
+            j.contains(r#"{"payload":{"protocol":"tcp","field":"dport"}},"right":{"set":[80]}"#),
+            "{j}"
+        );
+        assert!(
+            j.contains(r#"{"payload":{"protocol":"udp","field":"dport"}},"right":{"set":[53]}"#),
+            "{j}"
+        );
+        assert!(!j.contains("49152"), "{j}");
+    }
+}

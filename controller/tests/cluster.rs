@@ -677,6 +677,213 @@ async fn failing_vm_backs_off_before_restarting() {
     assert_ne!(second.uid(), first.uid());
 }
 
+fn vm_with(name: &str, strategy: &str) -> VirtualMachine {
+    serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"runStrategy": strategy, "template": {"spec": vmi_spec()}},
+    }))
+    .unwrap()
+}
+
+async fn printable(vms: &Api<VirtualMachine>, name: &str) -> Option<String> {
+    let s = vms.get(name).await.unwrap().status?;
+    Some(s.printable_status?.as_str().to_owned())
+}
+
+/// Plays the scheduler, kubelet and virt-handler for the VMI `name` (which must be `other`
+/// than a previous instance): waits for it and its pod, runs the pod, and once the controller
+/// has scheduled the VMI, reports the guest Running; returns when the VM shows Running, so
+/// a later failure does not count as a start failure.
+async fn run_guest(
+    client: &Client,
+    name: &str,
+    other: Option<&VirtualMachineInstance>,
+) -> VirtualMachineInstance {
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let vmi = wait_for("a new VMI", || async {
+        vmis.get_opt(name)
+            .await
+            .unwrap()
+            .filter(|v| other.is_none_or(|o| o.uid() != v.uid()))
+    })
+    .await;
+    let pod = wait_for("its launcher pod", || async {
+        pods_of(client, &vmi).await.into_iter().next()
+    })
+    .await;
+    bind_and_run(client, &pod, "node01").await;
+    wait_for("phase Scheduled", || async {
+        (phase(&vmis.get(name).await.unwrap()).as_deref() == Some("Scheduled")).then_some(())
+    })
+    .await;
+    set_phase(&vmis, name, "Running").await;
+    wait_for("the VM to show Running", || async {
+        (printable(&vms, name).await.as_deref() == Some("Running")).then_some(())
+    })
+    .await;
+    vmi
+}
+
+/// virt-handler's part: the guest's phase, with its transition timestamp (which tells the VM
+/// controller whether an ended instance had run).
+async fn set_phase(vmis: &Api<VirtualMachineInstance>, name: &str, phase: &str) {
+    let vmi = vmis.get(name).await.unwrap();
+    let mut stamps =
+        serde_json::to_value(&vmi.status.unwrap().phase_transition_timestamps).unwrap();
+    stamps.as_array_mut().unwrap().push(json!({
+        "phase": phase,
+        "phaseTransitionTimestamp": k8s_openapi::jiff::Timestamp::now().to_string(),
+    }));
+    vmis.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": phase, "phaseTransitionTimestamps": stamps}})),
+    )
+    .await
+    .unwrap();
+}
+
+async fn request(vms: &Api<VirtualMachine>, name: &str, action: &str, uid: Option<String>) {
+    vms.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"stateChangeRequests": [{"action": action, "uid": uid}]}})),
+    )
+    .await
+    .unwrap();
+}
+
+/// The VMI `name` keeps `uid` (or stays absent with `None`) for a few seconds of controller
+/// activity: what a strategy must not restart, it does not.
+async fn stays(vmis: &Api<VirtualMachineInstance>, name: &str, uid: Option<String>, what: &str) {
+    let end = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < end {
+        let now = vmis.get_opt(name).await.unwrap().and_then(|v| v.uid());
+        assert_eq!(now, uid, "{what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn always_vm_replaces_a_finished_vmi() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    vms.create(&PostParams::default(), &vm_with("always", "Always"))
+        .await
+        .unwrap();
+    let first = run_guest(&client, "always", None).await;
+    // The guest shut itself down: Always starts it again, at once since it had run.
+    set_phase(&vmis, "always", "Succeeded").await;
+    let second = run_guest(&client, "always", Some(&first)).await;
+    set_phase(&vmis, "always", "Failed").await;
+    run_guest(&client, "always", Some(&second)).await;
+    let failure = vms
+        .get("always")
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .start_failure;
+    assert_eq!(failure, None, "instances that ran are no start failures");
+}
+
+#[tokio::test]
+async fn rerun_on_failure_restarts_after_failure_not_after_success() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    vms.create(&PostParams::default(), &vm_with("rerun", "RerunOnFailure"))
+        .await
+        .unwrap();
+    let first = run_guest(&client, "rerun", None).await;
+    set_phase(&vmis, "rerun", "Failed").await;
+    let second = run_guest(&client, "rerun", Some(&first)).await;
+    set_phase(&vmis, "rerun", "Succeeded").await;
+    wait_for("the finished VMI to go", || async {
+        vmis.get_opt("rerun").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    wait_for("printableStatus Stopped", || async {
+        (printable(&vms, "rerun").await.as_deref() == Some("Stopped")).then_some(())
+    })
+    .await;
+    stays(&vmis, "rerun", None, "a VMI that succeeded is not rerun").await;
+    // A start request runs it again.
+    request(&vms, "rerun", "Start", None).await;
+    run_guest(&client, "rerun", Some(&second)).await;
+}
+
+#[tokio::test]
+async fn manual_vm_runs_only_on_requests() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    vms.create(&PostParams::default(), &vm_with("manual", "Manual"))
+        .await
+        .unwrap();
+    wait_for("printableStatus Stopped", || async {
+        (printable(&vms, "manual").await.as_deref() == Some("Stopped")).then_some(())
+    })
+    .await;
+    stays(&vmis, "manual", None, "Manual does not start by itself").await;
+    request(&vms, "manual", "Start", None).await;
+    let vmi = run_guest(&client, "manual", None).await;
+    // A failed guest is left as it is.
+    set_phase(&vmis, "manual", "Failed").await;
+    stays(
+        &vmis,
+        "manual",
+        vmi.uid(),
+        "Manual does not restart a failed VMI",
+    )
+    .await;
+    // A stop request naming the instance removes it, and nothing replaces it.
+    request(&vms, "manual", "Stop", vmi.uid()).await;
+    wait_for("the VMI to go", || async {
+        vmis.get_opt("manual")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    stays(&vmis, "manual", None, "Manual does not start after a stop").await;
+    let vm = vms.get("manual").await.unwrap();
+    assert_eq!(
+        vm.spec
+            .run_strategy
+            .as_ref()
+            .map(api::vm::RunStrategy::as_str),
+        Some("Manual")
+    );
+}
+
+#[tokio::test]
+async fn once_vm_runs_one_time() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    vms.create(&PostParams::default(), &vm_with("once", "Once"))
+        .await
+        .unwrap();
+    let vmi = run_guest(&client, "once", None).await;
+    set_phase(&vmis, "once", "Failed").await;
+    stays(
+        &vmis,
+        "once",
+        vmi.uid(),
+        "Once never starts a second instance",
+    )
+    .await;
+}
+
 /// Control-plane benchmark (prints, asserts nothing about speed): 1,000 VMIs created 10 ms
 /// apart; latency from create to phase Scheduling (launcher pod created and seen), p50 / p95,
 /// and VMIs per second. localcluster has no scheduler here, so Scheduled is not measured.

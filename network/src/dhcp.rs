@@ -227,7 +227,7 @@ pub fn serve(cfg: DhcpConfig) -> Result<impl Future<Output = ()>> {
             let to = SocketAddrV4::new(Ipv4Addr::BROADCAST, 68);
             match sock.send_to(&out, to).await {
                 Ok(_) => {
-                    debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply sent")
+                    debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply sent");
                 }
                 Err(e) => warn!(interface = %cfg.interface, error = %e, "DHCP send failed"),
             }

@@ -10,7 +10,7 @@ use network::{Binding, CachedInterface, Ipv4Cidr, phase1};
 use serde_json::json;
 
 fn vmi(iface: serde_json::Value) -> api::VirtualMachineInstance {
-    serde_json::from_value(common::vmi_json("vm1", "uid-1", iface)).unwrap()
+    serde_json::from_value(common::vmi_json("vm1", "uid-1", &iface)).unwrap()
 }
 
 fn link(pod: &common::Netns, name: &str) -> Option<serde_json::Value> {
@@ -61,11 +61,11 @@ fn masquerade_setup_is_idempotent_and_teardown_leaves_nothing() {
     assert_eq!(c.gateway_ipv4.unwrap().to_string(), "10.0.2.1");
     assert_eq!(c.pod_ipv4.unwrap().to_string(), format!("{POD_IP}/24"));
 
-    let bridge = link(&pod.pod, "k6t-eth0").expect("the bridge exists");
+    let bridge = link(&pod.netns, "k6t-eth0").expect("the bridge exists");
     assert_eq!(ipv4(&bridge), vec!["10.0.2.1/24"]);
     assert_eq!(bridge["address"], "02:00:00:00:00:00");
     assert_eq!(bridge["mtu"], 1400);
-    let tap = link(&pod.pod, "tap0").expect("the tap exists");
+    let tap = link(&pod.netns, "tap0").expect("the tap exists");
     assert_eq!(tap["master"], "k6t-eth0");
     assert_eq!(tap["mtu"], 1400);
     assert_eq!(tap["linkinfo"]["info_kind"], "tun");
@@ -73,10 +73,10 @@ fn masquerade_setup_is_idempotent_and_teardown_leaves_nothing() {
     assert_eq!(tap["linkinfo"]["info_data"]["pi"], false);
     assert_eq!(tap["linkinfo"]["info_data"]["persist"], true);
     assert_eq!(tap["linkinfo"]["info_data"]["user"], "root");
-    let sysctl = pod.pod.exec(&["cat", "/proc/sys/net/ipv4/ip_forward"]);
+    let sysctl = pod.netns.exec(&["cat", "/proc/sys/net/ipv4/ip_forward"]);
     assert_eq!(String::from_utf8_lossy(&sysctl.stdout).trim(), "1");
     let rules = pod
-        .pod
+        .netns
         .exec(&["nft", "list", "table", "ip", "kubevirt_nat_eth0"]);
     let rules = String::from_utf8_lossy(&rules.stdout).into_owned();
     assert!(rules.contains("ip saddr 10.0.2.2 counter"), "{rules}");
@@ -93,8 +93,8 @@ fn masquerade_setup_is_idempotent_and_teardown_leaves_nothing() {
     let tap_index = tap["ifindex"].clone();
     let second = phase1::setup(&v, &iso, dir.path()).unwrap();
     assert_eq!(second, first);
-    assert_eq!(link(&pod.pod, "tap0").unwrap()["ifindex"], tap_index);
-    let tables = pod.pod.exec(&["nft", "list", "tables"]);
+    assert_eq!(link(&pod.netns, "tap0").unwrap()["ifindex"], tap_index);
+    let tables = pod.netns.exec(&["nft", "list", "tables"]);
     assert_eq!(
         String::from_utf8_lossy(&tables.stdout)
             .matches("kubevirt_nat_eth0")
@@ -103,13 +103,13 @@ fn masquerade_setup_is_idempotent_and_teardown_leaves_nothing() {
     );
 
     phase1::teardown(&v, &iso, dir.path()).unwrap();
-    assert!(link(&pod.pod, "k6t-eth0").is_none());
-    assert!(link(&pod.pod, "tap0").is_none());
-    assert!(!has_table(&pod.pod));
+    assert!(link(&pod.netns, "k6t-eth0").is_none());
+    assert!(link(&pod.netns, "tap0").is_none());
+    assert!(!has_table(&pod.netns));
     assert!(!cache_file(dir.path()).exists());
     // The pod keeps its own interface untouched.
     assert_eq!(
-        ipv4(&link(&pod.pod, "eth0").unwrap()),
+        ipv4(&link(&pod.netns, "eth0").unwrap()),
         vec![format!("{POD_IP}/24")]
     );
     // Teardown twice is fine too.
@@ -122,7 +122,7 @@ fn bridge_hands_the_pod_address_over_and_teardown_restores_it() {
     let iso = pod.isolation();
     let dir = tempfile::tempdir().unwrap();
     let v = vmi(json!({"name": "default", "bridge": {}}));
-    let eth0 = link(&pod.pod, "eth0").unwrap();
+    let eth0 = link(&pod.netns, "eth0").unwrap();
     let pod_mac = eth0["address"].as_str().unwrap().to_owned();
 
     let first = phase1::setup(&v, &iso, dir.path()).unwrap();
@@ -140,10 +140,10 @@ fn bridge_hands_the_pod_address_over_and_teardown_restores_it() {
     assert_eq!(c.server_ipv4.to_string(), "169.254.75.10");
 
     assert!(
-        link(&pod.pod, "eth0").is_none(),
+        link(&pod.netns, "eth0").is_none(),
         "the pod interface is renamed"
     );
-    let nic = link(&pod.pod, "eth0-nic").unwrap();
+    let nic = link(&pod.netns, "eth0-nic").unwrap();
     assert_eq!(nic["master"], "k6t-eth0");
     assert!(ipv4(&nic).is_empty(), "the pod address moved to the guest");
     assert_ne!(
@@ -151,9 +151,9 @@ fn bridge_hands_the_pod_address_over_and_teardown_restores_it() {
         pod_mac,
         "the guest takes the pod's MAC"
     );
-    assert_eq!(link(&pod.pod, "tap0").unwrap()["master"], "k6t-eth0");
+    assert_eq!(link(&pod.netns, "tap0").unwrap()["master"], "k6t-eth0");
     assert_eq!(
-        ipv4(&link(&pod.pod, "k6t-eth0").unwrap()),
+        ipv4(&link(&pod.netns, "k6t-eth0").unwrap()),
         vec!["169.254.75.10/32"]
     );
 
@@ -161,13 +161,13 @@ fn bridge_hands_the_pod_address_over_and_teardown_restores_it() {
     assert_eq!(phase1::setup(&v, &iso, dir.path()).unwrap(), first);
 
     phase1::teardown(&v, &iso, dir.path()).unwrap();
-    assert!(link(&pod.pod, "k6t-eth0").is_none());
-    assert!(link(&pod.pod, "tap0").is_none());
-    assert!(link(&pod.pod, "eth0-nic").is_none());
-    let eth0 = link(&pod.pod, "eth0").unwrap();
+    assert!(link(&pod.netns, "k6t-eth0").is_none());
+    assert!(link(&pod.netns, "tap0").is_none());
+    assert!(link(&pod.netns, "eth0-nic").is_none());
+    let eth0 = link(&pod.netns, "eth0").unwrap();
     assert_eq!(eth0["address"].as_str().unwrap(), pod_mac);
     assert_eq!(ipv4(&eth0), vec![format!("{POD_IP}/24")]);
-    let routes = pod.pod.ip(&["route", "show", "default"]);
+    let routes = pod.netns.ip(&["route", "show", "default"]);
     assert!(routes.contains(&format!("via {PEER_IP}")), "{routes}");
     assert!(!cache_file(dir.path()).exists());
 }
@@ -177,7 +177,7 @@ fn errors_name_what_is_missing() {
     let pod = Pod::new("errs");
     let iso = pod.isolation();
     let dir = tempfile::tempdir().unwrap();
-    pod.pod.ip(&["link", "del", "eth0"]);
+    pod.netns.ip(&["link", "del", "eth0"]);
     let v = vmi(json!({"name": "default", "masquerade": {}}));
     let e = phase1::setup(&v, &iso, dir.path()).unwrap_err().to_string();
     assert!(e.contains("pod interface eth0 does not exist"), "{e}");

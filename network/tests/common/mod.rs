@@ -115,7 +115,7 @@ pub fn run(cmd: &str, args: &[&str]) -> String {
 #[derive(Debug)]
 pub struct Pod {
     pub process: Proc,
-    pub pod: Netns,
+    pub netns: Netns,
     pub peer: Netns,
 }
 
@@ -142,7 +142,11 @@ impl Pod {
         let mut sleep = Command::new("sleep");
         sleep.arg("100000");
         let process = pod.spawn(sleep);
-        Self { process, pod, peer }
+        Self {
+            process,
+            netns: pod,
+            peer,
+        }
     }
 
     pub fn isolation(&self) -> isolation::PodIsolation {
@@ -163,7 +167,7 @@ pub fn wait_until<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<
 }
 
 /// A VMI with one interface on the pod network, as JSON.
-pub fn vmi_json(name: &str, uid: &str, iface: serde_json::Value) -> serde_json::Value {
+pub fn vmi_json(name: &str, uid: &str, iface: &serde_json::Value) -> serde_json::Value {
     serde_json::json!({
         "apiVersion": "kubevirt.io/v1",
         "kind": "VirtualMachineInstance",

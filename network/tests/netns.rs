@@ -9,8 +9,8 @@ use common::{PEER_IP, POD_IP, Pod};
 use network::{Binding, CachedInterface, Ipv4Cidr, phase1};
 use serde_json::json;
 
-fn vmi(iface: serde_json::Value) -> api::VirtualMachineInstance {
-    serde_json::from_value(common::vmi_json("vm1", "uid-1", &iface)).unwrap()
+fn vmi(iface: &serde_json::Value) -> api::VirtualMachineInstance {
+    serde_json::from_value(common::vmi_json("vm1", "uid-1", iface)).unwrap()
 }
 
 fn link(pod: &common::Netns, name: &str) -> Option<serde_json::Value> {
@@ -47,7 +47,7 @@ fn masquerade_setup_is_idempotent_and_teardown_leaves_nothing() {
     let pod = Pod::new("masq");
     let iso = pod.isolation();
     let dir = tempfile::tempdir().unwrap();
-    let v = vmi(json!({"name": "default", "masquerade": {}, "ports": [{"port": 8080}]}));
+    let v = vmi(&json!({"name": "default", "masquerade": {}, "ports": [{"port": 8080}]}));
 
     let first = phase1::setup(&v, &iso, dir.path()).unwrap();
     assert_eq!(first.len(), 1);
@@ -121,7 +121,7 @@ fn bridge_hands_the_pod_address_over_and_teardown_restores_it() {
     let pod = Pod::new("brdg");
     let iso = pod.isolation();
     let dir = tempfile::tempdir().unwrap();
-    let v = vmi(json!({"name": "default", "bridge": {}}));
+    let v = vmi(&json!({"name": "default", "bridge": {}}));
     let eth0 = link(&pod.netns, "eth0").unwrap();
     let pod_mac = eth0["address"].as_str().unwrap().to_owned();
 
@@ -178,7 +178,7 @@ fn errors_name_what_is_missing() {
     let iso = pod.isolation();
     let dir = tempfile::tempdir().unwrap();
     pod.netns.ip(&["link", "del", "eth0"]);
-    let v = vmi(json!({"name": "default", "masquerade": {}}));
+    let v = vmi(&json!({"name": "default", "masquerade": {}}));
     let e = phase1::setup(&v, &iso, dir.path()).unwrap_err().to_string();
     assert!(e.contains("pod interface eth0 does not exist"), "{e}");
     let e = phase1::setup(&v, &iso, Path::new("/nonexistent-kvrs-dir"))

@@ -1,0 +1,365 @@
+//! The whole stack on one machine, for end-to-end tests: `localcluster up` as its own process, then
+//! the CRDs, the KubeVirt CR, virt-handler's certificates, virt-controller and virt-handler from
+//! `manifests/`, all applied with the real `kubectl`, exactly as `hack/run.sh` does.
+//!
+//! The binaries come from the cargo target dir the tests were built in (`cargo nextest run
+//! --workspace` builds every package's binaries) or from `KUBEVIRT_RS_BIN_DIR`.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// The programs the stack runs; pods find them at `/usr/bin/<name>`.
+pub const BINARIES: [&str; 5] = [
+    "localcluster",
+    "virt-controller",
+    "virt-handler",
+    "virt-launcher",
+    "container-disk",
+];
+
+/// How long a poll waits between looks.
+const POLL: Duration = Duration::from_millis(500);
+
+/// Why the stack could not be brought up or queried.
+#[derive(Debug, thiserror::Error)]
+pub enum StackError {
+    #[error(
+        "{binary} is not built in {dir}: run `cargo build -p localcluster -p controller -p handler -p launcher -p containerdisk --bins` or set KUBEVIRT_RS_BIN_DIR"
+    )]
+    MissingBinary { binary: String, dir: PathBuf },
+    #[error("starting {command}")]
+    Spawn {
+        command: String,
+        source: std::io::Error,
+    },
+    #[error("`{command}` failed ({status}): {stderr}")]
+    Failed {
+        command: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    #[error("localcluster exited ({status}); its log is {log}")]
+    ClusterExited {
+        status: std::process::ExitStatus,
+        log: PathBuf,
+    },
+    #[error("timed out after {seconds} s waiting for {what} (last seen: {last})")]
+    Timeout {
+        what: String,
+        seconds: u64,
+        last: String,
+    },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A running localcluster with virt-controller and virt-handler deployed; stopped on drop.
+pub struct Stack {
+    dir: tempfile::TempDir,
+    cluster: Child,
+    bins: PathBuf,
+    repo: PathBuf,
+}
+
+impl std::fmt::Debug for Stack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stack")
+            .field("dir", &self.dir.path())
+            .field("bins", &self.bins)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The repository root (this crate's parent).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// Where the binaries are: `KUBEVIRT_RS_BIN_DIR`, else the profile dir of the running test
+/// (`target/debug/deps/<test>` -> `target/debug`).
+pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KUBEVIRT_RS_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent()?.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| repo_root().join("target/debug"))
+}
+
+/// The test guest build (`hack/guest/build.sh`).
+pub fn guest_dir() -> PathBuf {
+    std::env::var_os("KUBEVIRT_RS_GUEST_DIR")
+        .map_or_else(|| repo_root().join(".cache/guest"), PathBuf::from)
+}
+
+fn run(cmd: &mut Command, input: Option<&str>) -> Result<String, StackError> {
+    let command = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|source| StackError::Spawn {
+            command: command.clone(),
+            source,
+        })?;
+    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
+        stdin.write_all(text.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(StackError::Failed {
+            command,
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        })
+    }
+}
+
+/// Polls `probe` until it gives a value or `timeout` passes; `probe` also describes what it saw
+/// last, for the timeout's message.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut probe: impl FnMut() -> Result<Option<T>, String>,
+) -> Result<T, StackError> {
+    let deadline = Instant::now() + timeout;
+    let mut last = String::from("nothing yet");
+    loop {
+        match probe() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(seen) => last = seen,
+        }
+        if Instant::now() >= deadline {
+            return Err(StackError::Timeout {
+                what: what.to_owned(),
+                seconds: timeout.as_secs(),
+                last,
+            });
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+impl Stack {
+    /// Starts localcluster with one node and deploys the control plane on it; returns once
+    /// virt-controller is available and virt-handler has made the node schedulable.
+    pub fn up() -> Result<Self, StackError> {
+        let bins = bin_dir();
+        for binary in BINARIES {
+            if !bins.join(binary).is_file() {
+                return Err(StackError::MissingBinary {
+                    binary: binary.to_owned(),
+                    dir: bins,
+                });
+            }
+        }
+        let dir = tempfile::Builder::new().prefix("kubevirt-rs-e2e").tempdir()?;
+        let log = std::fs::File::create(dir.path().join("localcluster.log"))?;
+        let cluster = Command::new(bins.join("localcluster"))
+            .arg("up")
+            .arg("--dir")
+            .arg(dir.path())
+            .args(["--port", "0", "--nodes", "1"])
+            .arg("--bin-dir")
+            .arg(&bins)
+            .arg("--guest-dir")
+            .arg(guest_dir())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .map_err(|source| StackError::Spawn {
+                command: "localcluster up".into(),
+                source,
+            })?;
+        let mut stack = Self {
+            dir,
+            cluster,
+            bins,
+            repo: repo_root(),
+        };
+        stack.deploy()?;
+        Ok(stack)
+    }
+
+    fn deploy(&mut self) -> Result<(), StackError> {
+        let log = self.dir.path().join("localcluster.log");
+        let kubeconfig = self.kubeconfig();
+        wait_for("localcluster's API server", Duration::from_secs(60), || {
+            if let Ok(Some(status)) = self.cluster.try_wait() {
+                return Err(format!("localcluster exited ({status}); see {}", log.display()));
+            }
+            if !kubeconfig.exists() {
+                return Err("no kubeconfig yet".into());
+            }
+            self.kubectl(&["get", "--raw", "/readyz"])
+                .map(|_| Some(()))
+                .map_err(|e| e.to_string())
+        })
+        .map_err(|e| match self.cluster.try_wait() {
+            Ok(Some(status)) => StackError::ClusterExited {
+                status,
+                log: log.clone(),
+            },
+            _ => e,
+        })?;
+        let repo = self.repo.clone();
+        let path = |p: &str| repo.join(p).display().to_string();
+        self.kubectl(&["apply", "-f", &path("manifests/crds/")])?;
+        self.kubectl(&[
+            "wait",
+            "--for",
+            "condition=established",
+            "--timeout=60s",
+            "crd",
+            "--all",
+        ])?;
+        self.kubectl(&["apply", "-f", &path("manifests/install/00-namespace.yaml")])?;
+        self.kubectl(&["apply", "-f", &path("manifests/examples/kubevirt-cr.yaml")])?;
+        let pki = self.dir.path().join("pki");
+        run(Command::new(repo.join("hack/pki.sh")).arg(&pki), None)?;
+        let secret = self.kubectl(&[
+            "-n",
+            "kubevirt",
+            "create",
+            "secret",
+            "generic",
+            "kubevirt-virt-handler-server-cert",
+            &format!("--from-file=tls.crt={}", pki.join("server.crt").display()),
+            &format!("--from-file=tls.key={}", pki.join("server.key").display()),
+            &format!("--from-file=ca.crt={}", pki.join("ca.crt").display()),
+            "--dry-run=client",
+            "-o",
+            "json",
+        ])?;
+        self.kubectl_with_input(&["apply", "-f", "-"], &secret)?;
+        self.kubectl(&["apply", "-f", &path("manifests/install/")])?;
+        self.kubectl(&[
+            "-n",
+            "kubevirt",
+            "rollout",
+            "status",
+            "deployment/virt-controller",
+            "--timeout=180s",
+        ])?;
+        wait_for(
+            "virt-handler to mark the node schedulable",
+            Duration::from_secs(180),
+            || {
+                let nodes = self
+                    .kubectl(&[
+                        "get",
+                        "nodes",
+                        "-l",
+                        "kubevirt.io/schedulable=true",
+                        "-o",
+                        "name",
+                    ])
+                    .map_err(|e| e.to_string())?;
+                if nodes.trim().is_empty() {
+                    Err("no node labelled kubevirt.io/schedulable=true".into())
+                } else {
+                    Ok(Some(()))
+                }
+            },
+        )
+    }
+
+    /// The kubeconfig `localcluster up` wrote.
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.path().join("kubeconfig")
+    }
+
+    /// The state directory (kubeconfig, log, node roots).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Runs kubectl against the stack; its stdout.
+    pub fn kubectl(&self, args: &[&str]) -> Result<String, StackError> {
+        run(
+            Command::new("kubectl")
+                .env("KUBECONFIG", self.kubeconfig())
+                .args(args),
+            None,
+        )
+    }
+
+    /// Runs kubectl with `input` on its stdin.
+    pub fn kubectl_with_input(&self, args: &[&str], input: &str) -> Result<String, StackError> {
+        run(
+            Command::new("kubectl")
+                .env("KUBECONFIG", self.kubeconfig())
+                .args(args),
+            Some(input),
+        )
+    }
+
+    /// An object as JSON, or `None` when it does not exist.
+    pub fn get_json(
+        &self,
+        namespace: &str,
+        resource: &str,
+        name: &str,
+    ) -> Result<Option<serde_json::Value>, StackError> {
+        match self.kubectl(&["-n", namespace, "get", resource, name, "-o", "json"]) {
+            Ok(out) => Ok(Some(serde_json::from_str(&out).map_err(std::io::Error::other)?)),
+            Err(StackError::Failed { stderr, .. }) if stderr.contains("NotFound") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The launcher's private dir for a VMI, as seen from the node:
+    /// `<node root>/var/lib/kubelet/pods/<pod uid>/volumes/kubernetes.io~empty-dir/private/<vmi uid>`.
+    pub fn vmi_private_dir(&self, vmi: &serde_json::Value) -> Option<PathBuf> {
+        let status = &vmi["status"];
+        let node = status["nodeName"].as_str()?;
+        let pod = status["activePods"].as_object()?.keys().next()?;
+        let uid = vmi["metadata"]["uid"].as_str()?;
+        Some(
+            self.dir
+                .path()
+                .join("nodes")
+                .join(node)
+                .join("var/lib/kubelet/pods")
+                .join(pod)
+                .join("volumes/kubernetes.io~empty-dir/private")
+                .join(uid),
+        )
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // `localcluster up` tears its pods down (SIGTERM, then SIGKILL) on SIGTERM.
+        if let Ok(pid) = i32::try_from(self.cluster.id()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.cluster.try_wait() {
+                return;
+            }
+            std::thread::sleep(POLL);
+        }
+        let _ = self.cluster.kill();
+        let _ = self.cluster.wait();
+    }
+}

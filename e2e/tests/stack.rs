@@ -1,0 +1,97 @@
+//! The README's main job as a test: a VM applied with kubectl boots through localcluster,
+//! virt-controller, virt-handler and virt-launcher, and stops when its run strategy says Halted.
+
+use std::time::Duration;
+
+use e2e::{Stack, repo_root, wait_for};
+
+const BOOT: Duration = Duration::from_secs(420);
+
+#[test]
+fn guest_vm_applied_with_kubectl_boots_and_halts() {
+    let stack = Stack::up().expect("the stack comes up");
+    let manifest = repo_root().join("manifests/examples/vm-demo.yaml");
+    stack
+        .kubectl(&["apply", "-f", &manifest.display().to_string()])
+        .expect("kubectl apply of the VM");
+
+    let vmi = wait_for("VMI default/demo to run", BOOT, || {
+        let vmi = stack
+            .get_json("default", "vmi", "demo")
+            .map_err(|e| e.to_string())?
+            .ok_or("no VMI yet")?;
+        match vmi["status"]["phase"].as_str() {
+            Some("Running") => Ok(Some(vmi)),
+            Some(p @ ("Failed" | "Succeeded")) => panic!("VMI ended {p}: {vmi:#}"),
+            p => Err(format!("phase {p:?}")),
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}; localcluster log in {}", stack.dir().display()));
+    assert_eq!(
+        vmi["metadata"]["ownerReferences"][0]["kind"], "VirtualMachine",
+        "the VM controller owns the VMI"
+    );
+
+    let log = stack
+        .vmi_private_dir(&vmi)
+        .expect("a Running VMI names its node and launcher pod")
+        .join("virt-serial0-log");
+    wait_for("the guest's ready marker on its console", BOOT, || {
+        let text = std::fs::read_to_string(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        if text.contains("KUBEVIRT-RS-GUEST-READY") {
+            assert!(
+                text.contains("hello from cloud-init in the demo VM"),
+                "cloud-init user-data ran: {text}"
+            );
+            Ok(Some(()))
+        } else {
+            Err(format!("{} bytes of console, no marker", text.len()))
+        }
+    })
+    .expect("the guest boots");
+    wait_for("VM status ready", Duration::from_secs(120), || {
+        let vm = stack
+            .get_json("default", "vm", "demo")
+            .map_err(|e| e.to_string())?
+            .ok_or("no VM")?;
+        (vm["status"]["printableStatus"] == "Running" && vm["status"]["ready"] == true)
+            .then_some(())
+            .map(Some)
+            .ok_or_else(|| format!("VM status {}", vm["status"]))
+    })
+    .expect("the VM reports Running and ready");
+
+    stack
+        .kubectl(&[
+            "patch",
+            "vm",
+            "demo",
+            "--type",
+            "merge",
+            "-p",
+            r#"{"spec":{"runStrategy":"Halted"}}"#,
+        ])
+        .expect("halting the VM");
+    wait_for("the VMI and its pod to go", BOOT, || {
+        let vmi = stack
+            .get_json("default", "vmi", "demo")
+            .map_err(|e| e.to_string())?;
+        let pods = stack
+            .kubectl(&["get", "pods", "-l", "kubevirt.io=virt-launcher", "-o", "name"])
+            .map_err(|e| e.to_string())?;
+        if vmi.is_none() && pods.trim().is_empty() {
+            Ok(Some(()))
+        } else {
+            Err(format!(
+                "VMI phase {:?}, pods {pods:?}",
+                vmi.map(|v| v["status"]["phase"].clone())
+            ))
+        }
+    })
+    .expect("a halted VM's VMI is shut down and deleted");
+    let vm = stack
+        .get_json("default", "vm", "demo")
+        .expect("get vm")
+        .expect("the VM stays");
+    assert_eq!(vm["status"]["printableStatus"], "Stopped");
+}

@@ -1,9 +1,10 @@
 //! virt-controller: the cluster-wide controllers of kubevirt-rs (VM, VMI, ReplicaSet, Node),
 //! as pure decision functions ([`vm`], [`vmi`], [`replicaset`], [`node`], [`template`],
-//! [`expectations`]) and thin kube-rs shells around them ([`run`]). See `docs/controller.md`.
+//! [`expectations`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
 
 pub mod events;
 pub mod expectations;
+pub mod metrics;
 pub mod node;
 pub mod replicaset;
 pub mod run;

@@ -40,6 +40,9 @@ struct Flags {
     /// Seconds after which a node whose virt-handler stopped heartbeating is failed.
     #[arg(long, default_value_t = 300)]
     heartbeat_timeout_seconds: u64,
+    /// Port of `/healthz`, `/leader` and `/metrics` (plain HTTP, all addresses).
+    #[arg(long, default_value_t = 8443)]
+    port: u16,
 }
 
 #[tokio::main]
@@ -54,6 +57,18 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;
     let defaults = Options::default();
+    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], f.port));
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the metrics port {addr}"))?;
+    tracing::info!(%addr, "serving /healthz, /leader and /metrics");
+    let server = tokio::spawn(
+        axum::serve(
+            listener,
+            controller::metrics::router(defaults.health.clone()),
+        )
+        .into_future(),
+    );
     let opts = Options {
         template: TemplateConfig {
             launcher_image: f.launcher_image,
@@ -70,7 +85,11 @@ async fn main() -> anyhow::Result<()> {
         identity: f.identity.unwrap_or(defaults.identity.clone()),
         ..defaults
     };
-    run_with_leader_election(client, opts)
-        .await
-        .context("virt-controller stopped")
+    tokio::select! {
+        r = run_with_leader_election(client, opts) => r.context("virt-controller stopped"),
+        r = server => {
+            r.context("metrics server task")?.context("metrics server")?;
+            anyhow::bail!("the metrics server stopped")
+        }
+    }
 }

@@ -7,7 +7,8 @@
 //! style work queue per controller is all the machinery this needs.
 
 use std::collections::{HashSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use api::validation::FieldError;
@@ -28,6 +29,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
+use crate::metrics::{Health, QueueStat, Snapshot};
 use crate::template::{TemplateConfig, render_launcher_pod};
 use crate::vm::{StatusInputs, VM_CONTROLLER_FINALIZER, VmAction};
 use crate::vmi::PodAction;
@@ -69,6 +71,8 @@ pub struct Options {
     pub lease_name: String,
     /// This replica's identity in the Lease.
     pub identity: String,
+    /// Leader status and the controllers' state for `/leader` and `/metrics`.
+    pub health: Arc<Health>,
 }
 
 impl Default for Options {
@@ -80,6 +84,7 @@ impl Default for Options {
             lease_namespace: "kubevirt".into(),
             lease_name: "virt-controller".into(),
             identity: uuid::Uuid::new_v4().to_string(),
+            health: Arc::default(),
         }
     }
 }
@@ -97,6 +102,7 @@ pub const LEASE_GRACE_SECS: u64 = 5;
 struct Queue {
     state: Mutex<QueueState>,
     notify: Notify,
+    adds: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -114,6 +120,7 @@ impl Queue {
     }
 
     fn add(&self, key: String) {
+        self.adds.fetch_add(1, Ordering::Relaxed);
         let mut s = self.lock();
         if !s.dirty.insert(key.clone()) || s.processing.contains(&key) {
             return;
@@ -149,6 +156,14 @@ impl Queue {
                 }
             }
             notified.await;
+        }
+    }
+
+    fn stat(&self, name: &'static str) -> QueueStat {
+        QueueStat {
+            name,
+            depth: self.lock().order.len(),
+            adds: self.adds.load(Ordering::Relaxed),
         }
     }
 
@@ -427,6 +442,12 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         node_q,
     });
 
+    let weak = Arc::downgrade(&shared);
+    shared
+        .opts
+        .health
+        .set_source(move || Weak::upgrade(&weak).map(|s| snapshot(&s)));
+
     for _ in 0..VMI_WORKERS {
         let s = shared.clone();
         tasks.spawn(async move {
@@ -481,6 +502,29 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     Ok(())
 }
 
+/// The controllers' state for `/metrics`, KubeVirt's queue names.
+fn snapshot(s: &Shared) -> Snapshot {
+    let mut vmi_phases = std::collections::BTreeMap::new();
+    for v in s.vmis.state() {
+        let st = v.status.as_ref();
+        let phase = st
+            .and_then(|st| st.phase.as_ref())
+            .map_or("", |p| p.as_str())
+            .to_owned();
+        let node = st.and_then(|st| st.node_name.clone()).unwrap_or_default();
+        *vmi_phases.entry((phase, node)).or_insert(0) += 1;
+    }
+    Snapshot {
+        vmi_phases,
+        queues: vec![
+            s.vm_q.stat("virt-controller-vm"),
+            s.vmi_q.stat("virt-controller-vmi"),
+            s.rs_q.stat("virt-controller-replicaset"),
+            s.node_q.stat("virt-controller-node"),
+        ],
+    }
+}
+
 /// Waits for the `virt-controller` Lease, runs the controllers while holding it, and
 /// returns [`RunError::LostLease`] when another replica takes over (KubeVirt exits then).
 pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(), RunError> {
@@ -505,12 +549,15 @@ pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(
     }
     tracing::info!(identity = %opts.identity, "became leader");
     let name = opts.lease_name.clone();
+    let health = opts.health.clone();
+    health.set_leading(true);
     let result = tokio::select! {
         r = run_controllers(client, opts) => r,
         () = async {
             while leading.changed().await.is_ok() && *leading.borrow() {}
         } => Err(RunError::LostLease(name)),
     };
+    health.set_leading(false);
     drop(leading);
     lease_task.abort();
     result

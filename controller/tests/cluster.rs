@@ -61,6 +61,10 @@ fn start(client: &Client, identity: &str, elect: bool) -> Running {
         identity: identity.into(),
         ..Options::default()
     };
+    start_with(client, opts, elect)
+}
+
+fn start_with(client: &Client, opts: Options, elect: bool) -> Running {
     let client = client.clone();
     Running(tokio::spawn(async move {
         let r = if elect {
@@ -447,6 +451,89 @@ async fn leader_failover_creates_no_duplicate_pod() {
         .holder_identity;
     assert_eq!(holder.as_deref(), Some("replica-b"));
     drop(b);
+}
+
+/// Serves `/healthz`, `/leader` and `/metrics` for `health` on a free port; returns the port.
+async fn serve_health(health: std::sync::Arc<controller::metrics::Health>) -> (u16, Running) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let task = tokio::spawn(async move {
+        axum::serve(listener, controller::metrics::router(health))
+            .await
+            .unwrap();
+    });
+    (port, Running(task))
+}
+
+/// A plain HTTP/1.0 GET: the status code and the body.
+async fn get(port: u16, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    conn.write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut resp = String::new();
+    conn.read_to_string(&mut resp).await.unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (code, body.to_owned())
+}
+
+#[tokio::test]
+async fn only_the_leader_is_ready_and_its_metrics_count_vmis() {
+    let (_server, client) = cluster().await;
+    let leader = Options {
+        identity: "replica-a".into(),
+        ..Options::default()
+    };
+    let follower = Options {
+        identity: "replica-b".into(),
+        ..Options::default()
+    };
+    let (port_a, _sa) = serve_health(leader.health.clone()).await;
+    let (port_b, _sb) = serve_health(follower.health.clone()).await;
+    assert_eq!(get(port_a, "/healthz").await.0, 200);
+    let _a = start_with(&client, leader, true);
+    wait_for("replica-a to lead", || async {
+        (get(port_a, "/leader").await.0 == 200).then_some(())
+    })
+    .await;
+    let _b = start_with(&client, follower, true);
+    assert_eq!(get(port_b, "/healthz").await.0, 200);
+    assert_eq!(
+        get(port_b, "/leader").await.0,
+        503,
+        "a follower is not Ready"
+    );
+    let (_, text) = get(port_b, "/metrics").await;
+    assert!(
+        text.contains("\nkubevirt_virt_controller_leading_status 0\n"),
+        "{text}"
+    );
+
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    vmis.create(&PostParams::default(), &vmi("counted"))
+        .await
+        .unwrap();
+    let text = wait_for("the VMI in the leader's metrics", || async {
+        let (_, text) = get(port_a, "/metrics").await;
+        text.contains("kubevirt_vmi_phase_count{node=\"\",phase=\"scheduling\"} 1")
+            .then_some(text)
+    })
+    .await;
+    assert!(
+        text.contains("\nkubevirt_virt_controller_leading_status 1\n"),
+        "{text}"
+    );
+    let adds = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("kubevirt_workqueue_adds_total{name=\"virt-controller-vmi\"} ")
+        })
+        .unwrap();
+    assert!(adds.parse::<u64>().unwrap() >= 1, "{text}");
 }
 
 #[tokio::test]

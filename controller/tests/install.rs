@@ -183,6 +183,19 @@ async fn install_manifests_apply_and_render_the_components() {
         let args = c.args.clone().unwrap();
         let at = args.iter().position(|a| a == "--launcher-image").unwrap();
         assert_eq!(args[at + 1], "kubevirt-rs/virt-launcher:latest");
+        let live = c
+            .liveness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap();
+        assert_eq!(live.path.as_deref(), Some("/healthz"));
+        assert_eq!(
+            live.port,
+            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(8443),
+            "the controller's --port default"
+        );
         assert_eq!(env_field(c, "POD_NAME").as_deref(), Some("metadata.name"));
         assert_eq!(
             env_field(c, "POD_NAMESPACE").as_deref(),

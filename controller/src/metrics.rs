@@ -1,0 +1,231 @@
+//! `/healthz`, `/leader` and `/metrics` on `--port`, as KubeVirt's virt-controller serves them
+//! (its liveness probe reads `/healthz`, its readiness probe `/leader`, so only the leader is
+//! Ready). Plain HTTP: KubeVirt serves them over TLS with the operator's certificate, which
+//! kubevirt-rs has no operator to issue yet.
+//!
+//! The Prometheus text is written by hand: five metric families whose values are read from
+//! the controllers' caches at scrape time need no client library's registry.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+
+/// One work queue's figures (KubeVirt exports client-go's `kubevirt_workqueue_*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueStat {
+    /// KubeVirt's queue name, e.g. `virt-controller-vmi`.
+    pub name: &'static str,
+    /// Keys waiting.
+    pub depth: usize,
+    /// Keys added since start.
+    pub adds: u64,
+}
+
+/// What the controllers report while they run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// VMIs per (phase, node); the node is empty before scheduling.
+    pub vmi_phases: BTreeMap<(String, String), usize>,
+    /// The work queues.
+    pub queues: Vec<QueueStat>,
+}
+
+type SnapshotFn = Box<dyn Fn() -> Option<Snapshot> + Send + Sync>;
+
+/// Shared between the HTTP server and the controllers: whether this replica leads, and how to
+/// read the running controllers' state (`None` while they do not run).
+#[derive(Default)]
+pub struct Health {
+    leading: AtomicBool,
+    source: RwLock<Option<SnapshotFn>>,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health")
+            .field("leading", &self.leading.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Health {
+    /// Leader election tells whether this replica holds the Lease.
+    pub fn set_leading(&self, leading: bool) {
+        self.leading.store(leading, Ordering::Relaxed);
+    }
+
+    /// Whether this replica holds the Lease.
+    pub fn leading(&self) -> bool {
+        self.leading.load(Ordering::Relaxed)
+    }
+
+    /// The controllers, once their caches synced, register how to read them; the function
+    /// returns `None` once they stopped.
+    pub fn set_source(&self, f: impl Fn() -> Option<Snapshot> + Send + Sync + 'static) {
+        *self
+            .source
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Box::new(f));
+    }
+
+    /// The running controllers' state, `None` when none run.
+    pub fn snapshot(&self) -> Option<Snapshot> {
+        self.source
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .and_then(|f| f())
+    }
+}
+
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The exposition text. `ready`: the controllers run with synced caches.
+pub fn render(leading: bool, snapshot: Option<&Snapshot>) -> String {
+    let mut out = String::new();
+    let gauge = |out: &mut String, name: &str, help: &str, v: bool| {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}",
+            u8::from(v)
+        );
+    };
+    gauge(
+        &mut out,
+        "kubevirt_virt_controller_leading_status",
+        "Indication for an operating virt-controller (1 when it holds the leader Lease).",
+        leading,
+    );
+    gauge(
+        &mut out,
+        "kubevirt_virt_controller_ready_status",
+        "Indication for a virt-controller that is ready to take the lead (controllers running on synced caches).",
+        snapshot.is_some(),
+    );
+    let Some(s) = snapshot else {
+        return out;
+    };
+    out.push_str(
+        "# HELP kubevirt_vmi_phase_count Sum of VMIs per phase and node.\n\
+         # TYPE kubevirt_vmi_phase_count gauge\n",
+    );
+    for ((phase, node), n) in &s.vmi_phases {
+        let _ = writeln!(
+            out,
+            "kubevirt_vmi_phase_count{{node=\"{}\",phase=\"{}\"}} {n}",
+            label(node),
+            label(&phase.to_lowercase())
+        );
+    }
+    out.push_str(
+        "# HELP kubevirt_workqueue_depth Current depth of workqueue.\n\
+         # TYPE kubevirt_workqueue_depth gauge\n",
+    );
+    for q in &s.queues {
+        let _ = writeln!(
+            out,
+            "kubevirt_workqueue_depth{{name=\"{}\"}} {}",
+            q.name, q.depth
+        );
+    }
+    out.push_str(
+        "# HELP kubevirt_workqueue_adds_total Total number of adds handled by workqueue.\n\
+         # TYPE kubevirt_workqueue_adds_total counter\n",
+    );
+    for q in &s.queues {
+        let _ = writeln!(
+            out,
+            "kubevirt_workqueue_adds_total{{name=\"{}\"}} {}",
+            q.name, q.adds
+        );
+    }
+    out
+}
+
+/// `/healthz` (the process serves), `/leader` (200 only on the leader with running
+/// controllers, else 503) and `/metrics`.
+pub fn router(health: Arc<Health>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/leader",
+            get(|State(h): State<Arc<Health>>| async move {
+                if h.leading() && h.snapshot().is_some() {
+                    (StatusCode::OK, "leader")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not the leader")
+                }
+            }),
+        )
+        .route(
+            "/metrics",
+            get(|State(h): State<Arc<Health>>| async move {
+                (
+                    [("content-type", "text/plain; version=0.0.4")],
+                    render(h.leading(), h.snapshot().as_ref()),
+                )
+            }),
+        )
+        .with_state(health)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn follower_reports_only_its_status() {
+        let text = render(false, None);
+        assert!(text.contains("\nkubevirt_virt_controller_leading_status 0\n"));
+        assert!(text.contains("\nkubevirt_virt_controller_ready_status 0\n"));
+        assert!(!text.contains("kubevirt_vmi_phase_count"));
+    }
+
+    #[test]
+    fn leader_reports_phases_and_queues() {
+        let s = Snapshot {
+            vmi_phases: BTreeMap::from([
+                (("Running".into(), "node-0".into()), 2),
+                (("Pending".into(), String::new()), 1),
+            ]),
+            queues: vec![QueueStat {
+                name: "virt-controller-vmi",
+                depth: 3,
+                adds: 40,
+            }],
+        };
+        let text = render(true, Some(&s));
+        for line in [
+            "kubevirt_virt_controller_leading_status 1",
+            "kubevirt_virt_controller_ready_status 1",
+            "kubevirt_vmi_phase_count{node=\"\",phase=\"pending\"} 1",
+            "kubevirt_vmi_phase_count{node=\"node-0\",phase=\"running\"} 2",
+            "kubevirt_workqueue_depth{name=\"virt-controller-vmi\"} 3",
+            "kubevirt_workqueue_adds_total{name=\"virt-controller-vmi\"} 40",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        let s = Snapshot {
+            vmi_phases: BTreeMap::from([(("Running".into(), "a\"b\\c".into()), 1)]),
+            queues: Vec::new(),
+        };
+        assert!(render(true, Some(&s)).contains("node=\"a\\\"b\\\\c\""));
+    }
+}

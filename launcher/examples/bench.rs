@@ -221,6 +221,7 @@ fn main() -> anyhow::Result<()> {
             ovmf_dir: "/usr/share/OVMF".into(),
             hugepages_dir: "/dev/hugepages".into(),
             block_volumes: std::collections::BTreeSet::new(),
+            network: std::collections::BTreeMap::new(),
         };
         let plan = launcher::convert::convert(&v, &dirs, &host)?;
         std::fs::create_dir_all(dirs.vm_dir(&uid))?;

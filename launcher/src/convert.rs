@@ -1,7 +1,7 @@
 //! VMI -> [`QemuConfig`] plus the files that must exist before QEMU starts. Pure: host facts
 //! (accelerator, firmware paths, which volumes are block devices) come in as arguments.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use api::VirtualMachineInstance;
@@ -44,6 +44,9 @@ pub struct Host {
     pub hugepages_dir: PathBuf,
     /// Volumes whose PVC is a block device (`<block-device-dir>/<volume>` exists as one).
     pub block_volumes: BTreeSet<String>,
+    /// What phase 1 (virt-handler) cached per interface name: the guest MAC of a bridge
+    /// binding and the pod MTU come from there.
+    pub network: BTreeMap<String, network::CachedInterface>,
 }
 
 /// How many empty PCIe root ports a q35 machine keeps for hotplugged virtio disks.
@@ -332,11 +335,20 @@ pub fn convert(
             name: tap.clone(),
             field: field.clone(),
         });
+        let cached = host.network.get(&iface.name);
+        let mac = network::plan::guest_mac(&uid, &iface.name, iface.mac_address.as_deref(), cached)
+            .ok_or_else(|| {
+                err(
+                    format!("{field}.macAddress"),
+                    "is not a MAC address (e.g. de:ad:00:00:be:af)",
+                )
+            })?;
         nics.push(Nic {
             name: iface.name.clone(),
             model,
             tap,
-            mac: iface.mac_address.clone(),
+            mac: Some(network::plan::format_mac(mac)),
+            mtu: cached.map(|c| c.mtu),
             boot_index: iface.boot_order,
         });
     }

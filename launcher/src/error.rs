@@ -40,6 +40,8 @@ pub enum Error {
     Agent(qmp::Error),
     #[error("hotplug of disk {disk}: {message}")]
     Hotplug { disk: String, message: String },
+    #[error("network: {0}")]
+    Network(String),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -64,6 +66,7 @@ impl Error {
             Error::AgentNotConnected => "AgentNotConnected",
             Error::Agent(_) => "AgentError",
             Error::Hotplug { .. } => "HotplugFailed",
+            Error::Network(_) => "NetworkFailed",
             Error::Io { .. } => "IOError",
         }
     }
@@ -79,6 +82,7 @@ impl Error {
             Error::NoAccelerator(_)
             | Error::QemuStart { .. }
             | Error::QemuExited(_)
+            | Error::Network(_)
             | Error::Io { .. } => 500,
         }
     }

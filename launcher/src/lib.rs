@@ -7,6 +7,7 @@ pub mod console;
 pub mod convert;
 pub mod domain;
 pub mod error;
+pub mod net;
 pub mod paths;
 pub mod prepare;
 pub mod qemu;

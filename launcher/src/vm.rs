@@ -75,6 +75,7 @@ struct Vm {
     requested: Arc<StdMutex<Option<Requested>>>,
     exit: watch::Receiver<Option<ExitStatus>>,
     _console: Option<Console>,
+    _dhcp: crate::net::Dhcp,
 }
 
 impl Vm {
@@ -213,13 +214,14 @@ impl Launcher {
         }
     }
 
-    fn host(&self, vmi: &VirtualMachineInstance, accel: Accel) -> Host {
-        Host {
+    fn host(&self, vmi: &VirtualMachineInstance, accel: Accel) -> Result<Host, Error> {
+        Ok(Host {
             accel,
             ovmf_dir: self.cfg.ovmf_dir.clone(),
             hugepages_dir: self.cfg.hugepages_dir.clone(),
             block_volumes: block_volumes(vmi, &self.cfg.dirs),
-        }
+            network: crate::net::read_caches(vmi, &self.cfg.dirs.private)?,
+        })
     }
 
     /// `PUT /v1/sync`: the first call starts the domain; later ones apply hotplug changes.
@@ -282,7 +284,8 @@ impl Launcher {
 
     async fn start(self: &Arc<Self>, vmi: &VirtualMachineInstance) -> Result<Vm, Error> {
         let accel = self.accel().await?;
-        let plan = convert::convert(vmi, &self.cfg.dirs, &self.host(vmi, accel))?;
+        let host = self.host(vmi, accel)?;
+        let plan = convert::convert(vmi, &self.cfg.dirs, &host)?;
         let uid = vmi.metadata.uid.clone().unwrap_or_default();
         let dirs = &self.cfg.dirs;
         let vm_dir = dirs.vm_dir(&uid);
@@ -299,6 +302,9 @@ impl Launcher {
             let _ = std::fs::remove_file(stale);
         }
         prepare::run(&self.cfg.qemu_img, &plan.preps).await?;
+        // Before QEMU, so the guest's first DHCP request finds a server.
+        let resolv = std::fs::read_to_string(crate::net::RESOLV_CONF).unwrap_or_default();
+        let dhcp = crate::net::Dhcp::start(vmi, &plan.config.nics, &host.network, &resolv)?;
         let config = plan.config;
         let argv = config.argv();
         tracing::info!(qemu = %self.cfg.qemu_binary.display(), argv = ?argv, "starting QEMU");
@@ -454,6 +460,7 @@ impl Launcher {
             requested,
             exit: exit_rx,
             _console: console,
+            _dhcp: dhcp,
         })
     }
 
@@ -751,7 +758,7 @@ impl Launcher {
             .clone()
             .unwrap_or_else(|| "default".into());
         let accel = self.accel().await?;
-        let host = self.host(vmi, accel);
+        let host = self.host(vmi, accel)?;
         for (i, d) in vmi.spec.domain.devices.disks.iter().enumerate() {
             if vm.disks.iter().any(|have| have.name == d.name) {
                 continue;

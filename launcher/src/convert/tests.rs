@@ -19,6 +19,7 @@ fn host() -> Host {
         ovmf_dir: "/usr/share/OVMF".into(),
         hugepages_dir: "/dev/hugepages".into(),
         block_volumes: BTreeSet::new(),
+        network: BTreeMap::new(),
     }
 }
 
@@ -385,4 +386,51 @@ proptest! {
             prop_assert!(found_path, "{:?}", argv);
         }
     }
+}
+
+#[test]
+fn interfaces_take_mac_and_mtu_from_phase_one() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["interfaces"] = serde_json::json!([
+        {"name": "default", "bridge": {}},
+        {"name": "other", "masquerade": {}, "model": "e1000"},
+    ]);
+    s["networks"] =
+        serde_json::json!([{"name": "default", "pod": {}}, {"name": "other", "pod": {}}]);
+    let cached = network::CachedInterface {
+        name: "default".into(),
+        binding: network::Binding::Bridge,
+        pod_interface: "eth0".into(),
+        bridge: "k6t-eth0".into(),
+        tap: "tap0".into(),
+        mtu: 1400,
+        pod_mac: "0a:58:0a:f4:00:05".into(),
+        pod_ipv4: None,
+        routes: vec![],
+        guest_ipv4: None,
+        gateway_ipv4: None,
+        server_ipv4: std::net::Ipv4Addr::new(169, 254, 75, 10),
+    };
+    let mut h = host();
+    h.network.insert("default".into(), cached);
+    let p = convert(&vmi(s.clone()), &dirs(), &h).unwrap();
+    let joined = p.config.argv().join(" ");
+    // A bridged guest takes the pod's MAC; virtio is told the pod's MTU.
+    assert!(
+        joined.contains(
+            "virtio-net-pci,id=ua-default,netdev=netdev-default,mac=0a:58:0a:f4:00:05,host_mtu=1400"
+        ),
+        "{joined}"
+    );
+    // No cache: a MAC derived from the uid and the name, the same on every conversion.
+    let mac = p.config.nics[1].mac.clone().unwrap();
+    assert!(mac.starts_with("52:54:00:"), "{mac}");
+    assert!(
+        joined.contains(&format!("e1000,id=ua-other,netdev=netdev-other,mac={mac}")),
+        "{joined}"
+    );
+    assert_eq!(
+        convert(&vmi(s), &dirs(), &h).unwrap().config.nics[1].mac,
+        Some(mac)
+    );
 }

@@ -443,6 +443,9 @@ pub struct Nic {
     pub model: NicModel,
     pub tap: String,
     pub mac: Option<String>,
+    /// The pod interface's MTU, told to a virtio guest (`host_mtu`); the other models have no
+    /// way to carry it, and their guests learn it from DHCP.
+    pub mtu: Option<u32>,
     pub boot_index: Option<u32>,
 }
 
@@ -459,6 +462,10 @@ impl Args for Nic {
             .set("id", device_id(&self.name))
             .set("netdev", netdev_id)
             .set_opt("mac", self.mac.as_ref())
+            .set_opt(
+                "host_mtu",
+                self.mtu.filter(|_| self.model == NicModel::Virtio),
+            )
             .set_opt("bootindex", self.boot_index);
         push(argv, "-device", dev.keyval_with(self.model.driver()));
     }

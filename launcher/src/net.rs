@@ -1,0 +1,85 @@
+//! Phase 2 of pod networking (phase 1 is virt-handler's, `network::phase1`): read what phase 1
+//! cached in the private dir, and serve DHCP to the guest on each interface's bridge. The NIC
+//! itself is rendered by `convert` from the same cache (MAC, MTU).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use api::VirtualMachineInstance;
+use network::CachedInterface;
+use tokio::task::AbortHandle;
+
+use crate::error::Error;
+use crate::qemu::Nic;
+
+/// The pod's resolver configuration, whose servers and search domains the guest gets.
+pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// Phase 1's cache for every interface of the VMI that has one, by interface name. An
+/// interface without a cache (phase 1 has not run, or the VMI has no pod network) is simply
+/// absent; conversion then falls back to a generated MAC and no MTU, and no DHCP is served.
+pub fn read_caches(
+    vmi: &VirtualMachineInstance,
+    private_dir: &Path,
+) -> Result<BTreeMap<String, CachedInterface>, Error> {
+    // An unplannable VMI is refused by conversion, which names the field; nothing to read here.
+    let Ok(plans) = network::plan::plan(vmi) else {
+        return Ok(BTreeMap::new());
+    };
+    let mut out = BTreeMap::new();
+    for p in plans {
+        let cached = network::cache::read(private_dir, &p.pod_interface)
+            .map_err(|e| Error::Network(e.to_string()))?;
+        if let Some(c) = cached {
+            out.insert(p.name, c);
+        }
+    }
+    Ok(out)
+}
+
+/// The DHCP servers of one domain; dropping this stops them.
+#[derive(Debug, Default)]
+pub struct Dhcp(Vec<AbortHandle>);
+
+impl Dhcp {
+    /// Binds one server per NIC that phase 1 set up, answering that NIC's MAC. Binding errors
+    /// (the bridge is gone, no privilege for port 67) fail the start: a guest that would never
+    /// get an address is worse than a clear error.
+    pub fn start(
+        vmi: &VirtualMachineInstance,
+        nics: &[Nic],
+        caches: &BTreeMap<String, CachedInterface>,
+        resolv_conf: &str,
+    ) -> Result<Self, Error> {
+        let hostname = vmi
+            .spec
+            .hostname
+            .clone()
+            .or_else(|| vmi.metadata.name.clone())
+            .unwrap_or_default();
+        let mut tasks = Dhcp::default();
+        for nic in nics {
+            let Some(cached) = caches.get(&nic.name) else {
+                continue;
+            };
+            let Some(mac) = nic.mac.as_deref().and_then(network::plan::parse_mac) else {
+                continue;
+            };
+            let Some(cfg) = network::dhcp::config(cached, mac, &hostname, resolv_conf) else {
+                continue;
+            };
+            let serve = network::dhcp::serve(cfg)
+                .map_err(|e| Error::Network(format!("DHCP for interface {}: {e}", nic.name)))?;
+            tasks.0.push(tokio::spawn(serve).abort_handle());
+        }
+        Ok(tasks)
+    }
+}
+
+impl Drop for Dhcp {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}

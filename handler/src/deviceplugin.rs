@@ -15,11 +15,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-/// The generated v1beta1 types and services.
-#[allow(clippy::pedantic, missing_debug_implementations, rust_2018_idioms)]
-pub mod v1beta1 {
-    tonic::include_proto!("v1beta1");
-}
+pub use kubelet_api::v1beta1;
 
 use v1beta1::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use v1beta1::registration_client::RegistrationClient;
@@ -29,10 +25,7 @@ use v1beta1::{
     PreferredAllocationRequest, PreferredAllocationResponse, RegisterRequest,
 };
 
-pub const API_VERSION: &str = "v1beta1";
-pub const KUBELET_SOCKET: &str = "kubelet.sock";
-pub const HEALTHY: &str = "Healthy";
-pub const UNHEALTHY: &str = "Unhealthy";
+pub use kubelet_api::{API_VERSION, HEALTHY, KUBELET_SOCKET, UNHEALTHY};
 /// KubeVirt's `--max-devices` default.
 pub const DEFAULT_COUNT: usize = 1000;
 

@@ -762,3 +762,243 @@ async fn pods_get_in_cluster_config_and_kubectl_lists_pods_with_it() {
     }
     node.stop().await;
 }
+
+/// A device plugin for `example.com/widget`: devices from a watch channel, and an Allocate
+/// answer with an env var naming the ids, a mount and a device node.
+struct Widgets {
+    devices: tokio::sync::watch::Receiver<Vec<(&'static str, bool)>>,
+    mount: PathBuf,
+}
+
+type WidgetStream = std::pin::Pin<
+    Box<
+        dyn futures::Stream<
+                Item = Result<kubelet_api::v1beta1::ListAndWatchResponse, tonic::Status>,
+            > + Send,
+    >,
+>;
+
+#[tonic::async_trait]
+impl kubelet_api::v1beta1::device_plugin_server::DevicePlugin for Widgets {
+    type ListAndWatchStream = WidgetStream;
+
+    async fn get_device_plugin_options(
+        &self,
+        _: tonic::Request<kubelet_api::v1beta1::Empty>,
+    ) -> Result<tonic::Response<kubelet_api::v1beta1::DevicePluginOptions>, tonic::Status> {
+        Ok(tonic::Response::new(
+            kubelet_api::v1beta1::DevicePluginOptions::default(),
+        ))
+    }
+
+    async fn list_and_watch(
+        &self,
+        _: tonic::Request<kubelet_api::v1beta1::Empty>,
+    ) -> Result<tonic::Response<WidgetStream>, tonic::Status> {
+        let rx = self.devices.clone();
+        let stream = futures::stream::unfold((rx, true), |(mut rx, first)| async move {
+            if !first {
+                rx.changed().await.ok()?;
+            }
+            let devices = rx
+                .borrow_and_update()
+                .iter()
+                .map(|(id, healthy)| kubelet_api::v1beta1::Device {
+                    id: (*id).to_string(),
+                    health: if *healthy {
+                        kubelet_api::HEALTHY
+                    } else {
+                        kubelet_api::UNHEALTHY
+                    }
+                    .into(),
+                    topology: None,
+                })
+                .collect();
+            Some((
+                Ok(kubelet_api::v1beta1::ListAndWatchResponse { devices }),
+                (rx, false),
+            ))
+        });
+        Ok(tonic::Response::new(Box::pin(stream)))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        _: tonic::Request<kubelet_api::v1beta1::PreferredAllocationRequest>,
+    ) -> Result<tonic::Response<kubelet_api::v1beta1::PreferredAllocationResponse>, tonic::Status>
+    {
+        Err(tonic::Status::unimplemented("not offered"))
+    }
+
+    async fn allocate(
+        &self,
+        req: tonic::Request<kubelet_api::v1beta1::AllocateRequest>,
+    ) -> Result<tonic::Response<kubelet_api::v1beta1::AllocateResponse>, tonic::Status> {
+        let container_responses = req
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| kubelet_api::v1beta1::ContainerAllocateResponse {
+                envs: [("WIDGET_IDS".to_string(), c.devices_ids.join(","))].into(),
+                mounts: vec![kubelet_api::v1beta1::Mount {
+                    container_path: "/widget".into(),
+                    host_path: self.mount.display().to_string(),
+                    read_only: true,
+                }],
+                devices: vec![kubelet_api::v1beta1::DeviceSpec {
+                    container_path: "/dev/lc-widget".into(),
+                    host_path: "/dev/null".into(),
+                    permissions: "rw".into(),
+                }],
+                ..Default::default()
+            })
+            .collect();
+        Ok(tonic::Response::new(
+            kubelet_api::v1beta1::AllocateResponse {
+                container_responses,
+            },
+        ))
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: tonic::Request<kubelet_api::v1beta1::PreStartContainerRequest>,
+    ) -> Result<tonic::Response<kubelet_api::v1beta1::PreStartContainerResponse>, tonic::Status>
+    {
+        Ok(tonic::Response::new(
+            kubelet_api::v1beta1::PreStartContainerResponse {},
+        ))
+    }
+}
+
+async fn node_resource(
+    cluster: &Cluster,
+    node: &str,
+    which: &str,
+    resource: &str,
+) -> Option<String> {
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(cluster.client.clone());
+    let n = serde_json::to_value(nodes.get(node).await.ok()?).ok()?;
+    n["status"][which][resource].as_str().map(str::to_string)
+}
+
+#[tokio::test]
+async fn device_plugins_register_report_devices_and_allocate_to_containers() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let node_name = node.name();
+    let plugins_dir = node.kubelet().config().kubelet_dir().join("device-plugins");
+    let kubelet_sock = plugins_dir.join(kubelet_api::KUBELET_SOCKET);
+    assert!(kubelet_sock.exists(), "{} served", kubelet_sock.display());
+
+    let mount = tempfile::tempdir().expect("mount dir");
+    std::fs::write(mount.path().join("hello"), "hi\n").unwrap();
+    let (devices_tx, devices_rx) =
+        tokio::sync::watch::channel(vec![("w0", true), ("w1", false), ("w2", true)]);
+    let socket = plugins_dir.join("widget.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).expect("plugin socket");
+    let incoming = futures::stream::unfold(listener, |l| async move {
+        Some((l.accept().await.map(|(s, _)| s), l))
+    });
+    let plugin = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(
+                kubelet_api::v1beta1::device_plugin_server::DevicePluginServer::new(Widgets {
+                    devices: devices_rx,
+                    mount: mount.path().to_path_buf(),
+                }),
+            )
+            .serve_with_incoming(incoming),
+    );
+    let sock = kubelet_sock.clone();
+    let channel = tonic::transport::Endpoint::from_static("http://kubelet.invalid")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let sock = sock.clone();
+            async move {
+                tokio::net::UnixStream::connect(sock)
+                    .await
+                    .map(hyper_util::rt::TokioIo::new)
+            }
+        }))
+        .await
+        .expect("dialling kubelet.sock");
+    let mut registration =
+        kubelet_api::v1beta1::registration_client::RegistrationClient::new(channel);
+    let refused = registration
+        .register(kubelet_api::v1beta1::RegisterRequest {
+            version: "v1alpha1".into(),
+            endpoint: "widget.sock".into(),
+            resource_name: "example.com/widget".into(),
+            options: None,
+        })
+        .await
+        .expect_err("an old API version is refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    registration
+        .register(kubelet_api::v1beta1::RegisterRequest {
+            version: kubelet_api::API_VERSION.into(),
+            endpoint: "widget.sock".into(),
+            resource_name: "example.com/widget".into(),
+            options: None,
+        })
+        .await
+        .expect("registering");
+
+    // Capacity counts every device, allocatable the healthy ones.
+    eventually(30, "widgets on the node", || async {
+        let capacity =
+            node_resource(&cluster, &node_name, "capacity", "example.com/widget").await?;
+        let allocatable =
+            node_resource(&cluster, &node_name, "allocatable", "example.com/widget").await?;
+        (capacity == "3" && allocatable == "2").then_some(())
+    })
+    .await;
+
+    let mut c = sh(
+        "main",
+        "echo $WIDGET_IDS; cat /widget/hello; test -c /dev/lc-widget && echo x > /dev/lc-widget",
+    );
+    c["resources"] = json!({"limits": {"example.com/widget": "2"}});
+    let pods: Api<Pod> = cluster.api();
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "widgets",
+            &node_name,
+            &json!({"restartPolicy": "Never", "containers": [c]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "widgets", "pod finished", |p| {
+        matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    let log = container_log(&node, &cluster.namespace, &p, "main");
+    assert_eq!(p["status"]["phase"], "Succeeded", "{log}");
+    assert_eq!(
+        log, "w0,w2\nhi\n",
+        "the healthy devices, their mount and device"
+    );
+
+    // A health change reaches the node status; so does the plugin going away.
+    devices_tx.send_replace(vec![("w0", false), ("w1", false), ("w2", true)]);
+    eventually(30, "one healthy widget", || async {
+        (node_resource(&cluster, &node_name, "allocatable", "example.com/widget").await? == "1")
+            .then_some(())
+    })
+    .await;
+    plugin.abort();
+    drop(devices_tx);
+    eventually(
+        30,
+        "no allocatable widget once the plugin is gone",
+        || async {
+            (node_resource(&cluster, &node_name, "allocatable", "example.com/widget").await? == "0")
+                .then_some(())
+        },
+    )
+    .await;
+    node.stop().await;
+    assert!(!kubelet_sock.exists(), "kubelet.sock removed on stop");
+}

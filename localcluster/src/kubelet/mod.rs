@@ -8,6 +8,7 @@
 
 pub mod cgroup;
 pub mod cluster;
+pub mod deviceplugin;
 pub mod network;
 pub mod node;
 pub mod probe;
@@ -69,6 +70,8 @@ pub enum KubeletError {
     Image { image: String },
     #[error("the pod CIDR {cidr} has no free address")]
     AddressesExhausted { cidr: String },
+    #[error("device plugin resource {resource}: {message}")]
+    Device { resource: String, message: String },
     #[error("the process kubelet needs root (it creates namespaces, mounts and cgroups)")]
     NotRoot,
 }
@@ -155,6 +158,7 @@ impl NodeConfig {
             pods: self.max_pods.to_string(),
             labels: self.labels.clone(),
             extended_resources: self.extended_resources.clone(),
+            device_resources: BTreeMap::new(),
         }
     }
 }
@@ -191,6 +195,16 @@ pub(crate) struct Shared {
     pub client: Client,
     pub sandboxes: Mutex<HashMap<String, Sandbox>>,
     pub addresses: Mutex<BTreeSet<Ipv4Addr>>,
+    pub devices: Arc<deviceplugin::DeviceManager>,
+}
+
+impl Shared {
+    /// The node's facts with the device plugins' resources as they are now.
+    fn facts(&self) -> node::NodeFacts {
+        let mut facts = self.config.facts();
+        facts.device_resources = self.devices.counts();
+        facts
+    }
 }
 
 impl std::fmt::Debug for Shared {
@@ -244,11 +258,14 @@ impl Kubelet {
         cgroup::Cgroup::node(&config.name).destroy();
         cgroup::Cgroup::node(&config.name).create()?;
         register(&client, &config).await?;
+        let devices =
+            deviceplugin::DeviceManager::start(&config.kubelet_dir().join("device-plugins"))?;
         let shared = Arc::new(Shared {
             config,
             client,
             sandboxes: Mutex::new(HashMap::new()),
             addresses: Mutex::new(BTreeSet::new()),
+            devices,
         });
         let (stop, stop_rx) = watch::channel(false);
         let heartbeat = tokio::spawn(heartbeat_loop(shared.clone()));
@@ -295,6 +312,7 @@ impl Drop for Kubelet {
 }
 
 fn release_node(shared: &Shared) {
+    shared.devices.stop();
     let sandboxes: Vec<Sandbox> = shared
         .sandboxes
         .lock()
@@ -350,7 +368,7 @@ async fn heartbeat_loop(shared: Arc<Shared>) {
     let ready_since = now();
     loop {
         let t = now();
-        let status = node::node_status(&config.facts(), &t, &ready_since);
+        let status = node::node_status(&shared.facts(), &t, &ready_since);
         if let Err(e) = nodes
             .patch_status(
                 &config.name,
@@ -377,7 +395,11 @@ async fn heartbeat_loop(shared: Arc<Shared>) {
         {
             tracing::warn!(node = %config.name, error = %e, "node lease heartbeat");
         }
-        tokio::time::sleep(config.heartbeat).await;
+        // A device plugin's change is posted at once, as the kubelet's device manager does.
+        tokio::select! {
+            () = tokio::time::sleep(config.heartbeat) => {}
+            () = shared.devices.changed.notified() => {}
+        }
     }
 }
 

@@ -15,6 +15,8 @@ pub struct NodeFacts {
     pub pods: String,
     pub labels: BTreeMap<String, String>,
     pub extended_resources: BTreeMap<String, String>,
+    /// Device plugins' resources: (capacity, allocatable); they override `extended_resources`.
+    pub device_resources: BTreeMap<String, (usize, usize)>,
 }
 
 /// The Node object to create.
@@ -44,13 +46,18 @@ pub fn node_status(f: &NodeFacts, now: &str, ready_since: &str) -> Value {
     for (k, v) in &f.extended_resources {
         resources[k] = json!(v);
     }
+    let mut allocatable = resources.clone();
+    for (k, (capacity, healthy)) in &f.device_resources {
+        resources[k] = json!(capacity.to_string());
+        allocatable[k] = json!(healthy.to_string());
+    }
     let ok = |kind: &str, reason: &str, message: &str| {
         json!({"type": kind, "status": "False", "reason": reason, "message": message,
                "lastHeartbeatTime": now, "lastTransitionTime": ready_since})
     };
     json!({
         "capacity": resources,
-        "allocatable": resources,
+        "allocatable": allocatable,
         "conditions": [
             ok("MemoryPressure", "KubeletHasSufficientMemory", "kubelet has sufficient memory available"),
             ok("DiskPressure", "KubeletHasNoDiskPressure", "kubelet has no disk pressure"),
@@ -113,6 +120,7 @@ mod tests {
             pods: "110".into(),
             labels: BTreeMap::from([("zone".into(), "a".into())]),
             extended_resources: BTreeMap::from([("devices.kubevirt.io/kvm".into(), "1k".into())]),
+            device_resources: BTreeMap::from([("example.com/gpu".into(), (3, 2))]),
         }
     }
 
@@ -125,6 +133,8 @@ mod tests {
         let s = node_status(&facts(), "now", "then");
         assert_eq!(s["allocatable"]["devices.kubevirt.io/kvm"], "1k");
         assert_eq!(s["allocatable"]["cpu"], "2");
+        assert_eq!(s["capacity"]["example.com/gpu"], "3");
+        assert_eq!(s["allocatable"]["example.com/gpu"], "2");
         let ready = &s["conditions"][3];
         assert_eq!(ready["type"], "Ready");
         assert_eq!(ready["status"], "True");

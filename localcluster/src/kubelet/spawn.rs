@@ -235,16 +235,20 @@ pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
                         Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
                         Err(e) => return Err(e.into()),
                     },
-                    Step::Touch(p) => {
-                        let fd = nix::fcntl::open(
-                            p.as_c_str(),
-                            nix::fcntl::OFlag::O_CREAT
-                                | nix::fcntl::OFlag::O_WRONLY
-                                | nix::fcntl::OFlag::O_CLOEXEC,
-                            nix::sys::stat::Mode::from_bits_truncate(0o644),
-                        )?;
-                        drop(fd);
-                    }
+                    // O_EXCL: an existing file (perhaps a device node, whose open could
+                    // act on the device) is used as it is, never opened.
+                    Step::Touch(p) => match nix::fcntl::open(
+                        p.as_c_str(),
+                        nix::fcntl::OFlag::O_CREAT
+                            | nix::fcntl::OFlag::O_EXCL
+                            | nix::fcntl::OFlag::O_WRONLY
+                            | nix::fcntl::OFlag::O_CLOEXEC,
+                        nix::sys::stat::Mode::from_bits_truncate(0o644),
+                    ) {
+                        Ok(fd) => drop(fd),
+                        Err(nix::errno::Errno::EEXIST) => {}
+                        Err(e) => return Err(e.into()),
+                    },
                     Step::Mount {
                         source,
                         target,

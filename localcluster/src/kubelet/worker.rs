@@ -19,11 +19,11 @@ use tokio::time::Instant;
 
 use super::cgroup::Cgroup;
 use super::network::PodNetwork;
-use super::serviceaccount;
 use super::spawn::{Launch, RootPlan, open_proc, spawn};
 use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
 use super::{KubeletError, Sandbox, Shared, now};
+use super::{deviceplugin, serviceaccount};
 use crate::images::{self, Rootfs};
 use crate::scheduler::parse_quantity;
 
@@ -592,7 +592,7 @@ impl Worker {
         if argv.is_empty() {
             return Err(KubeletError::NoCommand);
         }
-        let env = self.env(&spec).await?;
+        let mut env = self.env(&spec).await?;
         let io = |path: &std::path::Path| {
             let path = path.display().to_string();
             move |source| KubeletError::Io { path, source }
@@ -700,6 +700,11 @@ impl Worker {
                 Some("HostToContainer") => propagation = MsFlags::MS_SLAVE,
                 _ => {}
             }
+        }
+        let owner = format!("{}/{}", self.uid, spec.name);
+        let requests = deviceplugin::device_requests(&spec);
+        for response in self.shared.devices.allocate(&owner, &requests).await? {
+            apply_allocation(&mut plan, &root, &mut env, response);
         }
         if let Some(dir) = &self.service_account
             && serviceaccount::wants_mount(&spec)
@@ -978,6 +983,7 @@ impl Worker {
     }
 
     async fn teardown(&mut self) {
+        self.shared.devices.release(&self.uid);
         let sandbox = self
             .shared
             .sandboxes
@@ -1050,6 +1056,33 @@ impl Worker {
             Ok(_) => self.published = status,
             Err(e) => tracing::warn!(pod = %self.name, error = %e, "updating pod status"),
         }
+    }
+}
+
+/// What a device plugin's Allocate answer gives a container: its device nodes and mounts at
+/// their container paths, and its environment (over the pod's). A device node already at its
+/// path in the container (every container sees the host's `/dev`) needs no bind.
+fn apply_allocation(
+    plan: &mut RootPlan,
+    root: &Path,
+    env: &mut Vec<(String, String)>,
+    response: kubelet_api::v1beta1::ContainerAllocateResponse,
+) {
+    for d in &response.devices {
+        if d.container_path == d.host_path && d.container_path.starts_with("/dev/") {
+            continue;
+        }
+        let target = plan.mount_point(root, Path::new(&d.container_path), true);
+        plan.bind(Path::new(&d.host_path), &target, false);
+    }
+    for m in &response.mounts {
+        let source = Path::new(&m.host_path);
+        let target = plan.mount_point(root, Path::new(&m.container_path), source.is_file());
+        plan.bind(source, &target, m.read_only);
+    }
+    for (k, v) in response.envs {
+        env.retain(|(name, _)| *name != k);
+        env.push((k, v));
     }
 }
 

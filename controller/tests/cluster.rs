@@ -971,68 +971,202 @@ async fn once_vm_runs_one_time() {
     .await;
 }
 
-/// Control-plane benchmark (prints, asserts nothing about speed): 1,000 VMIs created 10 ms
-/// apart; latency from create to phase Scheduling (launcher pod created and seen), p50 / p95,
-/// and VMIs per second. localcluster has no scheduler here, so Scheduled is not measured.
-/// Run: `cargo nextest run -p controller --run-ignored only bench_create_to_scheduling --no-capture`.
-#[tokio::test]
+/// Control-plane benchmark (prints, asserts nothing about speed). `BENCH_VMIS` VMIs (default
+/// 1,000) are created 10 ms apart against 10 simulated nodes: Node objects with a fresh
+/// virt-handler heartbeat, localcluster's real scheduler binding the launcher pods, and a
+/// kubelet stand-in reporting each bound pod Running (a no-op launcher). The controller runs
+/// as its own process (the `virt-controller` binary, this build's profile), so its resident
+/// memory can be read. Prints create -> Scheduling (launcher pod created and seen) and
+/// create -> pod bound (adds the scheduler's share) and create -> Scheduled (pod bound and
+/// running, VMI handed to the node) p50 / p95 / max,
+/// VMIs per second, and the controller's RSS once all are Scheduled.
+/// Run: `cargo nextest run -p controller --run-ignored only bench_create_to_scheduled --no-capture`
+/// (with `--release` for figures that do not measure the debug build).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark; prints figures"]
-async fn bench_create_to_scheduling() {
+async fn bench_create_to_scheduled() {
     use futures::StreamExt as _;
     use kube::runtime::{WatchStreamExt as _, watcher};
-    const N: usize = 1000;
-    let (_server, client) = cluster().await;
-    let _c = start(&client, "bench", false);
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use tokio::time::Instant;
+    const NODES: usize = 10;
+    let n: usize = std::env::var("BENCH_VMIS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000);
+    let (server, client) = cluster().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    server.write_kubeconfig(&kubeconfig).unwrap();
+
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    let resources = json!({"cpu": "1k", "memory": "64Ti", "pods": "10k",
+        "devices.kubevirt.io/kvm": "10k", "devices.kubevirt.io/tun": "10k",
+        "devices.kubevirt.io/vhost-net": "10k"});
+    for i in 0..NODES {
+        let name = format!("sim-{i}");
+        let node = serde_json::from_value(json!({"metadata": {
+            "name": name,
+            "labels": {"kubernetes.io/hostname": name, "kubevirt.io/schedulable": "true"},
+            "annotations": {"kubevirt.io/heartbeat": k8s_openapi::jiff::Timestamp::now().to_string()},
+        }}))
+        .unwrap();
+        nodes.create(&PostParams::default(), &node).await.unwrap();
+        nodes
+            .patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {
+                    "capacity": resources, "allocatable": resources,
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                }})),
+            )
+            .await
+            .unwrap();
+    }
+    let scheduler = Running(tokio::spawn(localcluster::scheduler::run(
+        client.clone(),
+        "default-scheduler".into(),
+        Duration::from_secs(5),
+    )));
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
-    let created = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+    let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let bound: Arc<Mutex<HashMap<String, Duration>>> = Arc::default();
+    // The kubelet's part: every bound launcher pod reports Running.
+    let kubelet = {
+        let pods: Api<Pod> = Api::default_namespaced(client.clone());
+        let (created, bound) = (created.clone(), bound.clone());
+        Running(tokio::spawn(async move {
+            let cfg = watcher::Config::default().labels("kubevirt.io=virt-launcher");
+            watcher(pods.clone(), cfg)
+                .applied_objects()
+                .filter_map(|p| async move { p.ok() })
+                .filter(|p| {
+                    let is_bound = p.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+                    let running =
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+                    let vmi = p.labels().get("vm.kubevirt.io/name").cloned();
+                    if let (true, Some(vmi)) = (is_bound, vmi)
+                        && let Some(t) = created.lock().unwrap().get(&vmi)
+                    {
+                        bound.lock().unwrap().entry(vmi).or_insert(t.elapsed());
+                    }
+                    std::future::ready(is_bound && !running)
+                })
+                .for_each_concurrent(16, |p| {
+                    let pods = pods.clone();
+                    async move {
+                        let _ = pods
+                            .patch_status(
+                                &p.name_any(),
+                                &PatchParams::default(),
+                                &Patch::Merge(json!({"status": {"phase": "Running"}})),
+                            )
+                            .await;
+                    }
+                })
+                .await;
+        }))
+    };
+    let controller = tokio::process::Command::new(env!("CARGO_BIN_EXE_virt-controller"))
+        .args(["--port", "0", "--identity", "bench"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = controller.id().unwrap();
+
     let seen = {
         let created = created.clone();
         let vmis = vmis.clone();
         tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            let mut done = std::collections::HashSet::new();
+            let (mut scheduling, mut scheduled) = (HashMap::new(), HashMap::new());
             let stream = watcher(vmis, watcher::Config::default()).applied_objects();
             futures::pin_mut!(stream);
             while let Some(Ok(v)) = stream.next().await {
-                if phase(&v).as_deref() != Some("Scheduling") || !done.insert(v.name_any()) {
+                let Some(start) = created.lock().unwrap().get(&v.name_any()).copied() else {
                     continue;
+                };
+                match phase(&v).as_deref() {
+                    Some("Scheduling") => {
+                        scheduling.entry(v.name_any()).or_insert(start.elapsed());
+                    }
+                    Some("Scheduled") => {
+                        scheduled.entry(v.name_any()).or_insert(start.elapsed());
+                    }
+                    _ => {}
                 }
-                let start = created.lock().unwrap().get(&v.name_any()).copied();
-                if let Some(start) = start {
-                    latencies.push(tokio::time::Instant::now() - start);
-                }
-                if done.len() == N {
+                if scheduled.len() == n {
                     break;
                 }
             }
-            latencies
+            (scheduling, scheduled)
         })
     };
-    let begin = tokio::time::Instant::now();
+    let begin = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(10));
-    for i in 0..N {
+    for i in 0..n {
         tick.tick().await;
-        let name = format!("bench{i:04}");
-        created
-            .lock()
-            .unwrap()
-            .insert(name.clone(), tokio::time::Instant::now());
+        let name = format!("bench{i:05}");
+        created.lock().unwrap().insert(name.clone(), Instant::now());
         vmis.create(&PostParams::default(), &vmi(&name))
             .await
             .unwrap();
     }
-    let mut latencies = tokio::time::timeout(Duration::from_secs(600), seen)
+    let created_in = begin.elapsed();
+    let (scheduling, scheduled) = tokio::time::timeout(Duration::from_secs(1800), seen)
         .await
-        .expect("all VMIs reach Scheduling within 10 minutes")
+        .expect("all VMIs Scheduled within 30 minutes")
         .unwrap();
     let total = begin.elapsed();
-    latencies.sort();
-    let pct = |p: usize| latencies[(latencies.len() * p / 100).min(latencies.len() - 1)];
+    let rss_kib: u64 = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    let per_node = {
+        let pods: Api<Pod> = Api::default_namespaced(client.clone());
+        let mut count: HashMap<String, usize> = HashMap::new();
+        for p in pods
+            .list(&ListParams::default().labels("kubevirt.io=virt-launcher"))
+            .await
+            .unwrap()
+            .items
+        {
+            *count
+                .entry(p.spec.and_then(|s| s.node_name).unwrap_or_default())
+                .or_default() += 1;
+        }
+        let mut c: Vec<usize> = count.into_values().collect();
+        c.sort_unstable();
+        c
+    };
+    let summary = |m: HashMap<String, Duration>| {
+        let mut l: Vec<Duration> = m.into_values().collect();
+        l.sort();
+        let pct = |p: usize| l[(l.len() * p / 100).min(l.len() - 1)];
+        format!(
+            "p50 {:.2?}, p95 {:.2?}, max {:.2?}",
+            pct(50),
+            pct(95),
+            l.last().unwrap()
+        )
+    };
+    let rate = |d: Duration| f64::from(u32::try_from(n).unwrap()) / d.as_secs_f64();
     println!(
-        "{N} VMIs created 10 ms apart: create -> Scheduling p50 {:?}, p95 {:?}, max {:?}; {:.1} VMIs/s overall",
-        pct(50),
-        pct(95),
-        latencies.last().unwrap(),
-        f64::from(u32::try_from(N).unwrap()) / total.as_secs_f64()
+        "{n} VMIs created 10 ms apart over {NODES} simulated nodes (creation took {created_in:.1?}, {:.1}/s):\n  \
+         create -> Scheduling {}\n  create -> pod bound  {}\n  create -> Scheduled  {}\n  \
+         {:.1} VMIs/s Scheduled overall; launcher pods per node {per_node:?}\n  \
+         virt-controller RSS with {n} VMIs and pods cached: {:.1} MiB",
+        rate(created_in),
+        summary(scheduling),
+        summary(std::mem::take(&mut *bound.lock().unwrap())),
+        summary(scheduled),
+        rate(total),
+        f64::from(u32::try_from(rss_kib).unwrap()) / 1024.0
     );
+    drop((kubelet, scheduler, controller));
 }

@@ -275,7 +275,9 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
             })?;
         }
         Prep::RequireTap { name, field } => {
-            if !Path::new("/sys/class/net").join(name).exists() {
+            // Asked of the kernel in our network namespace: /sys/class/net shows the namespace
+            // of whoever mounted sysfs, which in a pod without its own sysfs is the host's.
+            if nix::net::if_::if_nametoindex(name.as_str()).is_err() {
                 return Err(PrepareError::NoTap {
                     field: field.clone(),
                     name: name.clone(),

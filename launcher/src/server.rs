@@ -93,6 +93,10 @@ pub fn router(launcher: Arc<Launcher>) -> Router {
             "/v1/guest/filesystems",
             get(|State(l): State<Arc<Launcher>>| async move { l.guest_filesystems().await.map(axum::Json) }),
         )
+        .route(
+            "/v1/guest/interfaces",
+            get(|State(l): State<Arc<Launcher>>| async move { l.guest_interfaces().await.map(axum::Json) }),
+        )
         .route("/v1/screendump", get(screendump).post(screendump))
         .fallback(|| async {
             Error::BadRequest("no such endpoint; see docs/launcher.md for the /v1 API".into())

@@ -695,6 +695,13 @@ impl Launcher {
         to_json(a.fsinfo().await.map_err(Error::Agent)?)
     }
 
+    /// `guest-network-get-interfaces`: names and addresses inside the guest, which virt-handler
+    /// merges with the domain's NICs into `status.interfaces` (`network::status::merge`).
+    pub async fn guest_interfaces(&self) -> Result<Json, Error> {
+        let a = self.agent("guest interfaces").await?;
+        to_json(a.network_interfaces().await.map_err(Error::Agent)?)
+    }
+
     /// Waits (briefly) until the exit handler has published the final state.
     async fn settle(&self) {
         let mut rx = self.state.subscribe();

@@ -90,65 +90,82 @@ fn label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-/// The exposition text. `ready`: the controllers run with synced caches.
+/// One metric family: its header and one sample per (labels, value); `labels` is the text
+/// inside the braces, empty for none.
+fn family(
+    out: &mut String,
+    name: &str,
+    kind: &str,
+    help: &str,
+    samples: impl IntoIterator<Item = (String, String)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+}
+
+/// The exposition text. `snapshot`: the running controllers' state, `None` when they do not
+/// run (a follower, or caches not synced yet).
 pub fn render(leading: bool, snapshot: Option<&Snapshot>) -> String {
     let mut out = String::new();
-    let gauge = |out: &mut String, name: &str, help: &str, v: bool| {
-        let _ = writeln!(
-            out,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}",
-            u8::from(v)
-        );
-    };
-    gauge(
+    let flag = |v: bool| [(String::new(), u8::from(v).to_string())];
+    family(
         &mut out,
         "kubevirt_virt_controller_leading_status",
+        "gauge",
         "Indication for an operating virt-controller (1 when it holds the leader Lease).",
-        leading,
+        flag(leading),
     );
-    gauge(
+    family(
         &mut out,
         "kubevirt_virt_controller_ready_status",
+        "gauge",
         "Indication for a virt-controller that is ready to take the lead (controllers running on synced caches).",
-        snapshot.is_some(),
+        flag(snapshot.is_some()),
     );
     let Some(s) = snapshot else {
         return out;
     };
-    out.push_str(
-        "# HELP kubevirt_vmi_phase_count Sum of VMIs per phase and node.\n\
-         # TYPE kubevirt_vmi_phase_count gauge\n",
+    family(
+        &mut out,
+        "kubevirt_vmi_phase_count",
+        "gauge",
+        "Sum of VMIs per phase and node.",
+        s.vmi_phases.iter().map(|((phase, node), n)| {
+            (
+                format!(
+                    "node=\"{}\",phase=\"{}\"",
+                    label(node),
+                    label(&phase.to_lowercase())
+                ),
+                n.to_string(),
+            )
+        }),
     );
-    for ((phase, node), n) in &s.vmi_phases {
-        let _ = writeln!(
-            out,
-            "kubevirt_vmi_phase_count{{node=\"{}\",phase=\"{}\"}} {n}",
-            label(node),
-            label(&phase.to_lowercase())
-        );
-    }
-    out.push_str(
-        "# HELP kubevirt_workqueue_depth Current depth of workqueue.\n\
-         # TYPE kubevirt_workqueue_depth gauge\n",
+    let by_queue = |f: fn(&QueueStat) -> String| {
+        s.queues
+            .iter()
+            .map(move |q| (format!("name=\"{}\"", q.name), f(q)))
+    };
+    family(
+        &mut out,
+        "kubevirt_workqueue_depth",
+        "gauge",
+        "Current depth of workqueue.",
+        by_queue(|q| q.depth.to_string()),
     );
-    for q in &s.queues {
-        let _ = writeln!(
-            out,
-            "kubevirt_workqueue_depth{{name=\"{}\"}} {}",
-            q.name, q.depth
-        );
-    }
-    out.push_str(
-        "# HELP kubevirt_workqueue_adds_total Total number of adds handled by workqueue.\n\
-         # TYPE kubevirt_workqueue_adds_total counter\n",
+    family(
+        &mut out,
+        "kubevirt_workqueue_adds_total",
+        "counter",
+        "Total number of adds handled by workqueue.",
+        by_queue(|q| q.adds.to_string()),
     );
-    for q in &s.queues {
-        let _ = writeln!(
-            out,
-            "kubevirt_workqueue_adds_total{{name=\"{}\"}} {}",
-            q.name, q.adds
-        );
-    }
     out
 }
 

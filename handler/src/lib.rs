@@ -7,6 +7,7 @@ pub mod deviceplugin;
 pub mod events;
 pub mod guestinfo;
 pub mod heartbeat;
+pub mod mounts;
 pub mod rest;
 pub mod server;
 pub mod shutdown;

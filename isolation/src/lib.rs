@@ -17,4 +17,4 @@ pub use detect::{
     Namespace, Namespaces, NsKind, PodIsolation, Process, detect_from_pid, detect_from_socket,
 };
 pub use error::{IsolationError, Result};
-pub use safepath::{MountRoot, Resolve, SafePath};
+pub use safepath::{DetachedMount, MountRoot, Resolve, SafePath};

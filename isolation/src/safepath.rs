@@ -266,13 +266,19 @@ impl SafePath {
     /// new mount API (open_tree + move_mount): no path is walked again, and nothing depends
     /// on `/proc`. The kernel only mounts within the caller's mount namespace: to mount
     /// inside a pod, resolve both handles and call this inside
-    /// [`crate::PodIsolation::run_in_namespace`] for [`crate::NsKind::Mnt`].
+    /// [`crate::PodIsolation::run_in_namespace`] for [`crate::NsKind::Mnt`]. When source and
+    /// target live in different mount namespaces, use [`SafePath::clone_mount`] in the
+    /// source's and [`DetachedMount::attach_onto`] in the target's.
     pub fn bind_mount_onto(&self, target: &SafePath) -> Result<()> {
-        let mount_err = |e: Errno| IsolationError::Mount {
-            source_path: self.root.join(relative(&self.path)),
-            target: target.root.join(relative(&target.path)),
-            source: e.into(),
-        };
+        self.clone_mount()?.attach_onto(target)
+    }
+
+    /// A copy of the mount at this file or directory (open_tree with `OPEN_TREE_CLONE`),
+    /// attached nowhere yet. The kernel clones only mounts of the caller's own mount
+    /// namespace (`EINVAL` otherwise), so for a file inside a pod call this within
+    /// [`crate::PodIsolation::run_in_namespace`] of that pod's process.
+    pub fn clone_mount(&self) -> Result<DetachedMount> {
+        let source = self.root.join(relative(&self.path));
         // SAFETY: open_tree takes a dirfd we own, an empty C string and flags; it returns
         // a new descriptor or -1.
         let tree = unsafe {
@@ -283,22 +289,16 @@ impl SafePath {
                 libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_EMPTY_PATH as u32,
             )
         };
+        let mount_err = |e: Errno| IsolationError::Mount {
+            source_path: source.clone(),
+            target: PathBuf::new(),
+            source: e.into(),
+        };
         let tree = Errno::result(tree).map_err(mount_err)?;
         let tree = libc::c_int::try_from(tree).map_err(|_| mount_err(Errno::EBADF))?;
         // SAFETY: the kernel just returned this descriptor; nothing else owns it.
-        let tree = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(tree) };
-        // SAFETY: both descriptors are ours and live for the call; paths are empty strings.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_move_mount,
-                tree.as_raw_fd(),
-                c"".as_ptr(),
-                target.fd.as_raw_fd(),
-                c"".as_ptr(),
-                libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
-            )
-        };
-        Errno::result(ret).map(drop).map_err(mount_err)
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(tree) };
+        Ok(DetachedMount { fd, source })
     }
 
     fn err(&self, op: &'static str, e: Errno) -> IsolationError {
@@ -308,6 +308,70 @@ impl SafePath {
             path: self.path.clone(),
             source: e.into(),
         }
+    }
+}
+
+/// A mount made by [`SafePath::clone_mount`] and not attached anywhere yet. Dropping it
+/// unmounts it.
+#[derive(Debug)]
+pub struct DetachedMount {
+    fd: OwnedFd,
+    source: PathBuf,
+}
+
+impl DetachedMount {
+    /// Makes the mount read-only (mount_setattr, Linux 5.12). Done before it is attached,
+    /// the mount is never visible writable.
+    pub fn make_read_only(&self) -> Result<()> {
+        let mut attr = libc::mount_attr {
+            attr_set: libc::MOUNT_ATTR_RDONLY,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        // SAFETY: a descriptor we own, an empty C string, and a mount_attr of the size
+        // passed, valid for the call.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                self.fd.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH,
+                &raw mut attr,
+                size_of::<libc::mount_attr>(),
+            )
+        };
+        Errno::result(ret)
+            .map(drop)
+            .map_err(|e| IsolationError::Mount {
+                source_path: self.source.clone(),
+                target: PathBuf::new(),
+                source: e.into(),
+            })
+    }
+
+    /// Attaches the mount onto `target` (move_mount). The target must be in the caller's
+    /// mount namespace: inside a pod, call this within
+    /// [`crate::PodIsolation::run_in_namespace`] for [`crate::NsKind::Mnt`].
+    pub fn attach_onto(self, target: &SafePath) -> Result<()> {
+        // SAFETY: both descriptors are ours and live for the call; paths are empty strings.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                self.fd.as_raw_fd(),
+                c"".as_ptr(),
+                target.fd.as_raw_fd(),
+                c"".as_ptr(),
+                libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
+            )
+        };
+        Errno::result(ret)
+            .map(drop)
+            .map_err(|e| IsolationError::Mount {
+                source_path: self.source.clone(),
+                target: target.root.join(relative(&target.path)),
+                source: e.into(),
+            })
     }
 }
 

@@ -1105,6 +1105,8 @@ fn networks(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, 
                                     format!("{npath}.pod.{field}"),
                                     format!("{c:?} is not a CIDR"),
                                 );
+                            } else if let Some(problem) = guest_cidr_problem(field, c) {
+                                e.add(format!("{npath}.pod.{field}"), format!("{c:?} {problem}"));
                             }
                         }
                     }
@@ -1121,6 +1123,21 @@ fn networks(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, 
     let mut seen = BTreeSet::new();
     for (i, iface) in spec.domain.devices.interfaces.iter().enumerate() {
         interface(spec, cfg, base, i, iface, &mut seen, e);
+    }
+}
+
+/// A masquerade guest network needs the right family and room for the gateway (first host)
+/// and the guest (second host). Called on a valid CIDR.
+fn guest_cidr_problem(field: &str, c: &str) -> Option<&'static str> {
+    let (ip, len) = c.split_once('/')?;
+    let len: u8 = len.parse().ok()?;
+    let v6 = ip.parse::<std::net::IpAddr>().ok()?.is_ipv6();
+    match (field, v6) {
+        ("vmNetworkCIDR", true) => Some("is not an IPv4 CIDR"),
+        ("vmIPv6NetworkCIDR", false) => Some("is not an IPv6 CIDR"),
+        (_, false) if len > 30 => Some("has no room for the gateway and the guest (at most /30)"),
+        (_, true) if len > 126 => Some("has no room for the gateway and the guest (at most /126)"),
+        _ => None,
     }
 }
 

@@ -296,6 +296,30 @@ fn mistakes() -> Vec<Mistake> {
             "is not a CIDR",
         ),
         m(
+            "pod network CIDR of the wrong family",
+            vec![(
+                "/spec/networks/0/pod/vmNetworkCIDR",
+                json!("fd10:0:2::/120"),
+            )],
+            "spec.networks[0].pod.vmNetworkCIDR",
+            "is not an IPv4 CIDR",
+        ),
+        m(
+            "pod network CIDR too small for gateway and guest",
+            vec![("/spec/networks/0/pod/vmNetworkCIDR", json!("10.0.2.0/31"))],
+            "spec.networks[0].pod.vmNetworkCIDR",
+            "no room for the gateway and the guest",
+        ),
+        m(
+            "pod IPv6 network CIDR of the wrong family",
+            vec![(
+                "/spec/networks/0/pod/vmIPv6NetworkCIDR",
+                json!("10.0.2.0/24"),
+            )],
+            "spec.networks[0].pod.vmIPv6NetworkCIDR",
+            "is not an IPv6 CIDR",
+        ),
+        m(
             "kernelArgs without a kernel",
             vec![(
                 "/spec/domain/firmware/kernelBoot",

@@ -327,7 +327,7 @@ fn guest_bench_tcp_throughput() {
         };
         wait_address(&mut console, &ip);
         console.run(
-            "nc -ll -p 5004 -e wc -c </dev/null >/dev/null 2>&1 &",
+            "(nc -ll -p 5004 -e wc -c </dev/null >/dev/null 2>&1 &)",
             Duration::from_secs(60),
         );
         common::wait_until(Duration::from_secs(60), "the guest sink", || {

@@ -1002,3 +1002,71 @@ async fn device_plugins_register_report_devices_and_allocate_to_containers() {
     node.stop().await;
     assert!(!kubelet_sock.exists(), "kubelet.sock removed on stop");
 }
+
+#[tokio::test]
+async fn a_starting_kubelet_sweeps_what_a_killed_one_left() {
+    let cluster = Cluster::start().await;
+    let stale_uid = uuid::Uuid::new_v4().to_string();
+    let stray = format!("lcv{}", &uuid::Uuid::new_v4().simple().to_string()[..11]);
+    let mut stale = None;
+    let node = TestNode::start_config(&cluster, ImageTable::default(), |c| {
+        // What a kubelet killed with SIGKILL leaves: the bridge with a pod's veth, the pod's
+        // netns and directories, and a veth whose pod directory is already gone.
+        localcluster::kubelet::network::ensure_bridge(&c.bridge, c.pod_cidr).expect("bridge");
+        let net = localcluster::kubelet::network::PodNetwork::for_uid(
+            &stale_uid,
+            c.pod_cidr
+                .allocate(&std::collections::BTreeSet::new())
+                .expect("an address"),
+        );
+        net.create(&c.bridge, c.pod_cidr)
+            .expect("a stale pod network");
+        let ip = localcluster::kubelet::network::ip;
+        ip(&[
+            "link",
+            "add",
+            &stray,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &format!("{stray}p"),
+        ])
+        .expect("a stray veth");
+        ip(&["link", "set", &stray, "master", &c.bridge]).expect("on the bridge");
+        let pod_dir = c.pods_dir().join(&stale_uid);
+        std::fs::create_dir_all(pod_dir.join("volumes/kubernetes.io~empty-dir/data")).unwrap();
+        let log_dir = c.log_dir().join(format!("ns_p_{stale_uid}"));
+        std::fs::create_dir_all(&log_dir).unwrap();
+        stale = Some((net, pod_dir, log_dir));
+    })
+    .await;
+    let (net, pod_dir, log_dir) = stale.expect("stale state made");
+    assert!(!net.netns_path().exists(), "stale netns left");
+    for veth in [&net.host_veth, &stray] {
+        assert!(
+            !Path::new("/sys/class/net").join(veth).exists(),
+            "stale veth {veth} left"
+        );
+    }
+    assert!(!pod_dir.exists(), "stale pod dir left");
+    assert!(!log_dir.exists(), "stale log dir left");
+    // The node works as before.
+    let pods: Api<Pod> = cluster.api();
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "after",
+            &node.name(),
+            &json!({"restartPolicy": "Never", "containers": [sh("main", "true")]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "after", "pod finished", |p| {
+        matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    assert_eq!(p["status"]["phase"], "Succeeded");
+    node.stop().await;
+}

@@ -252,10 +252,9 @@ impl Kubelet {
                 source,
             })?;
         }
+        let stale = config.clone();
+        let _ = tokio::task::spawn_blocking(move || sweep_stale(&stale)).await;
         network::ensure_bridge(&config.bridge, config.pod_cidr)?;
-        // Processes left in this node's cgroups by a kubelet that died without stopping are
-        // killed: their pods are no longer tracked by anyone.
-        cgroup::Cgroup::node(&config.name).destroy();
         cgroup::Cgroup::node(&config.name).create()?;
         register(&client, &config).await?;
         let devices =
@@ -307,6 +306,42 @@ impl Drop for Kubelet {
         if let Some(pods) = self.pods.take() {
             pods.abort();
             release_node(&self.shared);
+        }
+    }
+}
+
+/// Removes what the pods of a kubelet of this node that died without stopping left behind;
+/// nobody tracks those pods any more. Only this node's own things are touched (its cgroups,
+/// its bridge's ports, the pods under its root), so clusters and nodes running beside it are
+/// safe. Blocking.
+fn sweep_stale(config: &NodeConfig) {
+    // Processes first, so nothing holds what is removed next.
+    cgroup::Cgroup::node(&config.name).destroy();
+    for port in network::bridge_ports(&config.bridge) {
+        tracing::info!(node = %config.name, veth = %port, "removing a stale pod veth");
+        if let Err(e) = network::ip(&["link", "del", &port]) {
+            tracing::warn!(veth = %port, error = %e, "removing a stale pod veth");
+        }
+    }
+    for entry in std::fs::read_dir(config.pods_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let uid = entry.file_name().to_string_lossy().into_owned();
+        tracing::info!(node = %config.name, %uid, "removing a stale pod");
+        PodNetwork::for_uid(&uid, Ipv4Addr::UNSPECIFIED).delete();
+        if let Err(e) = std::fs::remove_dir_all(entry.path()) {
+            tracing::warn!(dir = %entry.path().display(), error = %e, "removing a stale pod directory");
+        }
+    }
+    for entry in std::fs::read_dir(config.log_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Err(e) = std::fs::remove_dir_all(entry.path()) {
+            tracing::warn!(dir = %entry.path().display(), error = %e, "removing stale pod logs");
         }
     }
 }

@@ -97,6 +97,17 @@ pub fn delete_bridge(bridge: &str) {
     }
 }
 
+/// The interfaces attached to `bridge` (its ports: the pods' host-side veths).
+pub fn bridge_ports(bridge: &str) -> Vec<String> {
+    let dir = PathBuf::from("/sys/class/net").join(bridge).join("brif");
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
 /// One pod's network: a named namespace (`/run/netns/<netns>`) and the host end of its veth.
 #[derive(Debug, Clone)]
 pub struct PodNetwork {

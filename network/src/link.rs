@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::AsRawFd as _;
 
 use futures::TryStreamExt as _;
-use rtnetlink::packet_route::address::AddressAttribute;
+use rtnetlink::packet_route::address::{AddressAttribute, AddressMessage};
 use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
 use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage};
 use rtnetlink::{Handle, LinkBridge, LinkUnspec, RouteMessageBuilder};
@@ -180,8 +180,10 @@ impl Netlink {
         }
     }
 
-    pub async fn ipv4_addresses(&self, l: &Link) -> Result<Vec<Ipv4Cidr>> {
-        let msgs: Vec<_> = self
+    /// The link's address messages. The kernel filters by index only with strict checking, so
+    /// they are filtered again here.
+    async fn address_messages(&self, l: &Link) -> Result<Vec<AddressMessage>> {
+        let msgs: Vec<AddressMessage> = self
             .handle
             .address()
             .get()
@@ -193,12 +195,16 @@ impl Netlink {
                 "listing addresses of {}",
                 l.name
             )))?;
+        Ok(msgs
+            .into_iter()
+            .filter(|m| m.header.index == l.index)
+            .collect())
+    }
+
+    pub async fn ipv4_addresses(&self, l: &Link) -> Result<Vec<Ipv4Cidr>> {
+        let msgs = self.address_messages(l).await?;
         let mut out = Vec::new();
         for m in msgs {
-            // The kernel filters by index only with strict checking; filter again.
-            if m.header.index != l.index {
-                continue;
-            }
             for a in &m.attributes {
                 if let AddressAttribute::Local(IpAddr::V4(ip))
                 | AddressAttribute::Address(IpAddr::V4(ip)) = a
@@ -238,22 +244,9 @@ impl Netlink {
 
     /// Removes every IPv4 address of the link (their subnet routes go with them).
     pub async fn flush_ipv4(&self, l: &Link) -> Result<()> {
-        let msgs: Vec<_> = self
-            .handle
-            .address()
-            .get()
-            .set_link_index_filter(l.index)
-            .execute()
-            .try_collect()
-            .await
-            .map_err(NetworkError::netlink(format!(
-                "listing addresses of {}",
-                l.name
-            )))?;
+        let msgs = self.address_messages(l).await?;
         for m in msgs {
-            if m.header.index != l.index
-                || m.header.family != rtnetlink::packet_route::AddressFamily::Inet
-            {
+            if m.header.family != rtnetlink::packet_route::AddressFamily::Inet {
                 continue;
             }
             self.handle

@@ -8,6 +8,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
+use std::net::Ipv4Addr;
 
 use nftables::batch::Batch;
 use nftables::expr::{Expression, Meta, MetaKey, NamedExpression, Payload, PayloadField, SetItem};
@@ -107,7 +108,7 @@ fn counter() -> Statement<'static> {
     Statement::Counter(Counter::Anonymous(None))
 }
 
-fn nat_to(addr: std::net::Ipv4Addr) -> NAT<'static> {
+fn nat_to(addr: Ipv4Addr) -> NAT<'static> {
     NAT {
         addr: Some(string(&addr.to_string())),
         family: None,
@@ -122,7 +123,6 @@ pub fn masquerade_ruleset(p: &InterfacePlan) -> Nftables<'static> {
     let t = table_name(&p.pod_interface);
     let guest = p.guest().address;
     let gateway = p.gateway().address;
-    let loopback = std::net::Ipv4Addr::LOCALHOST;
     let mut b = Batch::new();
     b.add(table(&t));
     b.delete(table(&t));
@@ -165,83 +165,84 @@ pub fn masquerade_ruleset(p: &InterfacePlan) -> Nftables<'static> {
             }),
         ],
     ));
-    let from_loopback = || eq(field("ip", "saddr"), string(&loopback.to_string()));
-    let to_loopback = || eq(field("ip", "daddr"), string(&loopback.to_string()));
     if p.ports.is_empty() {
         // Every port, but the ones the pod keeps for itself.
+        let reserved = || eq(field("tcp", "dport"), port_set(&RESERVED_TCP_PORTS));
         b.add(rule(
             &t,
             PRE_INBOUND,
-            vec![
-                eq(field("tcp", "dport"), port_set(&RESERVED_TCP_PORTS)),
-                counter(),
-                Statement::Return(None),
-            ],
+            vec![reserved(), counter(), Statement::Return(None)],
         ));
         b.add(rule(
             &t,
             "output",
             vec![
-                eq(field("tcp", "dport"), port_set(&RESERVED_TCP_PORTS)),
+                reserved(),
                 from_loopback(),
                 counter(),
                 Statement::Return(None),
             ],
         ));
-        b.add(rule(
-            &t,
-            PRE_INBOUND,
-            vec![counter(), Statement::DNAT(Some(nat_to(guest)))],
-        ));
-        b.add(rule(
-            &t,
-            POST_INBOUND,
-            vec![
-                from_loopback(),
-                counter(),
-                Statement::SNAT(Some(nat_to(gateway))),
-            ],
-        ));
-        b.add(rule(
-            &t,
-            "output",
-            vec![
-                to_loopback(),
-                counter(),
-                Statement::DNAT(Some(nat_to(guest))),
-            ],
-        ));
+        inbound(&mut b, &t, None, guest, gateway);
     } else {
         for port in &p.ports {
-            let dport = || eq(field(port.protocol, "dport"), port_set(&[port.port]));
-            b.add(rule(
-                &t,
-                PRE_INBOUND,
-                vec![dport(), counter(), Statement::DNAT(Some(nat_to(guest)))],
-            ));
-            b.add(rule(
-                &t,
-                POST_INBOUND,
-                vec![
-                    dport(),
-                    from_loopback(),
-                    counter(),
-                    Statement::SNAT(Some(nat_to(gateway))),
-                ],
-            ));
-            b.add(rule(
-                &t,
-                "output",
-                vec![
-                    to_loopback(),
-                    dport(),
-                    counter(),
-                    Statement::DNAT(Some(nat_to(guest))),
-                ],
-            ));
+            let dport = eq(field(port.protocol, "dport"), port_set(&[port.port]));
+            inbound(&mut b, &t, Some(&dport), guest, gateway);
         }
     }
     b.to_nftables()
+}
+
+fn from_loopback() -> Statement<'static> {
+    eq(
+        field("ip", "saddr"),
+        string(&Ipv4Addr::LOCALHOST.to_string()),
+    )
+}
+
+/// Inbound forwarding to the guest for one port match (`None`: every port): DNAT from the pod
+/// interface, SNAT of what the pod itself sends from 127.0.0.1 (so the guest can answer), and
+/// DNAT of the pod's own connections to 127.0.0.1.
+fn inbound(
+    b: &mut Batch<'static>,
+    t: &str,
+    port: Option<&Statement<'static>>,
+    guest: Ipv4Addr,
+    gateway: Ipv4Addr,
+) {
+    let with_port = |mut v: Vec<Statement<'static>>| {
+        if let Some(p) = port {
+            v.insert(0, p.clone());
+        }
+        v
+    };
+    let to_loopback = eq(
+        field("ip", "daddr"),
+        string(&Ipv4Addr::LOCALHOST.to_string()),
+    );
+    b.add(rule(
+        t,
+        PRE_INBOUND,
+        with_port(vec![counter(), Statement::DNAT(Some(nat_to(guest)))]),
+    ));
+    b.add(rule(
+        t,
+        POST_INBOUND,
+        with_port(vec![
+            from_loopback(),
+            counter(),
+            Statement::SNAT(Some(nat_to(gateway))),
+        ]),
+    ));
+    b.add(rule(
+        t,
+        "output",
+        [
+            vec![to_loopback],
+            with_port(vec![counter(), Statement::DNAT(Some(nat_to(guest)))]),
+        ]
+        .concat(),
+    ));
 }
 
 /// Removes the interface's table if it exists (add-then-delete in one transaction).

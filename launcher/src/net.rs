@@ -29,12 +29,24 @@ pub fn read_caches(
     let mut out = BTreeMap::new();
     for p in plans {
         let cached = network::cache::read(private_dir, &p.pod_interface)
-            .map_err(|e| Error::Network(e.to_string()))?;
+            .map_err(|e| Error::Network(with_causes(&e)))?;
         if let Some(c) = cached {
             out.insert(p.name, c);
         }
     }
     Ok(out)
+}
+
+/// The error and its causes in one line, for an API answer that has room for one string.
+fn with_causes(e: &network::NetworkError) -> String {
+    let mut msg = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        msg.push_str(": ");
+        msg.push_str(&c.to_string());
+        cause = c.source();
+    }
+    msg
 }
 
 /// The DHCP servers of one domain; dropping this stops them.
@@ -68,8 +80,13 @@ impl Dhcp {
             let Some(cfg) = network::dhcp::config(cached, mac, &hostname, resolv_conf) else {
                 continue;
             };
-            let serve = network::dhcp::serve(cfg)
-                .map_err(|e| Error::Network(format!("DHCP for interface {}: {e}", nic.name)))?;
+            let serve = network::dhcp::serve(cfg).map_err(|e| {
+                Error::Network(format!(
+                    "DHCP for interface {}: {}",
+                    nic.name,
+                    with_causes(&e)
+                ))
+            })?;
             tasks.0.push(tokio::spawn(serve).abort_handle());
         }
         Ok(tasks)

@@ -111,6 +111,17 @@ fn read_from(ns: &Netns, to: &str) -> std::io::Result<String> {
     Ok(out)
 }
 
+/// The guest connects to a TCP server in the peer namespace ("another pod") and reads its
+/// greeting.
+fn guest_reaches_peer(pod: &Pod, console: &mut Console) {
+    greeter(&pod.peer, &format!("{PEER_IP}:7000"), "hello-from-peer");
+    let got = console.run(
+        &format!("nc -w 10 {PEER_IP} 7000 </dev/null"),
+        Duration::from_secs(90),
+    );
+    assert!(got.contains("hello-from-peer"), "{got}");
+}
+
 /// Starts busybox nc servers in the guest: `guest-<port>` greeters and one echo server.
 fn guest_listeners(console: &mut Console, greeters: &[u16], echo: Option<u16>) {
     for p in greeters {
@@ -181,12 +192,7 @@ fn guest_masquerade_dhcp_ports_status_and_resync() {
     assert!(route.contains("via 10.0.2.1"), "{route}");
 
     // Out: another pod answers the guest (masqueraded as the pod's address).
-    greeter(&pod.peer, &format!("{PEER_IP}:7000"), "hello-from-peer");
-    let got = console.run(
-        &format!("nc -w 10 {PEER_IP} 7000 </dev/null"),
-        Duration::from_secs(90),
-    );
-    assert!(got.contains("hello-from-peer"), "{got}");
+    guest_reaches_peer(&pod, &mut console);
 
     // In: a listed port reaches the guest at the pod's address; an unlisted one does not.
     guest_listeners(&mut console, &[5000, 5001], Some(5002));
@@ -255,12 +261,7 @@ fn guest_bridge_gets_the_pod_address() {
     );
     assert!(link.contains("mtu 1400"), "virtio got the pod MTU: {link}");
 
-    greeter(&pod.peer, &format!("{PEER_IP}:7000"), "hello-from-peer");
-    let got = console.run(
-        &format!("nc -w 10 {PEER_IP} 7000 </dev/null"),
-        Duration::from_secs(90),
-    );
-    assert!(got.contains("hello-from-peer"), "{got}");
+    guest_reaches_peer(&pod, &mut console);
     guest_listeners(&mut console, &[5000], None);
     wait_greeting(&pod.peer, &format!("{POD_IP}:5000"), "guest-5000");
 
@@ -273,6 +274,26 @@ fn guest_bridge_gets_the_pod_address() {
         addr.contains(&format!("{POD_IP}/24")),
         "the pod got its address back: {addr}"
     );
+}
+
+#[test]
+fn a_corrupt_interface_cache_is_named() {
+    let l = Launcher::start_with(&[], place_kernel);
+    std::fs::write(l.dir("private/vif-cache-eth0.json"), "{not json").unwrap();
+    let id = uid();
+    let (status, e) = l.sync(&guest_vmi(
+        &id,
+        &json!({"name": "default", "masquerade": {}}),
+    ));
+    assert_eq!(status, 500, "{e}");
+    assert_eq!(e["code"], "NetworkFailed");
+    let msg = e["message"].as_str().unwrap();
+    assert!(
+        msg.contains("vif-cache-eth0.json") && msg.contains("key must be a string"),
+        "{msg}"
+    );
+    // Nothing was started: a later sync may still succeed once the cache is right.
+    assert_eq!(l.domain()["state"], "NoState");
 }
 
 /// Sends `bytes` to `to` from `ns` and waits for the server to close; MiB/s.

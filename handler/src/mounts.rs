@@ -408,13 +408,15 @@ fn ensure_target(root: &MountRoot, target: &Path, field: &str) -> Result<SafePat
         .open_file(target, Resolve::InRoot, OFlag::O_PATH | OFlag::O_NOFOLLOW)
         .map_err(MountError::iso(field))?;
     let own = nix::sys::stat::fstat(&own).map_err(|e| sys(field, "stat", target, e))?;
+    if own.st_mode & SFlag::S_IFMT.bits() != SFlag::S_IFREG.bits() {
+        return Err(bad());
+    }
     let dest = root
         .resolve(target, Resolve::InRoot)
         .map_err(MountError::iso(field))?;
     let st = dest.metadata().map_err(MountError::iso(field))?;
-    if own.st_mode & SFlag::S_IFMT.bits() != SFlag::S_IFREG.bits()
-        || (own.st_dev, own.st_ino) != (st.st_dev, st.st_ino)
-    {
+    // Swapped for a link between the two opens: not the file just checked.
+    if (own.st_dev, own.st_ino) != (st.st_dev, st.st_ino) {
         return Err(bad());
     }
     Ok(dest)

@@ -12,7 +12,13 @@ pub const BOOT: Duration = Duration::from_secs(240);
 /// The virt-launcher binary: `$VIRT_LAUNCHER_BIN`, else next to this test's target dir
 /// (`cargo build -p launcher --bin virt-launcher` with the same `CARGO_TARGET_DIR`).
 pub fn launcher_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("VIRT_LAUNCHER_BIN") {
+    workspace_bin("virt-launcher", "VIRT_LAUNCHER_BIN", "launcher")
+}
+
+/// A binary of another workspace package: `$<env>`, else next to this test's target dir
+/// (`cargo build -p <package> --bin <name>` with the same `CARGO_TARGET_DIR`).
+pub fn workspace_bin(name: &str, env: &str, package: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(env) {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().expect("test exe path");
@@ -20,11 +26,11 @@ pub fn launcher_bin() -> PathBuf {
         .parent()
         .and_then(Path::parent)
         .expect("target/<profile>/deps")
-        .join("virt-launcher");
+        .join(name);
     assert!(
         p.exists(),
-        "{} is missing: run `cargo build -p launcher --bin virt-launcher` with the same \
-         CARGO_TARGET_DIR, or set VIRT_LAUNCHER_BIN",
+        "{} is missing: run `cargo build -p {package} --bin {name}` with the same \
+         CARGO_TARGET_DIR, or set {env}",
         p.display()
     );
     p
@@ -140,4 +146,26 @@ pub fn kernel_vmi(name: &str, uid: &str) -> api::VirtualMachineInstance {
         },
     }))
     .expect("valid VMI")
+}
+
+/// Installs our CRDs (`manifests/crds/`) and waits until VMIs are served.
+pub async fn install_crds(client: &kube::Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Api, ListParams, PostParams};
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/crds");
+    for entry in std::fs::read_dir(&dir).expect("manifests/crds") {
+        let path = entry.expect("entry").path();
+        let crd: CustomResourceDefinition =
+            serde_yaml::from_str(&std::fs::read_to_string(&path).expect("read")).expect("CRD yaml");
+        crds.create(&PostParams::default(), &crd)
+            .await
+            .expect("create CRD");
+    }
+    let vmis: Api<api::VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while vmis.list(&ListParams::default()).await.is_err() {
+        assert!(Instant::now() < deadline, "the VMI CRD is never served");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

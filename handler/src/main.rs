@@ -1,13 +1,16 @@
-//! virt-handler, as far as it goes today: the device plugins and the node heartbeat. The VMI
-//! reconcile loop and the console server's VMI store are not wired in yet (docs/handler.md).
+//! virt-handler: the device plugins, the node heartbeat, the VMI node loop, the console server
+//! (mTLS) and `/metrics` + `/healthz` (docs/handler.md).
 
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
 use handler::deviceplugin::{self, Config as PluginConfig};
 use handler::heartbeat::{self, NodePatcher};
+use handler::{metrics, node, server, tls, vmistore};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -27,6 +30,116 @@ struct Flags {
     /// Seconds between heartbeats (before jitter).
     #[arg(long, default_value_t = heartbeat::INTERVAL.as_secs())]
     heartbeat_interval_seconds: u64,
+    /// Address the metrics and console servers listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    listen_address: IpAddr,
+    /// `/metrics` and `/healthz` (plain HTTP).
+    #[arg(long, default_value_t = 8443)]
+    port: u16,
+    /// The console server (mTLS).
+    #[arg(long, default_value_t = 8186)]
+    console_server_port: u16,
+    /// This pod's IP; KubeVirt uses it for migrations, which we do not do yet: only logged.
+    #[arg(long, env = "MY_POD_IP")]
+    pod_ip_address: Option<IpAddr>,
+    /// The kubelet's pods dir as mounted in this container.
+    #[arg(long, default_value = "/var/lib/kubelet/pods")]
+    kubelet_pods_dir: PathBuf,
+    /// KubeVirt's share dir; accepted for manifest compatibility, nothing of ours lives there.
+    #[arg(long, default_value = "/var/run/kubevirt")]
+    kubevirt_share_dir: PathBuf,
+    /// The launchers' private dir (console and VNC sockets), inside each launcher's pod.
+    #[arg(long, default_value = "/var/run/kubevirt-private")]
+    kubevirt_private_dir: PathBuf,
+    /// A launcher that does not answer this long fails its VMI (`30s`, `1m`, ...).
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    watchdog_timeout: Duration,
+    /// The console server's certificate (KubeVirt mounts /etc/virt-handler/servercertificates/tls.crt).
+    #[arg(long)]
+    tls_cert_file: Option<PathBuf>,
+    /// Its key.
+    #[arg(long)]
+    tls_key_file: Option<PathBuf>,
+    /// CA bundle client certificates must chain to (KubeVirt takes it from the `kubevirt-ca`
+    /// ConfigMap; mount it as a file).
+    #[arg(long)]
+    client_ca_file: Option<PathBuf>,
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 30s or 1m"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "" | "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s or m)")),
+    }
+}
+
+/// Serves `/metrics` and `/healthz` until `stop`.
+async fn serve_metrics(
+    addr: SocketAddr,
+    slot: metrics::NodeSlot,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the metrics port {addr}"))?;
+    tracing::info!(%addr, "serving /metrics and /healthz");
+    axum::serve(listener, metrics::router(slot))
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await
+        .context("metrics server")
+}
+
+/// The console server, if its certificate, key and client CA were given.
+async fn console_server(
+    flags: &Flags,
+    node: Arc<node::Node>,
+    stop: CancellationToken,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    let files = [
+        &flags.tls_cert_file,
+        &flags.tls_key_file,
+        &flags.client_ca_file,
+    ];
+    // The certificates come from an optional Secret: absent, the rest of the handler runs.
+    let (Some(cert), Some(key), Some(client_ca)) = (
+        flags.tls_cert_file.clone().filter(|p| p.exists()),
+        flags.tls_key_file.clone().filter(|p| p.exists()),
+        flags.client_ca_file.clone().filter(|p| p.exists()),
+    ) else {
+        tracing::warn!(
+            ?files,
+            "--tls-cert-file, --tls-key-file and --client-ca-file are not all given and present: the console server (console, VNC, pause, guest info) is not started"
+        );
+        return Ok(None);
+    };
+    let cfg = tls::ReloadingConfig::new(tls::TlsFiles {
+        cert,
+        key,
+        client_ca,
+    })
+    .context("console server TLS")?;
+    let addr = SocketAddr::new(flags.listen_address, flags.console_server_port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the console server to {addr}"))?;
+    tracing::info!(%addr, "console server listening");
+    let app = server::router(
+        Arc::new(vmistore::NodeVmis::new(node)),
+        server::Limits::default(),
+    );
+    Ok(Some(tokio::spawn(server::serve(
+        listener,
+        Arc::new(cfg),
+        app,
+        stop,
+    ))))
 }
 
 const REGISTER_RETRY: Duration = Duration::from_secs(5);
@@ -39,6 +152,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let flags = Flags::parse();
+    tracing::info!(node = %flags.hostname_override, pod_ip = ?flags.pod_ip_address, share_dir = %flags.kubevirt_share_dir.display(), "virt-handler starting");
     let client = kube::Client::try_default()
         .await
         .context("no Kubernetes client configuration (in-cluster or KUBECONFIG)")?;
@@ -90,17 +204,54 @@ async fn main() -> anyhow::Result<()> {
         })
     };
     let beat = tokio::spawn(heartbeat::run(
-        NodePatcher::new(client, &flags.hostname_override),
+        NodePatcher::new(client.clone(), &flags.hostname_override),
         ready_rx,
         Duration::from_secs(flags.heartbeat_interval_seconds),
         stop.clone(),
     ));
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: marking the node unschedulable"),
-        _ = int.recv() => tracing::info!("SIGINT: marking the node unschedulable"),
-    }
+
+    let slot: metrics::NodeSlot = Arc::new(OnceLock::new());
+    let metrics_task = tokio::spawn(serve_metrics(
+        SocketAddr::new(flags.listen_address, flags.port),
+        Arc::clone(&slot),
+        stop.clone(),
+    ));
+    let mut cfg = node::Config::new(&flags.hostname_override);
+    cfg.pods_dir.clone_from(&flags.kubelet_pods_dir);
+    cfg.launcher_private_dir
+        .clone_from(&flags.kubevirt_private_dir);
+    cfg.watchdog_timeout = flags.watchdog_timeout;
+    // The loop waits for its caches (the VMI CRD may not be installed yet) in the background,
+    // so signals are handled meanwhile.
+    let mut loop_task = {
+        let stop = stop.clone();
+        let slot = Arc::clone(&slot);
+        tokio::spawn(async move {
+            let (node, handle) = node::start(client, cfg, stop.clone()).await?;
+            let _ = slot.set(Arc::clone(&node));
+            let console = console_server(&flags, node, stop).await?;
+            handle.await.context("node loop")?;
+            if let Some(c) = console {
+                c.await.context("console server")?;
+            }
+            anyhow::Ok(())
+        })
+    };
+    let failed = tokio::select! {
+        _ = term.recv() => { tracing::info!("SIGTERM: marking the node unschedulable"); None }
+        _ = int.recv() => { tracing::info!("SIGINT: marking the node unschedulable"); None }
+        r = &mut loop_task => Some(r),
+    };
     stop.cancel();
     beat.await.context("heartbeat task")?;
     plugins.await.context("device plugin task")?;
+    if let Some(r) = failed {
+        r.context("node loop task")??;
+        anyhow::bail!("the node loop ended on its own");
+    }
+    if let Err(e) = loop_task.await.context("node loop task")? {
+        tracing::debug!(error = %e, "node loop ended while stopping");
+    }
+    metrics_task.await.context("metrics task")??;
     Ok(())
 }

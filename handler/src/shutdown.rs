@@ -2,8 +2,8 @@
 //! `processVmShutdown` / `hasGracePeriodExpired` / `shutdownVMI`.
 //!
 //! ACPI power-down is sent, and re-sent every few seconds because a booting guest can miss the
-//! button; once the grace period is over the domain is killed. The finalizer is released only
-//! when the domain is gone.
+//! button; once the grace period is over the domain is killed. The handler's part ends when the
+//! domain is gone; virt-controller then releases the VMI's finalizer once the pod is gone too.
 
 use std::time::Duration;
 
@@ -33,41 +33,48 @@ pub enum Action {
         recheck: Duration,
         event: Option<Event>,
     },
+    /// Power-down was sent less than [`RESEND_EVERY`] ago: look again after `recheck`.
+    Wait { recheck: Duration },
     /// The grace period is over (or there is none): kill QEMU.
     Kill { event: Event },
-    /// The domain is gone: release the finalizer.
-    ReleaseFinalizer,
+    /// The domain is gone: nothing is left to stop.
+    Done,
 }
 
 /// `grace`: the VMI's `terminationGracePeriodSeconds` (None: KubeVirt's default).
-/// `elapsed`: since the first power-down was sent; None if none was sent yet (the shell records
-/// the start so it survives handler restarts, e.g. the VMI's deletion timestamp).
-pub fn decide(grace: Option<i64>, elapsed: Option<Duration>, domain: DomainPresence) -> Action {
+/// `elapsed`: since the shutdown began. The shell takes it from something that survives handler
+/// restarts (the VMI's deletion timestamp), so a restart never starts the grace period again.
+/// `last_signal`: how long ago power-down was last sent, if it was (only the first one is
+/// announced by an event; a reconcile triggered by some other change does not send it again).
+pub fn decide(
+    grace: Option<i64>,
+    elapsed: Duration,
+    last_signal: Option<Duration>,
+    domain: DomainPresence,
+) -> Action {
     let DomainPresence::Alive(state) = domain else {
-        return Action::ReleaseFinalizer;
+        return Action::Done;
     };
     if state.is_final() {
-        return Action::ReleaseFinalizer;
+        return Action::Done;
     }
     let grace = Duration::from_secs(grace.unwrap_or(DEFAULT_GRACE_SECONDS).max(0).unsigned_abs());
-    let kill = Action::Kill {
-        event: Event::normal("Deleted", MSG_STOPPING),
-    };
-    if grace.is_zero() {
-        return kill;
+    if elapsed >= grace {
+        return Action::Kill {
+            event: Event::normal("Deleted", MSG_STOPPING),
+        };
     }
-    match elapsed {
-        None => Action::Shutdown {
-            recheck: grace.min(RESEND_EVERY),
-            event: Some(Event::normal("ShuttingDown", MSG_GRACEFUL)),
-        },
-        Some(e) if e >= grace => kill,
-        Some(e) => Action::Shutdown {
-            recheck: grace
-                .saturating_sub(e)
-                .clamp(Duration::from_secs(1), RESEND_EVERY),
-            event: None,
-        },
+    let left = grace.saturating_sub(elapsed);
+    if let Some(ago) = last_signal.filter(|a| *a < RESEND_EVERY) {
+        return Action::Wait {
+            recheck: RESEND_EVERY.saturating_sub(ago).min(left),
+        };
+    }
+    Action::Shutdown {
+        recheck: left.clamp(Duration::from_secs(1), RESEND_EVERY),
+        event: last_signal
+            .is_none()
+            .then(|| Event::normal("ShuttingDown", MSG_GRACEFUL)),
     }
 }
 
@@ -90,49 +97,67 @@ mod tests {
         let kill = Action::Kill {
             event: Event::normal("Deleted", MSG_STOPPING),
         };
+        let never = None;
+        let ago = |s: u64| Some(secs(s));
         let cases = [
-            (None, None, alive, shutting(5, true)),
-            (Some(3), None, alive, shutting(3, true)),
-            (Some(30), Some(secs(4)), alive, shutting(5, false)),
-            (Some(30), Some(secs(27)), alive, shutting(3, false)),
+            (None, secs(0), never, alive, shutting(5, true)),
+            (Some(3), secs(0), never, alive, shutting(3, true)),
+            (Some(30), secs(6), ago(5), alive, shutting(5, false)),
+            (Some(30), secs(27), ago(6), alive, shutting(3, false)),
             (
                 Some(30),
-                Some(Duration::from_millis(29_500)),
+                Duration::from_millis(29_500),
+                ago(5),
                 alive,
                 shutting(1, false),
             ),
-            (Some(30), Some(secs(30)), alive, kill.clone()),
-            (None, Some(secs(179)), alive, shutting(1, false)),
-            (None, Some(secs(180)), alive, kill.clone()),
-            (Some(0), None, alive, kill.clone()),
-            (Some(-5), None, alive, kill.clone()),
+            // Sent a moment ago (another change woke the loop): not again yet.
             (
                 Some(30),
-                None,
+                secs(2),
+                ago(2),
+                alive,
+                Action::Wait { recheck: secs(3) },
+            ),
+            (
+                Some(30),
+                secs(28),
+                ago(1),
+                alive,
+                Action::Wait { recheck: secs(2) },
+            ),
+            (Some(30), secs(30), ago(1), alive, kill.clone()),
+            // A handler restarted after the grace period: straight to kill, no power button.
+            (Some(30), secs(31), never, alive, kill.clone()),
+            (None, secs(179), ago(5), alive, shutting(1, false)),
+            (None, secs(180), ago(5), alive, kill.clone()),
+            (Some(0), secs(0), never, alive, kill.clone()),
+            (Some(-5), secs(0), never, alive, kill.clone()),
+            (
+                Some(30),
+                secs(0),
+                never,
                 DomainPresence::Alive(DomainState::Paused),
                 shutting(5, true),
             ),
             (
                 None,
-                None,
+                secs(0),
+                never,
                 DomainPresence::Alive(DomainState::Shutoff),
-                Action::ReleaseFinalizer,
+                Action::Done,
             ),
             (
                 None,
-                Some(secs(1)),
+                secs(1),
+                ago(1),
                 DomainPresence::Alive(DomainState::Crashed),
-                Action::ReleaseFinalizer,
+                Action::Done,
             ),
-            (
-                Some(0),
-                None,
-                DomainPresence::Gone,
-                Action::ReleaseFinalizer,
-            ),
+            (Some(0), secs(0), never, DomainPresence::Gone, Action::Done),
         ];
-        for (i, (grace, elapsed, dom, want)) in cases.into_iter().enumerate() {
-            assert_eq!(decide(grace, elapsed, dom), want, "case {i}");
+        for (i, (grace, elapsed, last, dom, want)) in cases.into_iter().enumerate() {
+            assert_eq!(decide(grace, elapsed, last, dom), want, "case {i}");
         }
     }
 }

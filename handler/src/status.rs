@@ -350,7 +350,10 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
             );
         }
         None => {
-            remove(&mut status.conditions, &Cond::Synchronized);
+            // Only ours: virt-controller also reports on Synchronized (validation, image pulls).
+            status.conditions.retain(|c| {
+                c.type_ != Cond::Synchronized || c.reason.as_deref() != Some(SYNC_FAILED_REASON)
+            });
         }
     }
 

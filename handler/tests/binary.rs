@@ -1,6 +1,8 @@
 //! The virt-handler binary against the local cluster's API server and a kubelet stand-in:
-//! unschedulable until its device plugins are registered, schedulable after, unschedulable
-//! again on SIGTERM, then a clean exit.
+//! unschedulable until its device plugins are registered, schedulable after, `/healthz` and
+//! `/metrics` once its node loop runs, unschedulable again on SIGTERM, then a clean exit.
+
+mod common;
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -43,6 +45,36 @@ fn fake_kubelet(dir: &Path, stop: CancellationToken) -> mpsc::UnboundedReceiver<
     rx
 }
 
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Status code and body of a plain HTTP/1.0 GET.
+async fn http_get(port: u16, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return (0, String::new());
+    };
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
 struct Handler(Child);
 
 impl Drop for Handler {
@@ -78,7 +110,9 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     let dir = tempfile::tempdir().expect("tempdir");
     let kubeconfig = dir.path().join("kubeconfig");
     server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let nodes: Api<Node> = Api::all(server.client().await.expect("client"));
+    let client = server.client().await.expect("client");
+    common::install_crds(&client).await;
+    let nodes: Api<Node> = Api::all(client);
     let mut node = Node::default();
     node.metadata.name = Some("node-a".into());
     nodes
@@ -91,11 +125,16 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     let stop = CancellationToken::new();
     let mut registered = fake_kubelet(&plugins, stop.clone());
 
+    let port = free_port();
     let mut h = Handler(
         Command::new(env!("CARGO_BIN_EXE_virt-handler"))
             .args(["--hostname-override", "node-a", "--kubelet-root"])
             .arg(dir.path().join("kubelet"))
             .args(["--max-devices", "2"])
+            .args(["--listen-address", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--console-server-port", &free_port().to_string()])
+            .arg("--kubelet-pods-dir")
+            .arg(dir.path().join("pods"))
             .env("KUBECONFIG", &kubeconfig)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -122,6 +161,18 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
         ]
     );
     wait_label(&nodes, "true").await;
+
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while http_get(port, "/healthz").await.0 != 200 {
+        assert!(tokio::time::Instant::now() < deadline, "/healthz never 200");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (status, metrics) = http_get(port, "/metrics").await;
+    assert_eq!(status, 200, "{metrics}");
+    assert!(
+        metrics.contains("# TYPE kubevirt_vmi_phase_count gauge\n"),
+        "{metrics}"
+    );
 
     let pid = h.0.id().to_string();
     let status = Command::new("kill")

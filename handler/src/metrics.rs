@@ -1,0 +1,275 @@
+//! `/metrics` (Prometheus text format) and `/healthz` on `--port`, with KubeVirt's metric names
+//! for what we can measure: VMI phase counts from the informer cache, and per VMI the QEMU
+//! process's resident memory and each vCPU thread's CPU time from `/proc`. Disk and network
+//! counters are not reported (they need QMP statistics the launcher does not relay yet).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+use http::StatusCode;
+
+use crate::node::Node;
+
+/// `/proc/<pid>/stat` counts CPU time in USER_HZ ticks, which Linux fixes at 100 for the ABI.
+const USER_HZ: f64 = 100.0;
+
+/// One vCPU thread's figures.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Vcpu {
+    pub id: usize,
+    pub seconds: f64,
+    /// `running` or `blocked`, from the thread's scheduler state.
+    pub state: &'static str,
+}
+
+/// What `/proc` says about one VMI's QEMU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VmiSample {
+    pub namespace: String,
+    pub name: String,
+    pub resident_bytes: Option<u64>,
+    pub vcpus: Vec<Vcpu>,
+}
+
+/// Escapes a label value as the text format wants.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// The exposition text. `phases`: VMI count per phase (KubeVirt lower-cases the phase).
+pub fn render(node: &str, phases: &BTreeMap<String, usize>, vmis: &[VmiSample]) -> String {
+    let node = label(node);
+    let mut out = String::new();
+    out.push_str(
+        "# HELP kubevirt_vmi_phase_count Sum of VMIs per phase and node.\n\
+         # TYPE kubevirt_vmi_phase_count gauge\n",
+    );
+    for (phase, n) in phases {
+        let _ = writeln!(
+            out,
+            "kubevirt_vmi_phase_count{{node=\"{node}\",phase=\"{}\"}} {n}",
+            label(&phase.to_lowercase())
+        );
+    }
+    out.push_str(
+        "# HELP kubevirt_vmi_memory_resident_bytes Resident set size of the process running the domain.\n\
+         # TYPE kubevirt_vmi_memory_resident_bytes gauge\n",
+    );
+    for v in vmis {
+        if let Some(rss) = v.resident_bytes {
+            let _ = writeln!(
+                out,
+                "kubevirt_vmi_memory_resident_bytes{{namespace=\"{}\",name=\"{}\",node=\"{node}\"}} {rss}",
+                label(&v.namespace),
+                label(&v.name)
+            );
+        }
+    }
+    out.push_str(
+        "# HELP kubevirt_vmi_vcpu_seconds_total Total amount of time spent in each state by each vcpu (cpu_time excluding hypervisor time).\n\
+         # TYPE kubevirt_vmi_vcpu_seconds_total counter\n",
+    );
+    for v in vmis {
+        for c in &v.vcpus {
+            let _ = writeln!(
+                out,
+                "kubevirt_vmi_vcpu_seconds_total{{namespace=\"{}\",name=\"{}\",node=\"{node}\",id=\"{}\",state=\"{}\"}} {}",
+                label(&v.namespace),
+                label(&v.name),
+                c.id,
+                c.state,
+                c.seconds
+            );
+        }
+    }
+    out
+}
+
+/// State and CPU seconds from a `/proc/.../stat` line: fields after the `)` that ends the
+/// command name (which may itself contain spaces and parentheses).
+pub fn parse_stat(stat: &str) -> Option<(char, f64)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest[0] is field 3 (state); utime and stime are fields 14 and 15.
+    let state = f.first()?.chars().next()?;
+    let utime: f64 = f.get(11)?.parse().ok()?;
+    let stime: f64 = f.get(12)?.parse().ok()?;
+    Some((state, (utime + stime) / USER_HZ))
+}
+
+/// `VmRSS` in bytes from `/proc/<pid>/status`.
+pub fn parse_rss(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The innermost pid of `NSpid:` in `/proc/<pid>/status`: the id the process has in its own
+/// pid namespace, which is what the launcher reports for QEMU and its vCPU threads.
+pub fn parse_nspid(status: &str) -> Option<i64> {
+    let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+    line.split_whitespace().last()?.parse().ok()
+}
+
+/// QEMU of the launcher `launcher_pid` (our pid namespace): the launcher's child whose
+/// innermost pid is `qemu_pid`.
+fn find_qemu(proc: &Path, launcher_pid: i32, qemu_pid: u32) -> Option<u32> {
+    let tasks = std::fs::read_dir(proc.join(format!("{launcher_pid}/task"))).ok()?;
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .find(|child| {
+            std::fs::read_to_string(proc.join(format!("{child}/status")))
+                .ok()
+                .and_then(|s| parse_nspid(&s))
+                == Some(i64::from(qemu_pid))
+        })
+}
+
+/// Reads one VMI's figures from `/proc`; missing files (QEMU just ended) leave gaps.
+fn sample(proc: &Path, l: &crate::node::LauncherInfo) -> Option<VmiSample> {
+    let d = l.domain.as_ref().filter(|d| !d.state.is_final())?;
+    let qemu = find_qemu(proc, l.pid?, d.qemu_pid?)?;
+    let resident_bytes = std::fs::read_to_string(proc.join(format!("{qemu}/status")))
+        .ok()
+        .and_then(|s| parse_rss(&s));
+    let mut by_inner = BTreeMap::new();
+    if let Ok(tasks) = std::fs::read_dir(proc.join(format!("{qemu}/task"))) {
+        for t in tasks.flatten() {
+            let inner = std::fs::read_to_string(t.path().join("status"))
+                .ok()
+                .and_then(|s| parse_nspid(&s));
+            let stat = std::fs::read_to_string(t.path().join("stat"))
+                .ok()
+                .and_then(|s| parse_stat(&s));
+            if let (Some(i), Some(st)) = (inner, stat) {
+                by_inner.insert(i, st);
+            }
+        }
+    }
+    let vcpus = d
+        .vcpu_threads
+        .iter()
+        .enumerate()
+        .filter_map(|(id, tid)| {
+            let (state, seconds) = by_inner.get(tid)?;
+            Some(Vcpu {
+                id,
+                seconds: *seconds,
+                state: if *state == 'R' { "running" } else { "blocked" },
+            })
+        })
+        .collect();
+    Some(VmiSample {
+        namespace: l.namespace.clone(),
+        name: l.name.clone(),
+        resident_bytes,
+        vcpus,
+    })
+}
+
+/// The node loop, once its caches have filled.
+pub type NodeSlot = Arc<OnceLock<Arc<Node>>>;
+
+async fn metrics(State(slot): State<NodeSlot>) -> (StatusCode, String) {
+    let Some(node) = slot.get() else {
+        return (StatusCode::OK, render("", &BTreeMap::new(), &[]));
+    };
+    let mut phases = BTreeMap::new();
+    for v in node.vmis() {
+        if let Some(p) = v.status.as_ref().and_then(|s| s.phase.as_ref()) {
+            *phases.entry(p.as_str().to_owned()).or_insert(0) += 1;
+        }
+    }
+    let launchers = node.launchers();
+    let samples = tokio::task::spawn_blocking(move || {
+        launchers
+            .iter()
+            .filter_map(|l| sample(Path::new("/proc"), l))
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap_or_default();
+    (
+        StatusCode::OK,
+        render(&node.config().node, &phases, &samples),
+    )
+}
+
+/// 200 once the node loop runs (its caches filled), 503 before.
+async fn healthz(State(slot): State<NodeSlot>) -> (StatusCode, &'static str) {
+    if slot.get().is_some() {
+        (StatusCode::OK, "ok")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the node loop has not started",
+        )
+    }
+}
+
+pub fn router(slot: NodeSlot) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .with_state(slot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pretty_assertions::assert_eq;
+
+    #[test]
+    fn proc_files_parse() {
+        let stat = "1234 (qemu-system-x86 (x)) R 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0";
+        assert_eq!(parse_stat(stat), Some(('R', 3.0)));
+        assert_eq!(parse_stat("garbage"), None);
+        assert_eq!(
+            parse_rss("Name:\tqemu\nVmRSS:\t  2048 kB\n"),
+            Some(2 * 1024 * 1024)
+        );
+        assert_eq!(parse_nspid("NSpid:\t4242\t17\n"), Some(17));
+        assert_eq!(parse_nspid("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn exposition_text() {
+        let phases = BTreeMap::from([("Running".to_owned(), 2), ("Scheduled".to_owned(), 1)]);
+        let vmis = [VmiSample {
+            namespace: "default".into(),
+            name: "a\"b".into(),
+            resident_bytes: Some(1024),
+            vcpus: vec![Vcpu {
+                id: 0,
+                seconds: 1.5,
+                state: "running",
+            }],
+        }];
+        let text = render("node-a", &phases, &vmis);
+        assert!(
+            text.contains("kubevirt_vmi_phase_count{node=\"node-a\",phase=\"running\"} 2\n"),
+            "{text}"
+        );
+        assert!(text.contains("kubevirt_vmi_phase_count{node=\"node-a\",phase=\"scheduled\"} 1\n"));
+        assert!(text.contains(
+            "kubevirt_vmi_memory_resident_bytes{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\"} 1024\n"
+        ));
+        assert!(text.contains(
+            "kubevirt_vmi_vcpu_seconds_total{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\",id=\"0\",state=\"running\"} 1.5\n"
+        ));
+        assert!(text.contains("# TYPE kubevirt_vmi_vcpu_seconds_total counter\n"));
+    }
+}

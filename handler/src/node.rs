@@ -1,0 +1,1081 @@
+//! The node loop (KubeVirt's `VirtualMachineController` in virt-handler): VMIs labelled
+//! `kubevirt.io/nodeName=<node>`, their launcher pods on this node and each launcher's domain
+//! watch feed one rate-limited work queue; workers reconcile one VMI at a time.
+//!
+//! Per VMI: find the launcher of the active pod on this node, detect its isolation, sync the VMI
+//! to it, and write the status `status::compute` derives from the domain. A deleted VMI gets
+//! `shutdown::decide`'s ACPI power-down, re-sent until its grace period ends, then kill.
+//!
+//! Everything remembered here is a cache of what the launchers and the API server say, so a
+//! restarted handler rebuilds it from their current state and leaves running VMs untouched
+//! (a second sync of an unchanged VMI is a no-op in the launcher).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use api::{VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
+use futures::StreamExt as _;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::{Resource as _, ResourceExt as _};
+use launcher::domain::Domain;
+use serde_json::{Value, json};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::{ClientError, LauncherClient, pod_socket};
+use crate::events::{Event, EventType};
+use crate::guestinfo;
+use crate::mounts::{self, MountConfig, MountError, Prepared};
+use crate::queue::Queue;
+use crate::shutdown::{self, Action, DomainPresence};
+use crate::status::{self, LauncherView, Observed, PodReady, PodView};
+
+/// The label virt-controller puts on a VMI once it is scheduled to a node.
+pub const NODE_NAME_LABEL: &str = "kubevirt.io/nodeName";
+/// Launcher pods carry `kubevirt.io=virt-launcher` and `kubevirt.io/created-by=<vmi uid>`.
+pub const APP_LABEL: &str = "kubevirt.io";
+pub const CREATED_BY_LABEL: &str = "kubevirt.io/created-by";
+/// Status writes that lost a race with another writer are recomputed this often at most.
+const MAX_CONFLICTS: usize = 5;
+/// How often a launcher whose socket has not appeared yet is looked for.
+const NOT_READY_RECHECK: Duration = Duration::from_secs(1);
+
+/// What the loop needs to know about the node.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// This node's name (`--hostname-override`).
+    pub node: String,
+    /// The kubelet's pods dir as the handler sees it (`--kubelet-pods-dir`).
+    pub pods_dir: PathBuf,
+    /// The launcher's private dir inside its pod (virt-controller renders the same path).
+    pub launcher_private_dir: PathBuf,
+    /// Concurrent reconciles (KubeVirt runs 10).
+    pub workers: usize,
+    /// Bound of launcher calls but sync.
+    pub call_timeout: Duration,
+    /// Bound of a sync, which starts QEMU the first time (the launcher's `--qemu-timeout`).
+    pub sync_timeout: Duration,
+    /// A launcher socket that stays unanswered this long marks the VMI Failed
+    /// (KubeVirt's `--watchdog-timeout`).
+    pub watchdog_timeout: Duration,
+    /// Where containerDisk and kernelBoot files go in the launcher.
+    pub mounts: MountConfig,
+}
+
+impl Config {
+    pub fn new(node: &str) -> Self {
+        Config {
+            node: node.to_owned(),
+            pods_dir: PathBuf::from("/var/lib/kubelet/pods"),
+            launcher_private_dir: PathBuf::from("/var/run/kubevirt-private"),
+            workers: 10,
+            call_timeout: Duration::from_secs(10),
+            sync_timeout: Duration::from_secs(300),
+            watchdog_timeout: Duration::from_secs(30),
+            mounts: MountConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("the {0} cache never filled (watch of the API server failed)")]
+    CacheNotReady(&'static str),
+    #[error("stopped before the caches filled")]
+    Stopped,
+}
+
+/// Why one reconcile failed; the key is retried with backoff.
+#[derive(Debug, thiserror::Error)]
+enum ReconcileError {
+    #[error("launcher call")]
+    Launcher(#[from] ClientError),
+    #[error("Kubernetes API")]
+    Kube(#[from] kube::Error),
+    #[error("detecting the launcher's isolation")]
+    Isolation(#[from] isolation::IsolationError),
+    #[error("the isolation detection task panicked")]
+    Join(#[from] tokio::task::JoinError),
+    #[error("mounting the VMI's containerDisk / kernelBoot files")]
+    Mounts(#[from] MountError),
+}
+
+/// What a reconcile wants next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Nothing until something changes.
+    Done,
+    /// Look again after this long (shutdown re-sends, a launcher not up yet).
+    After(Duration),
+    /// Try again with the key's backoff (a sync the launcher refused).
+    Backoff,
+}
+
+/// What the loop knows of one VMI's launcher; rebuilt from the launcher after a restart.
+#[derive(Debug, Default)]
+struct Entry {
+    /// The VMI uid this entry belongs to (a VMI recreated under the same name starts afresh).
+    uid: String,
+    socket: PathBuf,
+    /// The launcher's pid (SO_PEERCRED), for its mount root.
+    pid: Option<i32>,
+    /// The latest domain, from a call or the domain watch.
+    domain: Option<Domain>,
+    /// The live domain watch: its id and stop token.
+    watch: Option<(u64, CancellationToken)>,
+    /// The launcher answered at least once.
+    seen: bool,
+    unreachable_since: Option<Instant>,
+    /// The VMI generation last synced successfully.
+    synced_generation: Option<i64>,
+    /// When ACPI power-down was last sent.
+    signalled_at: Option<Instant>,
+    /// When shutdown of a domain whose VMI is gone began.
+    orphaned_at: Option<Instant>,
+}
+
+/// A VMI's launcher as the console server and metrics see it.
+#[derive(Debug, Clone)]
+pub struct LauncherInfo {
+    pub namespace: String,
+    pub name: String,
+    pub socket: PathBuf,
+    pub pid: Option<i32>,
+    pub domain: Option<Domain>,
+}
+
+/// The loop's shared state: caches, queue, API access.
+pub struct Node {
+    cfg: Config,
+    client: kube::Client,
+    vmis: Store<VirtualMachineInstance>,
+    pods: Store<Pod>,
+    queue: Arc<Queue>,
+    recorder: Recorder,
+    entries: Mutex<HashMap<String, Entry>>,
+    next_watch: AtomicU64,
+    stop: CancellationToken,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("cfg", &self.cfg)
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+fn key_of(namespace: &str, name: &str) -> String {
+    format!("{namespace}/{name}")
+}
+
+fn split_key(key: &str) -> (&str, &str) {
+    key.split_once('/').unwrap_or(("", key))
+}
+
+/// The VMI key of a launcher pod: its controller owner reference.
+fn pod_vmi_key(pod: &Pod) -> Option<String> {
+    let ns = pod.metadata.namespace.as_deref()?;
+    pod.metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.controller == Some(true) && o.kind == "VirtualMachineInstance")
+        .map(|o| key_of(ns, &o.name))
+}
+
+/// The active pod of `vmi` that runs on `node`.
+pub fn active_pod_on<'a>(vmi: &'a VirtualMachineInstance, node: &str) -> Option<&'a str> {
+    vmi.status
+        .as_ref()?
+        .active_pods
+        .iter()
+        .find(|(_, n)| n.as_str() == node)
+        .map(|(uid, _)| uid.as_str())
+}
+
+/// How the launcher pod looks to `status::compute`.
+pub fn pod_view(pod: Option<&Pod>) -> PodView {
+    let Some(pod) = pod else {
+        return PodView::Absent;
+    };
+    let st = pod.status.as_ref();
+    let phase = st.and_then(|s| s.phase.as_deref()).unwrap_or("Pending");
+    if pod.metadata.deletion_timestamp.is_some() || matches!(phase, "Succeeded" | "Failed") {
+        return PodView::Terminating;
+    }
+    let ready = st
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"))
+        .map(|c| PodReady {
+            ready: c.status == "True",
+            reason: c.reason.clone(),
+            message: c.message.clone(),
+        });
+    PodView::Running { ready }
+}
+
+/// A merge patch of the status keys that changed (`null` for those that went away), with the
+/// resourceVersion read as a precondition: a concurrent write makes it fail with 409 instead of
+/// being overwritten. The VMI CRD has no status subresource, so the main resource is patched.
+pub fn status_patch(
+    resource_version: Option<&str>,
+    old: &api::VirtualMachineInstanceStatus,
+    new: &api::VirtualMachineInstanceStatus,
+) -> Value {
+    let (Ok(Value::Object(old)), Ok(Value::Object(new))) =
+        (serde_json::to_value(old), serde_json::to_value(new))
+    else {
+        unreachable!("a status serializes to an object");
+    };
+    let mut changed = serde_json::Map::new();
+    for (k, v) in &new {
+        if old.get(k) != Some(v) {
+            changed.insert(k.clone(), v.clone());
+        }
+    }
+    for k in old.keys() {
+        if !new.contains_key(k) {
+            changed.insert(k.clone(), Value::Null);
+        }
+    }
+    json!({"metadata": {"resourceVersion": resource_version}, "status": changed})
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+fn since(t: &Time) -> Duration {
+    let d = k8s_openapi::jiff::Timestamp::now().duration_since(t.0);
+    Duration::try_from(d).unwrap_or(Duration::ZERO)
+}
+
+impl Node {
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Entry>> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The VMIs of this node, from the informer cache.
+    pub fn vmis(&self) -> Vec<Arc<VirtualMachineInstance>> {
+        self.vmis.state()
+    }
+
+    pub fn vmi(&self, namespace: &str, name: &str) -> Option<Arc<VirtualMachineInstance>> {
+        self.vmis.get(&ObjectRef::new(name).within(namespace))
+    }
+
+    /// What the loop knows of each launcher.
+    pub fn launchers(&self) -> Vec<LauncherInfo> {
+        self.lock()
+            .iter()
+            .map(|(k, e)| {
+                let (ns, name) = split_key(k);
+                LauncherInfo {
+                    namespace: ns.to_owned(),
+                    name: name.to_owned(),
+                    socket: e.socket.clone(),
+                    pid: e.pid,
+                    domain: e.domain.clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// The launcher pid of the VMI with this uid, once detected.
+    pub fn launcher_pid(&self, namespace: &str, name: &str, uid: &str) -> Option<i32> {
+        self.lock()
+            .get(&key_of(namespace, name))
+            .filter(|e| e.uid == uid)
+            .and_then(|e| e.pid)
+    }
+
+    fn launcher(&self, socket: &Path) -> LauncherClient {
+        LauncherClient::new(socket, self.cfg.call_timeout)
+    }
+
+    /// The entry for `key`, reset when it belonged to an earlier VMI of that name.
+    fn with_entry<T>(&self, key: &str, uid: &str, f: impl FnOnce(&mut Entry) -> T) -> T {
+        let mut m = self.lock();
+        let e = m.entry(key.to_owned()).or_default();
+        if e.uid != uid {
+            if let Some((_, t)) = e.watch.take() {
+                t.cancel();
+            }
+            *e = Entry {
+                uid: uid.to_owned(),
+                ..Entry::default()
+            };
+        }
+        f(e)
+    }
+
+    fn forget_entry(&self, key: &str) {
+        if let Some(e) = self.lock().remove(key) {
+            if let Some((_, t)) = e.watch {
+                t.cancel();
+            }
+        }
+    }
+
+    /// Starts the domain watch of this launcher unless one runs: every domain change queues
+    /// the VMI, and the end of the stream does too.
+    fn ensure_watch(self: &Arc<Self>, key: &str, uid: &str, socket: &Path) {
+        let id = self.next_watch.fetch_add(1, Ordering::Relaxed);
+        let token = self.stop.child_token();
+        let started = self.with_entry(key, uid, |e| {
+            if e.watch.is_some() {
+                return false;
+            }
+            e.watch = Some((id, token.clone()));
+            true
+        });
+        if !started {
+            return;
+        }
+        let this = Arc::clone(self);
+        let (key, uid, socket) = (key.to_owned(), uid.to_owned(), socket.to_owned());
+        tokio::spawn(async move {
+            this.watch_domain(&key, &uid, &socket, &token).await;
+            this.with_entry(&key, &uid, |e| {
+                if e.watch.as_ref().is_some_and(|(i, _)| *i == id) {
+                    e.watch = None;
+                }
+            });
+            if !token.is_cancelled() {
+                this.queue.add(&key);
+            }
+        });
+    }
+
+    async fn watch_domain(&self, key: &str, uid: &str, socket: &Path, token: &CancellationToken) {
+        let stream = match self.launcher(socket).watch().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(key, error = %e, "cannot watch the domain");
+                return;
+            }
+        };
+        futures::pin_mut!(stream);
+        loop {
+            let item = tokio::select! {
+                () = token.cancelled() => return,
+                item = stream.next() => item,
+            };
+            match item {
+                Some(Ok(d)) => {
+                    self.with_entry(key, uid, |e| {
+                        e.domain = Some(d);
+                        e.seen = true;
+                        e.unreachable_since = None;
+                    });
+                    self.queue.add(key);
+                }
+                Some(Err(e)) => {
+                    tracing::debug!(key, error = %e, "domain watch ended");
+                    return;
+                }
+                None => return,
+            }
+        }
+    }
+
+    async fn record(&self, vmi: &VirtualMachineInstance, events: &[Event]) {
+        let reference = vmi.object_ref(&());
+        for ev in events {
+            let e = kube::runtime::events::Event {
+                type_: match ev.type_ {
+                    EventType::Normal => kube::runtime::events::EventType::Normal,
+                    EventType::Warning => kube::runtime::events::EventType::Warning,
+                },
+                reason: ev.reason.clone(),
+                note: Some(ev.message.clone()),
+                action: ev.reason.clone(),
+                secondary: None,
+            };
+            if let Err(err) = self.recorder.publish(&e, &reference).await {
+                tracing::warn!(vmi = %vmi.name_any(), reason = %ev.reason, error = %err, "recording an event");
+            }
+        }
+    }
+
+    /// Computes and writes the status; on a conflict, reads the VMI again and recomputes, so
+    /// a concurrent write (virt-controller's) is never lost. Records the events of the change.
+    async fn write_status(
+        &self,
+        vmi: &VirtualMachineInstance,
+        obs: &Observed,
+    ) -> Result<(), ReconcileError> {
+        let ns = vmi.namespace().unwrap_or_default();
+        let api: Api<VirtualMachineInstance> = Api::namespaced(self.client.clone(), &ns);
+        let mut current = vmi.clone();
+        for _ in 0..MAX_CONFLICTS {
+            let out = status::compute(&current, obs);
+            if !out.changed(&current) {
+                return Ok(());
+            }
+            let old = current.status.clone().unwrap_or_default();
+            let patch = status_patch(
+                current.metadata.resource_version.as_deref(),
+                &old,
+                &out.status,
+            );
+            match api
+                .patch(
+                    &current.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await
+            {
+                Ok(_) => {
+                    self.record(&current, &out.events).await;
+                    return Ok(());
+                }
+                Err(kube::Error::Api(e)) if e.code == 409 => {
+                    tracing::debug!(vmi = %current.name_any(), "status write conflicted; recomputing");
+                    current = api.get(&current.name_any()).await?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        // Still racing: the next event for this VMI retries.
+        Ok(())
+    }
+
+    /// The pod by uid: the cache first, then the API (a pod the cache has not seen yet must not
+    /// read as gone, which would fail the VMI).
+    async fn pod(
+        &self,
+        vmi: &VirtualMachineInstance,
+        pod_uid: &str,
+    ) -> Result<Option<Pod>, ReconcileError> {
+        if let Some(p) = self
+            .pods
+            .state()
+            .into_iter()
+            .find(|p| p.metadata.uid.as_deref() == Some(pod_uid))
+        {
+            return Ok(Some((*p).clone()));
+        }
+        let api: Api<Pod> =
+            Api::namespaced(self.client.clone(), &vmi.namespace().unwrap_or_default());
+        let lp = ListParams::default().labels(&format!(
+            "{CREATED_BY_LABEL}={}",
+            vmi.metadata.uid.as_deref().unwrap_or_default()
+        ));
+        Ok(api
+            .list(&lp)
+            .await?
+            .items
+            .into_iter()
+            .find(|p| p.metadata.uid.as_deref() == Some(pod_uid)))
+    }
+
+    /// What the launcher says now. A final domain is the last word (the launcher exits right
+    /// after it); a live watch keeps the cached domain current; otherwise the launcher is asked.
+    /// Unanswered, it is not ready yet, or unresponsive once the watchdog timeout has passed
+    /// since it stopped answering. Returns when to look again, if the view may change by itself.
+    async fn observe(
+        self: &Arc<Self>,
+        key: &str,
+        vmi: &VirtualMachineInstance,
+        socket: &Path,
+    ) -> Result<(LauncherView, Option<Duration>), ReconcileError> {
+        let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
+        let cached = self.with_entry(key, uid, |e| {
+            socket.clone_into(&mut e.socket);
+            match &e.domain {
+                Some(d) if d.state.is_final() || e.watch.is_some() => Some(d.clone()),
+                _ => None,
+            }
+        });
+        if let Some(d) = cached {
+            return Ok((LauncherView::Answering(Box::new(d)), None));
+        }
+        match self.launcher(socket).domain().await {
+            Ok(d) => {
+                self.with_entry(key, uid, |e| {
+                    e.domain = Some(d.clone());
+                    e.seen = true;
+                    e.unreachable_since = None;
+                });
+                if !d.state.is_final() {
+                    self.ensure_watch(key, uid, socket);
+                }
+                Ok((LauncherView::Answering(Box::new(d)), None))
+            }
+            Err(e) if e.is_unreachable() => {
+                let was_running = vmi
+                    .status
+                    .as_ref()
+                    .is_some_and(|s| s.phase == Some(Phase::Running));
+                let exists = socket.exists();
+                let watchdog = self.cfg.watchdog_timeout;
+                let elapsed = self.with_entry(key, uid, |en| {
+                    if !exists && !en.seen && !was_running {
+                        return None;
+                    }
+                    Some(
+                        en.unreachable_since
+                            .get_or_insert_with(Instant::now)
+                            .elapsed(),
+                    )
+                });
+                match elapsed {
+                    None => Ok((LauncherView::NotReady, Some(NOT_READY_RECHECK))),
+                    Some(el) if el >= watchdog => {
+                        tracing::warn!(key, socket = %socket.display(), error = %e, "virt-launcher is unresponsive");
+                        Ok((LauncherView::Unresponsive, None))
+                    }
+                    Some(el) => {
+                        tracing::debug!(key, error = %e, "launcher not answering");
+                        let left = watchdog.saturating_sub(el);
+                        Ok((LauncherView::NotReady, Some(left.min(NOT_READY_RECHECK))))
+                    }
+                }
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Detects the launcher's isolation and makes the VMI's containerDisk and kernelBoot files
+    /// visible in it (idempotent). `Some(reason)`: an image container does not serve yet.
+    async fn prepare(
+        &self,
+        key: &str,
+        vmi: &VirtualMachineInstance,
+        socket: &Path,
+    ) -> Result<Option<String>, ReconcileError> {
+        let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
+        let path = socket.to_owned();
+        let v = vmi.clone();
+        let cfg = self.cfg.mounts.clone();
+        // Blocking: detection reads /proc, mounting enters namespaces on threads of its own.
+        let (pid, prepared) = tokio::task::spawn_blocking(move || {
+            let iso = isolation::detect_from_socket(&path)?;
+            let prepared = mounts::prepare(&v, &iso, &cfg)?;
+            Ok::<_, ReconcileError>((iso.pid, prepared))
+        })
+        .await??;
+        self.with_entry(key, uid, |e| e.pid = Some(pid));
+        // Network phase 1 in the pod's network namespace belongs here too: like the mounts,
+        // it must be in place before the sync below starts QEMU.
+        Ok(match prepared {
+            Prepared::Ready { mounted, .. } => {
+                if !mounted.is_empty() {
+                    tracing::info!(key, ?mounted, "image files mounted into the launcher");
+                }
+                None
+            }
+            Prepared::NotReady {
+                field,
+                socket,
+                reason,
+            } => Some(format!("{field}: {} not ready: {reason}", socket.display())),
+        })
+    }
+
+    /// Syncs the VMI unless this generation already was (the launcher treats a repeated sync
+    /// as a no-op, so a restarted handler syncing once more leaves the VM as it is). Returns
+    /// the launcher's refusal, for the `Synchronized` condition.
+    async fn sync(
+        &self,
+        key: &str,
+        vmi: &VirtualMachineInstance,
+        socket: &Path,
+        domain: &Domain,
+    ) -> Result<Option<String>, ReconcileError> {
+        let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
+        let generation = vmi.metadata.generation.unwrap_or_default();
+        let synced = self.with_entry(key, uid, |e| e.synced_generation == Some(generation));
+        if domain.state.is_final()
+            || (synced && domain.state != launcher::domain::DomainState::NoState)
+        {
+            return Ok(None);
+        }
+        let c = LauncherClient::new(socket, self.cfg.sync_timeout);
+        match c.sync(vmi).await {
+            Ok(d) => {
+                self.with_entry(key, uid, |e| {
+                    e.synced_generation = Some(generation);
+                    if e.watch.is_none() {
+                        e.domain = Some(d);
+                    }
+                });
+                Ok(None)
+            }
+            Err(ClientError::Api { error, .. }) => Ok(Some(error.message)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn guest_os(
+        &self,
+        vmi: &VirtualMachineInstance,
+        socket: &Path,
+        domain: &Domain,
+    ) -> Option<api::status::VirtualMachineInstanceGuestOsInfo> {
+        let known = vmi
+            .status
+            .as_ref()
+            .and_then(|s| s.guest_os_info.as_ref())
+            .is_some_and(|g| g.name.is_some());
+        if known || !domain.agent_connected {
+            return None;
+        }
+        match self.launcher(socket).guest_osinfo().await {
+            Ok(q) => Some(guestinfo::os_info(q)),
+            Err(e) => {
+                tracing::debug!(vmi = %vmi.name_any(), error = %e, "guest OS info");
+                None
+            }
+        }
+    }
+
+    /// One VMI, start to end.
+    async fn reconcile(self: &Arc<Self>, key: &str) -> Result<Next, ReconcileError> {
+        let (ns, name) = split_key(key);
+        let Some(vmi) = self.vmi(ns, name) else {
+            return self.orphan(key).await;
+        };
+        if vmi
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_ref())
+            .is_some_and(Phase::is_final)
+        {
+            return self.finished(key, &vmi).await;
+        }
+        // Scheduled elsewhere (or not yet): nothing of ours runs it.
+        let Some(pod_uid) = active_pod_on(&vmi, &self.cfg.node).map(str::to_owned) else {
+            return Ok(Next::Done);
+        };
+        let pod = self.pod(&vmi, &pod_uid).await?;
+        let socket = pod_socket(&self.cfg.pods_dir, &pod_uid);
+        let (mut launcher, mut recheck) = self.observe(key, &vmi, &socket).await?;
+        let mut sync_error = None;
+        let mut guest_os = None;
+
+        if let Some(deleted) = &vmi.metadata.deletion_timestamp {
+            recheck = self
+                .shut_down(key, &vmi, &socket, &launcher, since(deleted))
+                .await?;
+        } else if let LauncherView::Answering(d) = &launcher {
+            if !d.state.is_final() {
+                match self.prepare(key, &vmi, &socket).await {
+                    Ok(None) => {
+                        sync_error = self.sync(key, &vmi, &socket, d).await?;
+                        let (view, again) = self.observe(key, &vmi, &socket).await?;
+                        if let LauncherView::Answering(d) = &view {
+                            guest_os = self.guest_os(&vmi, &socket, d).await;
+                        }
+                        launcher = view;
+                        recheck = again;
+                    }
+                    Ok(Some(waiting)) => {
+                        tracing::debug!(key, %waiting, "waiting for an image container");
+                        recheck = Some(NOT_READY_RECHECK);
+                    }
+                    // A volume the handler cannot provide fails the sync, as in KubeVirt.
+                    Err(ReconcileError::Mounts(e)) => sync_error = Some(error_chain(&e)),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        let sync_error = sync_error.or_else(|| match &launcher {
+            LauncherView::Answering(d) => d.sync_error.clone(),
+            _ => None,
+        });
+        let obs = Observed {
+            launcher,
+            pod: pod_view(pod.as_ref()),
+            guest_os,
+            sync_error: sync_error.clone(),
+            now: now(),
+        };
+        self.write_status(&vmi, &obs).await?;
+        Ok(match (sync_error, recheck) {
+            (Some(e), _) => {
+                tracing::info!(key, error = %e, "the launcher refused the sync");
+                Next::Backoff
+            }
+            (None, Some(d)) => Next::After(d),
+            (None, None) => Next::Done,
+        })
+    }
+
+    /// Graceful deletion: power-down, re-sent until the grace period ends, then kill.
+    async fn shut_down(
+        &self,
+        key: &str,
+        vmi: &VirtualMachineInstance,
+        socket: &Path,
+        launcher: &LauncherView,
+        elapsed: Duration,
+    ) -> Result<Option<Duration>, ReconcileError> {
+        let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
+        let presence = match launcher {
+            LauncherView::Answering(d) => DomainPresence::Alive(d.state),
+            LauncherView::NotReady | LauncherView::Unresponsive => DomainPresence::Gone,
+        };
+        let last = self.with_entry(key, uid, |e| e.signalled_at.map(|t| t.elapsed()));
+        let action = shutdown::decide(
+            vmi.spec.termination_grace_period_seconds,
+            elapsed,
+            last,
+            presence,
+        );
+        self.act(key, uid, socket, action, Some(vmi)).await
+    }
+
+    async fn act(
+        &self,
+        key: &str,
+        uid: &str,
+        socket: &Path,
+        action: Action,
+        vmi: Option<&VirtualMachineInstance>,
+    ) -> Result<Option<Duration>, ReconcileError> {
+        let c = self.launcher(socket);
+        let (event, recheck) = match action {
+            Action::Done => return Ok(None),
+            Action::Wait { recheck } => return Ok(Some(recheck)),
+            Action::Shutdown { recheck, event } => {
+                tracing::info!(key, "ACPI power-down");
+                c.shutdown().await?;
+                self.with_entry(key, uid, |e| e.signalled_at = Some(Instant::now()));
+                (event, recheck)
+            }
+            Action::Kill { event } => {
+                tracing::info!(key, "grace period over: killing the domain");
+                c.kill().await?;
+                (Some(event), Duration::from_secs(1))
+            }
+        };
+        if let (Some(ev), Some(vmi)) = (event, vmi) {
+            self.record(vmi, &[ev]).await;
+        }
+        Ok(Some(recheck))
+    }
+
+    /// A final VMI: make sure nothing of it still runs, then forget it.
+    async fn finished(
+        &self,
+        key: &str,
+        vmi: &VirtualMachineInstance,
+    ) -> Result<Next, ReconcileError> {
+        let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
+        let live = {
+            let m = self.lock();
+            m.get(key)
+                .filter(|e| e.uid == uid)
+                .and_then(|e| e.domain.as_ref().map(|d| (e.socket.clone(), d.state)))
+                .filter(|(_, s)| !s.is_final())
+        };
+        if let Some((socket, _)) = live {
+            match self.launcher(&socket).kill().await {
+                Ok(_) => {}
+                Err(e) if e.is_unreachable() => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.unmount(key, vmi).await;
+        self.forget_entry(key);
+        Ok(Next::Done)
+    }
+
+    /// Takes the image files off a launcher that still runs (its pod may linger); one that is
+    /// gone took its mounts with its mount namespace.
+    async fn unmount(&self, key: &str, vmi: &VirtualMachineInstance) {
+        let Some(socket) = self.lock().get(key).map(|e| e.socket.clone()) else {
+            return;
+        };
+        let v = vmi.clone();
+        let cfg = self.cfg.mounts.clone();
+        let done = tokio::task::spawn_blocking(move || {
+            let iso = isolation::detect_from_socket(&socket)?;
+            Ok::<_, ReconcileError>(mounts::cleanup(&v, &iso, &cfg)?)
+        })
+        .await;
+        match done {
+            Ok(Ok(n)) if n > 0 => tracing::info!(key, unmounted = n, "image files unmounted"),
+            Ok(Ok(_)) => {}
+            Ok(Err(ReconcileError::Isolation(e))) => {
+                tracing::debug!(key, error = %e, "no launcher left to unmount from");
+            }
+            Ok(Err(e)) => tracing::warn!(key, error = %error_chain(&e), "unmounting image files"),
+            Err(e) => tracing::warn!(key, error = %e, "the unmount task panicked"),
+        }
+    }
+
+    /// The VMI is gone (its finalizer was forced off): stop a domain still running for it,
+    /// gracefully with KubeVirt's default grace period, then forget it.
+    async fn orphan(&self, key: &str) -> Result<Next, ReconcileError> {
+        let state = {
+            let mut m = self.lock();
+            m.get_mut(key).map(|e| {
+                let since = *e.orphaned_at.get_or_insert_with(Instant::now);
+                let last = e.signalled_at.map(|t| t.elapsed());
+                (e.uid.clone(), e.socket.clone(), last, since.elapsed())
+            })
+        };
+        let Some((uid, socket, last, elapsed)) = state else {
+            return Ok(Next::Done);
+        };
+        let presence = match self.launcher(&socket).domain().await {
+            Ok(d) => DomainPresence::Alive(d.state),
+            Err(_) => DomainPresence::Gone,
+        };
+        let action = shutdown::decide(None, elapsed, last, presence);
+        if let Some(d) = self.act(key, &uid, &socket, action, None).await? {
+            return Ok(Next::After(d));
+        }
+        self.forget_entry(key);
+        Ok(Next::Done)
+    }
+}
+
+/// `e` and its causes, `: `-separated, for one log line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+async fn worker(node: Arc<Node>) {
+    while let Some(key) = node.queue.pop().await {
+        let span = tracing::info_span!("reconcile", vmi = %key);
+        // Boxed: a reconcile's future is large and lives as long as a launcher call.
+        let result = Box::pin(tracing::Instrument::instrument(node.reconcile(&key), span)).await;
+        match result {
+            Ok(Next::Done) => node.queue.forget(&key),
+            Ok(Next::After(d)) => {
+                node.queue.forget(&key);
+                node.queue.add_after(&key, d);
+            }
+            Ok(Next::Backoff) => {
+                node.queue.add_rate_limited(&key);
+            }
+            Err(e) => {
+                let delay = node.queue.add_rate_limited(&key);
+                tracing::warn!(vmi = %key, error = %error_chain(&e), retry_in = ?delay, "reconcile failed");
+            }
+        }
+        node.queue.done(&key);
+    }
+}
+
+/// Runs a reflector of `api`, queueing the key `key_of` gives for each changed object.
+fn reflect<K>(
+    tasks: &mut JoinSet<()>,
+    api: Api<K>,
+    wc: watcher::Config,
+    queue: Arc<Queue>,
+    key_of: fn(&K) -> Option<String>,
+) -> Store<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector::reflector(writer, watcher(api, wc)).default_backoff();
+    tasks.spawn(async move {
+        futures::pin_mut!(stream);
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(
+                    watcher::Event::Apply(o)
+                    | watcher::Event::InitApply(o)
+                    | watcher::Event::Delete(o),
+                ) => {
+                    if let Some(k) = key_of(&o) {
+                        queue.add(&k);
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "watch failed; retrying"),
+            }
+        }
+    });
+    reader
+}
+
+fn vmi_key(v: &VirtualMachineInstance) -> Option<String> {
+    Some(key_of(
+        v.metadata.namespace.as_deref()?,
+        v.metadata.name.as_deref()?,
+    ))
+}
+
+/// Starts the loop: the VMI and launcher-pod watches of this node and `cfg.workers` workers.
+/// Returns once the caches have filled; the loop runs until `stop`.
+pub async fn start(
+    client: kube::Client,
+    cfg: Config,
+    stop: CancellationToken,
+) -> Result<(Arc<Node>, tokio::task::JoinHandle<()>), NodeError> {
+    let queue = Arc::new(Queue::default());
+    let mut tasks = JoinSet::new();
+    let vmis = reflect(
+        &mut tasks,
+        Api::<VirtualMachineInstance>::all(client.clone()),
+        watcher::Config::default().labels(&format!("{NODE_NAME_LABEL}={}", cfg.node)),
+        Arc::clone(&queue),
+        vmi_key,
+    );
+    let pods = reflect(
+        &mut tasks,
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default()
+            .labels(&format!("{APP_LABEL}=virt-launcher"))
+            .fields(&format!("spec.nodeName={}", cfg.node)),
+        Arc::clone(&queue),
+        pod_vmi_key,
+    );
+    let ready = tokio::select! {
+        () = stop.cancelled() => None,
+        r = async { (vmis.wait_until_ready().await, pods.wait_until_ready().await) } => Some(r),
+    };
+    match ready {
+        Some((Ok(()), Ok(()))) => {}
+        Some((Err(_), _)) => return Err(NodeError::CacheNotReady("VirtualMachineInstance")),
+        Some((_, Err(_))) => return Err(NodeError::CacheNotReady("Pod")),
+        None => {
+            tasks.shutdown().await;
+            return Err(NodeError::Stopped);
+        }
+    }
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "virt-handler".into(),
+            instance: Some(cfg.node.clone()),
+        },
+    );
+    let node = Arc::new(Node {
+        cfg,
+        client,
+        vmis,
+        pods,
+        queue,
+        recorder,
+        entries: Mutex::default(),
+        next_watch: AtomicU64::new(0),
+        stop: stop.clone(),
+    });
+    for _ in 0..node.cfg.workers.max(1) {
+        tasks.spawn(worker(Arc::clone(&node)));
+    }
+    tracing::info!(node = %node.cfg.node, "caches synced; node loop running");
+    let n = Arc::clone(&node);
+    let handle = tokio::spawn(async move {
+        stop.cancelled().await;
+        n.queue.shut_down();
+        tasks.shutdown().await;
+    });
+    Ok((node, handle))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pretty_assertions::assert_eq;
+
+    #[test]
+    fn status_patch_sends_changed_keys_nulls_and_the_resource_version() {
+        let old = api::VirtualMachineInstanceStatus {
+            phase: Some(Phase::Scheduled),
+            node_name: Some("node-a".into()),
+            reason: Some("x".into()),
+            ..Default::default()
+        };
+        let new = api::VirtualMachineInstanceStatus {
+            phase: Some(Phase::Running),
+            node_name: Some("node-a".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            status_patch(Some("42"), &old, &new),
+            json!({"metadata": {"resourceVersion": "42"}, "status": {"phase": "Running", "reason": null}})
+        );
+    }
+
+    #[test]
+    fn active_pod_and_pod_view() {
+        let vmi: VirtualMachineInstance = serde_json::from_value(json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "a", "namespace": "default"},
+            "spec": {"domain": {"devices": {}}},
+            "status": {"activePods": {"p1": "node-b", "p2": "node-a"}},
+        }))
+        .expect("vmi");
+        assert_eq!(active_pod_on(&vmi, "node-a"), Some("p2"));
+        assert_eq!(active_pod_on(&vmi, "node-c"), None);
+
+        assert_eq!(pod_view(None), PodView::Absent);
+        let pod = |v: Value| -> Pod { serde_json::from_value(v).expect("pod") };
+        assert_eq!(
+            pod_view(Some(&pod(json!({"status": {"phase": "Succeeded"}})))),
+            PodView::Terminating
+        );
+        assert_eq!(
+            pod_view(Some(&pod(
+                json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}, "status": {"phase": "Running"}})
+            ))),
+            PodView::Terminating
+        );
+        assert_eq!(
+            pod_view(Some(&pod(
+                json!({"status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": "False", "reason": "ContainersNotReady"}]}})
+            ))),
+            PodView::Running {
+                ready: Some(PodReady {
+                    ready: false,
+                    reason: Some("ContainersNotReady".into()),
+                    message: None
+                })
+            }
+        );
+        assert_eq!(
+            pod_view(Some(&pod(json!({"status": {"phase": "Running"}})))),
+            PodView::Running { ready: None }
+        );
+    }
+
+    #[test]
+    fn launcher_pods_map_to_their_vmi() {
+        let p: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "virt-launcher-a-x", "namespace": "ns", "ownerReferences": [
+                {"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance", "name": "a",
+                 "uid": "u", "controller": true}]},
+        }))
+        .expect("pod");
+        assert_eq!(pod_vmi_key(&p).as_deref(), Some("ns/a"));
+        assert_eq!(pod_vmi_key(&Pod::default()), None);
+    }
+}

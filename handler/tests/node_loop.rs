@@ -1,0 +1,598 @@
+//! The node loop against the local cluster's real API server (our CRDs installed) and real
+//! virt-launcher processes laid out the way the kubelet would: each launcher's socket in
+//! `<pods dir>/<pod uid>/volumes/kubernetes.io~empty-dir/sockets/launcher-sock`. The test plays
+//! virt-controller: it creates the VMI with its node label, the launcher pod, and the VMI's
+//! `activePods`, and releases the controller's finalizer. Tests named `guest_` boot the test
+//! guest under TCG.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use api::VirtualMachineInstance;
+use handler::client::{LauncherClient, pod_socket};
+use handler::node::{self, Node};
+use handler::status::SYNC_FAILED_REASON;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt as _};
+use launcher::domain::{Domain, DomainState};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const NODE: &str = "node-a";
+const FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
+/// Short, so that a failed launcher shows up quickly as unresponsive.
+const WATCHDOG: Duration = Duration::from_secs(5);
+
+async fn wait_for<T, F, Fut>(what: &str, deadline: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let end = tokio::time::Instant::now() + deadline;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < end,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// The API server with our CRDs, a pods dir, and the node loop running in-process.
+struct Harness {
+    _server: localcluster::ApiServer,
+    client: Client,
+    /// Also the pods dir: short, because a unix socket path has at most 107 bytes.
+    root: tempfile::TempDir,
+    stop: CancellationToken,
+    running: Option<(Arc<Node>, tokio::task::JoinHandle<()>)>,
+}
+
+impl Harness {
+    async fn start() -> Self {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "handler=debug".into()),
+            )
+            .with_test_writer()
+            .try_init();
+        let server = localcluster::ApiServer::start(localcluster::Config::default())
+            .await
+            .expect("API server");
+        let client = server.client().await.expect("client");
+        common::install_crds(&client).await;
+        let root = tempfile::Builder::new()
+            .prefix("p")
+            .tempdir_in("/tmp")
+            .expect("tempdir");
+        std::fs::create_dir_all(root.path().join("private")).expect("mkdir");
+        let mut h = Harness {
+            _server: server,
+            client,
+            root,
+            stop: CancellationToken::new(),
+            running: None,
+        };
+        h.start_loop().await;
+        h
+    }
+
+    fn config(&self) -> node::Config {
+        let mut cfg = node::Config::new(NODE);
+        self.root.path().clone_into(&mut cfg.pods_dir);
+        cfg.launcher_private_dir = self.root.path().join("private");
+        cfg.watchdog_timeout = WATCHDOG;
+        cfg
+    }
+
+    async fn start_loop(&mut self) {
+        self.stop = CancellationToken::new();
+        let started = node::start(self.client.clone(), self.config(), self.stop.clone())
+            .await
+            .expect("node loop");
+        self.running = Some(started);
+    }
+
+    /// Stops the loop as a killed handler would leave things: launchers keep running.
+    async fn stop_loop(&mut self) {
+        self.stop.cancel();
+        if let Some((_, handle)) = self.running.take() {
+            tokio::time::timeout(Duration::from_secs(30), handle)
+                .await
+                .expect("the loop stops")
+                .expect("no panic");
+        }
+    }
+
+    fn vmis(&self) -> Api<VirtualMachineInstance> {
+        Api::default_namespaced(self.client.clone())
+    }
+
+    /// The controller's part for one VMI: the VMI (Scheduled, labelled for `node`), its launcher
+    /// pod (running and ready), the launcher process in the kubelet's layout, then `activePods`.
+    async fn schedule(&self, name: &str, node: &str, grace: i64, kernel: bool) -> Vm {
+        let vmis = self.vmis();
+        let domain = if kernel {
+            // The files are in the kernelBoot image container's /mnt (see `Launcher::start`).
+            json!({
+                "resources": {"requests": {"memory": "256Mi"}},
+                "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
+                    "image": "guest", "kernelPath": "/mnt/vmlinuz",
+                    "initrdPath": "/mnt/initrd.img"}}},
+                "devices": {},
+            })
+        } else {
+            // A disk without a volume: the launcher refuses it before starting QEMU.
+            json!({
+                "resources": {"requests": {"memory": "256Mi"}},
+                "devices": {"disks": [{"name": "root", "disk": {}}]},
+            })
+        };
+        let vmi: VirtualMachineInstance = serde_json::from_value(json!({
+            "apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachineInstance",
+            "metadata": {
+                "name": name,
+                "labels": {node::NODE_NAME_LABEL: node},
+                "finalizers": [FINALIZER],
+            },
+            "spec": {"terminationGracePeriodSeconds": grace, "domain": domain},
+            "status": {"phase": "Scheduled", "nodeName": node},
+        }))
+        .expect("VMI");
+        let vmi = vmis
+            .create(&PostParams::default(), &vmi)
+            .await
+            .expect("create VMI");
+        let uid = vmi.uid().expect("uid");
+
+        let pods: Api<Pod> = Api::default_namespaced(self.client.clone());
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {
+                "name": format!("virt-launcher-{name}"),
+                "labels": {node::APP_LABEL: "virt-launcher", node::CREATED_BY_LABEL: uid},
+                "ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+                    "name": name, "uid": uid, "controller": true, "blockOwnerDeletion": true}],
+            },
+            "spec": {"nodeName": node, "containers": [{"name": "compute", "image": "virt-launcher"}]},
+        }))
+        .expect("pod");
+        let pod = pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .expect("create pod");
+        let pod_uid = pod.uid().expect("pod uid");
+        pods.patch_status(
+            &pod.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": "True"}]}})),
+        )
+        .await
+        .expect("pod status");
+
+        let launcher = Launcher::start(self.root.path(), name, &uid, &pod_uid, grace, kernel);
+        vmis.patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"activePods": {pod_uid.clone(): node}}})),
+        )
+        .await
+        .expect("activePods");
+        Vm {
+            name: name.to_owned(),
+            uid,
+            launcher,
+        }
+    }
+
+    async fn vmi(&self, name: &str) -> Option<VirtualMachineInstance> {
+        self.vmis().get_opt(name).await.expect("get VMI")
+    }
+
+    /// Waits until the VMI satisfies `ok`; on timeout the launcher log is shown.
+    async fn wait_vmi(
+        &self,
+        vm: &Vm,
+        what: &str,
+        ok: impl Fn(&VirtualMachineInstance) -> bool,
+    ) -> VirtualMachineInstance {
+        let end = tokio::time::Instant::now() + common::BOOT;
+        loop {
+            if let Some(v) = self.vmi(&vm.name).await {
+                if ok(&v) {
+                    return v;
+                }
+                assert!(
+                    tokio::time::Instant::now() < end,
+                    "{}: timed out waiting for {what}; status {:#?}\nlauncher log:\n{}",
+                    vm.name,
+                    v.status,
+                    vm.launcher.log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+
+    /// The reasons of the Events recorded on the VMI named `name`.
+    async fn events(&self, name: &str) -> Vec<(String, String, String)> {
+        let events: Api<Event> = Api::default_namespaced(self.client.clone());
+        events
+            .list(&ListParams::default())
+            .await
+            .expect("events")
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .map(|e| {
+                (
+                    e.type_.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.note.unwrap_or_default(),
+                )
+            })
+            .collect()
+    }
+
+    async fn wait_event(&self, name: &str, reason: &str) -> (String, String, String) {
+        wait_for(
+            &format!("event {reason} on {name}"),
+            Duration::from_secs(60),
+            || async {
+                self.events(name)
+                    .await
+                    .into_iter()
+                    .find(|(_, r, _)| r == reason)
+            },
+        )
+        .await
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// The launcher's container-disk dir inside its "pod", where the handler mounts image files.
+const CD_DIR: &str = "/var/run/kubevirt/container-disks";
+
+/// A virt-launcher process as the kubelet would run it for a pod: in a mount namespace of its
+/// own with the pod's `container-disks` emptyDir at KubeVirt's path, and, for a kernel-boot
+/// VMI, the kernelBoot image container: the real `container-disk` program in a mount namespace
+/// whose `/mnt` holds the guest's kernel and initrd, serving `kernel-boot.sock` in the same
+/// emptyDir. The kernel reaches the launcher only through the handler's mounts. Dropping it
+/// kills both (QEMU dies with the launcher through PR_SET_PDEATHSIG).
+struct Launcher {
+    child: Child,
+    image: Option<Child>,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Launcher {
+    fn start(root: &Path, name: &str, uid: &str, pod_uid: &str, grace: i64, kernel: bool) -> Self {
+        // The launcher binds `<share>/sockets/launcher-sock.tmp-<pid>` first: too long a path
+        // under the pod dir, so its sockets dir lives here and the pod's emptyDir links to it,
+        // as the kubelet's emptyDir and the launcher's mount of it are one directory.
+        let share = root.join(format!("l-{name}"));
+        for d in ["sockets", "ephemeral", "container-disks", "hotplug"] {
+            std::fs::create_dir_all(share.join(d)).expect("mkdir");
+        }
+        let empty_dir = root.join(pod_uid).join("volumes/kubernetes.io~empty-dir");
+        std::fs::create_dir_all(&empty_dir).expect("mkdir");
+        std::os::unix::fs::symlink(share.join("sockets"), empty_dir.join("sockets"))
+            .expect("symlink");
+        let log = share.join("launcher.log");
+        let image = kernel.then(|| {
+            Command::new("unshare")
+                .args(["-m", "--propagation", "private", "sh", "-c"])
+                .arg(r#"mount -t tmpfs image /mnt && cp "$1" "$2" /mnt/ && exec "$3" --copy-path "$4""#)
+                .arg("sh")
+                .arg(common::guest_file("vmlinuz"))
+                .arg(common::guest_file("initrd.img"))
+                .arg(common::workspace_bin(
+                    "container-disk",
+                    "CONTAINER_DISK_BIN",
+                    "containerdisk",
+                ))
+                .arg(share.join("container-disks/kernel-boot"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(share.join("image.log")).expect("log"))
+                .spawn()
+                .expect("spawn the image container")
+        });
+        let arg = |p: PathBuf| p.display().to_string();
+        let child = Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sh", "-c"])
+            .arg(r#"mkdir -p "$2" && mount --bind "$1" "$2" && shift 2 && exec "$@""#)
+            .arg("sh")
+            .arg(share.join("container-disks"))
+            .arg(CD_DIR)
+            .arg(common::launcher_bin())
+            .args(["--name", name, "--namespace", "default", "--uid", uid])
+            .args(["--kubevirt-share-dir", &arg(share.clone())])
+            .args(["--private-dir", &arg(root.join("private"))])
+            .args(["--ephemeral-disk-dir", &arg(share.join("ephemeral"))])
+            .args(["--container-disk-dir", CD_DIR])
+            .args(["--hotplug-disk-dir", &arg(share.join("hotplug"))])
+            .args(["--allow-emulation", "--qemu-timeout", "120s"])
+            .args(["--grace-period-seconds", &(grace + 15).to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn virt-launcher");
+        let socket = pod_socket(root, pod_uid);
+        let mut l = Launcher {
+            child,
+            image,
+            socket,
+            log,
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !l.socket.exists() {
+            let exited = l.child.try_wait().expect("wait");
+            assert!(
+                exited.is_none() && std::time::Instant::now() < deadline,
+                "launcher socket {} never appeared ({exited:?})\n{}",
+                l.socket.display(),
+                l.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        l
+    }
+
+    fn client(&self) -> LauncherClient {
+        LauncherClient::new(&self.socket, Duration::from_secs(30))
+    }
+
+    async fn domain(&self) -> Domain {
+        self.client().domain().await.expect("domain")
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    async fn wait_exit(&mut self) -> std::process::ExitStatus {
+        let end = tokio::time::Instant::now() + common::BOOT;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait") {
+                return s;
+            }
+            assert!(
+                tokio::time::Instant::now() < end,
+                "the launcher did not exit\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        for c in std::iter::once(&mut self.child).chain(self.image.as_mut()) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+struct Vm {
+    name: String,
+    uid: String,
+    launcher: Launcher,
+}
+
+fn phase(v: &VirtualMachineInstance) -> Option<api::VirtualMachineInstancePhase> {
+    v.status.as_ref().and_then(|s| s.phase.clone())
+}
+
+fn is(p: api::VirtualMachineInstancePhase) -> impl Fn(&VirtualMachineInstance) -> bool {
+    move |v| phase(v).as_ref() == Some(&p)
+}
+
+fn condition<'a>(
+    v: &'a VirtualMachineInstance,
+    t: &api::status::VirtualMachineInstanceConditionType,
+) -> Option<&'a api::status::VirtualMachineInstanceCondition> {
+    v.status.as_ref().and_then(|s| s.condition(t))
+}
+
+fn kill(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success();
+    assert!(ok, "kill {pid}");
+}
+
+#[tokio::test]
+async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
+    use api::VirtualMachineInstancePhase as Ph;
+    use api::status::VirtualMachineInstanceConditionType as Cond;
+    let mut h = Harness::start().await;
+    let mut vm = h.schedule("boot", NODE, 120, true).await;
+
+    let v = h.wait_vmi(&vm, "Running", is(Ph::Running)).await;
+    let st = v.status.as_ref().expect("status");
+    assert_eq!(
+        st.node_name.as_deref(),
+        Some(NODE),
+        "the controller's field is kept"
+    );
+    let ready = condition(&v, &Cond::Ready).expect("Ready");
+    assert_eq!(ready.status, api::ConditionStatus::True, "{ready:?}");
+    assert!(
+        st.phase_transition_timestamps
+            .iter()
+            .any(|t| t.phase == Some(Ph::Running))
+    );
+    h.wait_event("boot", "Started").await;
+
+    // The guest boots: its ready marker reaches the serial log.
+    let console = h
+        .root
+        .path()
+        .join("private")
+        .join(&vm.uid)
+        .join("virt-serial0-log");
+    wait_for("the guest's ready marker", common::BOOT, || async {
+        std::fs::read_to_string(&console)
+            .ok()
+            .filter(|s| s.contains("KUBEVIRT-RS-GUEST-READY"))
+    })
+    .await;
+    h.wait_vmi(&vm, "AgentConnected", |v| {
+        condition(v, &Cond::AgentConnected).is_some()
+    })
+    .await;
+    let before = vm.launcher.domain().await;
+    let qemu = before.qemu_pid.expect("QEMU pid");
+
+    // The handler goes away; meanwhile the VM is paused behind its back. A new handler takes
+    // over the running VM as it is and reconverges the status.
+    h.stop_loop().await;
+    vm.launcher.client().pause().await.expect("pause");
+    h.start_loop().await;
+    let v = h
+        .wait_vmi(&vm, "the Paused condition", |v| {
+            condition(v, &Cond::Paused).is_some()
+        })
+        .await;
+    assert_eq!(
+        condition(&v, &Cond::Paused).and_then(|c| c.reason.as_deref()),
+        Some("PausedByUser")
+    );
+    let after = vm.launcher.domain().await;
+    assert_eq!(after.qemu_pid, Some(qemu), "the same QEMU runs the VM");
+    assert_eq!(after.state, DomainState::Paused);
+    vm.launcher.client().unpause().await.expect("unpause");
+    h.wait_vmi(&vm, "Paused to clear", |v| {
+        condition(v, &Cond::Paused).is_none()
+    })
+    .await;
+    h.wait_event("boot", "Resumed").await;
+
+    // Deletion: ACPI power-down, the guest powers off, Succeeded.
+    h.vmis()
+        .delete("boot", &DeleteParams::default())
+        .await
+        .expect("delete");
+    let v = h.wait_vmi(&vm, "Succeeded", is(Ph::Succeeded)).await;
+    assert!(v.metadata.deletion_timestamp.is_some());
+    assert_eq!(
+        v.finalizers(),
+        [FINALIZER],
+        "the controller's finalizer is the controller's to release"
+    );
+    h.wait_event("boot", "ShuttingDown").await;
+    let (kind, _, msg) = h.wait_event("boot", "Stopped").await;
+    assert_eq!(
+        (kind.as_str(), msg.as_str()),
+        ("Normal", "The VirtualMachineInstance was shut down.")
+    );
+    let exit = vm.launcher.wait_exit().await;
+    assert!(exit.success(), "the launcher ends after the guest: {exit}");
+
+    // Playing the controller: its pod is gone, so it releases the finalizer; the VMI goes.
+    h.vmis()
+        .patch(
+            "boot",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("release finalizer");
+    wait_for("the VMI to be gone", Duration::from_secs(30), || async {
+        h.vmi("boot").await.is_none().then_some(())
+    })
+    .await;
+    h.stop_loop().await;
+}
+
+#[tokio::test]
+async fn guest_killing_qemu_or_the_launcher_fails_the_vmi() {
+    use api::VirtualMachineInstancePhase as Ph;
+    let h = Harness::start().await;
+    let crash = h.schedule("crash", NODE, 30, true).await;
+    let mut gone = h.schedule("gone", NODE, 30, true).await;
+    h.wait_vmi(&crash, "Running", is(Ph::Running)).await;
+    h.wait_vmi(&gone, "Running", is(Ph::Running)).await;
+
+    let qemu = crash.launcher.domain().await.qemu_pid.expect("QEMU pid");
+    kill(qemu);
+    h.wait_vmi(&crash, "Failed", is(Ph::Failed)).await;
+    let (kind, _, msg) = h.wait_event("crash", "Stopped").await;
+    assert_eq!(kind, "Warning");
+    assert!(
+        msg.starts_with("The VirtualMachineInstance crashed.") && msg.len() > 40,
+        "the reason follows: {msg}"
+    );
+
+    kill(gone.launcher.child.id());
+    gone.launcher.wait_exit().await;
+    h.wait_vmi(&gone, "Failed", is(Ph::Failed)).await;
+    let (kind, _, msg) = h.wait_event("gone", "Stopped").await;
+    assert_eq!(kind, "Warning");
+    assert!(msg.contains("virt-launcher is unresponsive"), "{msg}");
+}
+
+#[tokio::test]
+async fn a_vmi_of_another_node_is_ignored_and_a_refused_sync_is_reported() {
+    use api::VirtualMachineInstancePhase as Ph;
+    use api::status::VirtualMachineInstanceConditionType as Cond;
+    let h = Harness::start().await;
+    let other = h.schedule("elsewhere", "node-b", 30, false).await;
+    let bad = h.schedule("invalid", NODE, 30, false).await;
+
+    let v = h
+        .wait_vmi(&bad, "Synchronized=False", |v| {
+            condition(v, &Cond::Synchronized).is_some()
+        })
+        .await;
+    let c = condition(&v, &Cond::Synchronized).expect("condition");
+    assert_eq!(c.status, api::ConditionStatus::False);
+    assert_eq!(c.reason.as_deref(), Some(SYNC_FAILED_REASON));
+    assert!(
+        c.message
+            .as_deref()
+            .is_some_and(|m| m.contains("spec.domain.devices.disks[0]")),
+        "{c:?}"
+    );
+    assert_eq!(phase(&v), Some(Ph::Scheduled));
+    let (kind, _, _) = h.wait_event("invalid", "SyncFailed").await;
+    assert_eq!(kind, "Warning");
+
+    // By now the loop has long seen every VMI; the other node's was never synced or written.
+    let d = other.launcher.domain().await;
+    assert_eq!((d.state, d.uid), (DomainState::NoState, None));
+    let v = h.vmi("elsewhere").await.expect("VMI");
+    let types: BTreeSet<String> = v
+        .status
+        .iter()
+        .flat_map(|s| s.conditions.iter())
+        .map(|c| format!("{:?}", c.type_))
+        .collect();
+    assert!(types.is_empty(), "untouched: {types:?}");
+    assert!(h.events("elsewhere").await.is_empty());
+}

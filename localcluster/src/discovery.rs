@@ -250,6 +250,7 @@ fn subresource_shape(
             Some(("autoscaling", "v1")),
         ),
         "binding" => ("Binding".into(), vec!["create"], None),
+        "log" => (d.kind.clone(), vec!["get"], None),
         "finalize" => (d.kind.clone(), vec!["update"], None),
         _ => (d.kind.clone(), vec!["get", "patch", "update"], None),
     }

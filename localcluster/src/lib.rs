@@ -10,6 +10,7 @@ pub mod error;
 pub mod fields;
 pub mod images;
 pub mod kubelet;
+pub mod logs;
 pub mod patch;
 pub mod resources;
 pub mod rules;

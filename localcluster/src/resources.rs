@@ -128,7 +128,7 @@ const BUILTINS: &[Builtin] = &[
         &["po"],
         true,
         &["all"],
-        &["status", "binding"],
+        &["status", "binding", "log"],
     ),
     ("", "v1", "Node", "nodes", &["no"], false, &[], &["status"]),
     ("", "v1", "Event", "events", &["ev"], true, &[], &[]),
@@ -546,7 +546,10 @@ mod tests {
         assert_eq!(before, keys.len());
         let pods = defs.iter().find(|d| d.plural == "pods").unwrap();
         assert!(pods.status && pods.namespaced);
-        assert_eq!(pods.extra_subresources, vec!["binding".to_string()]);
+        assert_eq!(
+            pods.extra_subresources,
+            vec!["binding".to_string(), "log".to_string()]
+        );
     }
 
     #[test]

@@ -431,6 +431,19 @@ async fn resource(
     headers: &HeaderMap,
     body: &Bytes,
 ) -> Result<Response<Body>, ApiError> {
+    if target.sub.as_deref() == Some("log") {
+        if *method != Method::GET {
+            return Err(ApiError::method_not_allowed(format!(
+                "the server does not allow this method on the requested resource: {method}"
+            )));
+        }
+        return crate::logs::pod_log(
+            state,
+            &ns_key(&target),
+            target.name.as_deref().unwrap_or_default(),
+            query,
+        );
+    }
     let mut target = target;
     target.dry_run = query.get("dryRun").is_some_and(|d| d == "All");
     let watch = target.legacy_watch || query.get("watch").is_some_and(|w| w == "true" || w == "1");

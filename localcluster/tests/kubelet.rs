@@ -1070,3 +1070,114 @@ async fn a_starting_kubelet_sweeps_what_a_killed_one_left() {
     assert_eq!(p["status"]["phase"], "Succeeded");
     node.stop().await;
 }
+
+/// Runs kubectl without blocking the runtime the in-process server runs on.
+async fn kubectl(cluster: &Cluster, args: &[&str]) -> std::process::Output {
+    tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(&cluster.kubeconfig)
+        .args(["-n", &cluster.namespace])
+        .args(args)
+        .output()
+        .await
+        .expect("running kubectl")
+}
+
+#[tokio::test]
+async fn kubectl_logs_reads_containers_previous_runs_and_follows() {
+    use futures::{AsyncBufReadExt as _, StreamExt as _};
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let pods: Api<Pod> = cluster.api();
+    let mut a = sh("a", "printf 'a1\\na2\\na3\\n'; exec sleep 1000");
+    a["volumeMounts"] = json!([{"name": "w", "mountPath": "/w"}]);
+    // The first run of b fails; the second ticks until deleted.
+    let mut b = sh(
+        "b",
+        "if [ ! -e /w/ran ]; then touch /w/ran; echo first; exit 1; fi; \
+         i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.2; done",
+    );
+    b["volumeMounts"] = json!([{"name": "w", "mountPath": "/w"}]);
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "talker",
+            &node.name(),
+            &json!({"restartPolicy": "OnFailure", "volumes": [{"name": "w", "emptyDir": {}}],
+                    "containers": [a, b]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    wait_pod(&pods, "talker", "b restarted", |p| {
+        p["status"]["containerStatuses"][1]["restartCount"] == 1
+            && p["status"]["containerStatuses"][1]["state"]["running"].is_object()
+    })
+    .await;
+
+    // kubectl picks the first container itself; the API wants one named.
+    let out = kubectl(&cluster, &["logs", "talker"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "a1\na2\na3\n");
+    let err = pods
+        .logs("talker", &kube::api::LogParams::default())
+        .await
+        .expect_err("two containers and none named")
+        .to_string();
+    assert!(
+        err.contains("a container name must be specified for pod talker, choose one of: [a b]"),
+        "{err}"
+    );
+    let out = kubectl(&cluster, &["logs", "talker", "-c", "a", "--tail", "2"]).await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "a2\na3\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = kubectl(&cluster, &["logs", "talker", "-c", "b", "--previous"]).await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "first\n");
+
+    // Following streams what is written after the request.
+    let params = kube::api::LogParams {
+        container: Some("b".into()),
+        follow: true,
+        tail_lines: Some(1),
+        ..kube::api::LogParams::default()
+    };
+    let mut lines = pods
+        .log_stream("talker", &params)
+        .await
+        .expect("following")
+        .lines();
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        let line = tokio::time::timeout(Duration::from_secs(30), lines.next())
+            .await
+            .expect("a line within 30 s")
+            .expect("the stream goes on")
+            .expect("a line");
+        seen.push(line);
+    }
+    let ticks: Vec<u32> = seen
+        .iter()
+        .map(|l| {
+            l.strip_prefix("tick ")
+                .and_then(|n| n.parse().ok())
+                .expect("a tick line")
+        })
+        .collect();
+    assert!(
+        ticks.windows(2).all(|w| w[1] == w[0] + 1),
+        "consecutive ticks: {seen:?}"
+    );
+    // Deleting the pod ends the stream.
+    pods.delete("talker", &DeleteParams::default())
+        .await
+        .expect("deleting");
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(Ok(_)) = lines.next().await {}
+    })
+    .await;
+    assert!(ended.is_ok(), "the followed log ended with the pod");
+    node.stop().await;
+}

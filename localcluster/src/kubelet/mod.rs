@@ -159,6 +159,7 @@ impl NodeConfig {
             labels: self.labels.clone(),
             extended_resources: self.extended_resources.clone(),
             device_resources: BTreeMap::new(),
+            log_dir: self.log_dir().display().to_string(),
         }
     }
 }
@@ -376,7 +377,7 @@ async fn register(client: &Client, config: &NodeConfig) -> Result<(), KubeletErr
     match nodes.create(&PostParams::default(), &object).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {
-            let patch = json!({"metadata": {"labels": object.metadata.labels}, "spec": {"podCIDR": facts.pod_cidr, "podCIDRs": [facts.pod_cidr]}});
+            let patch = json!({"metadata": {"labels": object.metadata.labels, "annotations": object.metadata.annotations}, "spec": {"podCIDR": facts.pod_cidr, "podCIDRs": [facts.pod_cidr]}});
             nodes
                 .patch(&config.name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await

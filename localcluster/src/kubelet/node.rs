@@ -17,6 +17,8 @@ pub struct NodeFacts {
     pub extended_resources: BTreeMap<String, String>,
     /// Device plugins' resources: (capacity, allocatable); they override `extended_resources`.
     pub device_resources: BTreeMap<String, (usize, usize)>,
+    /// Where the node's pod logs are (published for `pods/log`).
+    pub log_dir: String,
 }
 
 /// The Node object to create.
@@ -33,7 +35,8 @@ pub fn node_object(f: &NodeFacts) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": f.name, "labels": labels},
+        "metadata": {"name": f.name, "labels": labels,
+                     "annotations": {crate::logs::LOG_DIR_ANNOTATION: f.log_dir}},
         "spec": {"podCIDR": f.pod_cidr, "podCIDRs": [f.pod_cidr]},
     })
 }
@@ -121,6 +124,7 @@ mod tests {
             labels: BTreeMap::from([("zone".into(), "a".into())]),
             extended_resources: BTreeMap::from([("devices.kubevirt.io/kvm".into(), "1k".into())]),
             device_resources: BTreeMap::from([("example.com/gpu".into(), (3, 2))]),
+            log_dir: "/n1/var/log/pods".into(),
         }
     }
 
@@ -129,6 +133,10 @@ mod tests {
         let o = node_object(&facts());
         assert_eq!(o["metadata"]["labels"]["kubernetes.io/hostname"], "n1");
         assert_eq!(o["metadata"]["labels"]["zone"], "a");
+        assert_eq!(
+            o["metadata"]["annotations"][crate::logs::LOG_DIR_ANNOTATION],
+            "/n1/var/log/pods"
+        );
         assert_eq!(o["spec"]["podCIDR"], "10.244.1.0/24");
         let s = node_status(&facts(), "now", "then");
         assert_eq!(s["allocatable"]["devices.kubevirt.io/kvm"], "1k");

@@ -16,8 +16,11 @@ use std::time::Duration;
 
 use api::VirtualMachineInstance;
 use handler::client::{LauncherClient, pod_socket};
+use handler::metrics;
 use handler::node::{self, Node};
+use handler::server::Vmis as _;
 use handler::status::SYNC_FAILED_REASON;
+use handler::vmistore::NodeVmis;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -417,6 +420,25 @@ fn condition<'a>(
     v.status.as_ref().and_then(|s| s.condition(t))
 }
 
+/// `GET /metrics` of the metrics router over `node`.
+async fn scrape(node: Arc<Node>) -> String {
+    use http_body_util::BodyExt as _;
+    use tower::ServiceExt as _;
+    let slot: metrics::NodeSlot = Arc::default();
+    slot.set(node).expect("empty slot");
+    let resp = metrics::router(slot)
+        .oneshot(
+            http::Request::get("/metrics")
+                .body(axum::body::Body::empty())
+                .expect("request"),
+        )
+        .await
+        .expect("response");
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    String::from_utf8(body.to_vec()).expect("UTF-8")
+}
+
 fn kill(pid: u32) {
     let ok = Command::new("kill")
         .args(["-KILL", &pid.to_string()])
@@ -468,6 +490,33 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     .await;
     let before = vm.launcher.domain().await;
     let qemu = before.qemu_pid.expect("QEMU pid");
+
+    // What the console server and /metrics see of it, through the launcher's pid.
+    let node = Arc::clone(&h.running.as_ref().expect("loop").0);
+    let target = NodeVmis::new(Arc::clone(&node))
+        .lookup("default", "boot")
+        .expect("known VMI");
+    assert!(
+        target.serial_socket.starts_with("/proc/") && target.serial_socket.exists(),
+        "{}",
+        target.serial_socket.display()
+    );
+    let text = scrape(node).await;
+    let labels = r#"namespace="default",name="boot",node="node-a""#;
+    assert!(
+        text.contains(&format!("kubevirt_vmi_memory_resident_bytes{{{labels}}} ")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "kubevirt_vmi_vcpu_seconds_total{{{labels},id=\"0\",state="
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"kubevirt_vmi_phase_count{node="node-a",phase="running"} 1"#),
+        "{text}"
+    );
 
     // The handler goes away; meanwhile the VM is paused behind its back. A new handler takes
     // over the running VM as it is and reconverges the status.
@@ -558,15 +607,16 @@ async fn guest_killing_qemu_or_the_launcher_fails_the_vmi() {
 }
 
 #[tokio::test]
-async fn a_vmi_of_another_node_is_ignored_and_a_refused_sync_is_reported() {
+async fn each_node_runs_only_its_own_vmis_and_a_refused_sync_is_reported() {
     use api::VirtualMachineInstancePhase as Ph;
     use api::status::VirtualMachineInstanceConditionType as Cond;
     let h = Harness::start().await;
-    let other = h.schedule("elsewhere", "node-b", 30, false).await;
-    let bad = h.schedule("invalid", NODE, 30, false).await;
+    let theirs = h.schedule("elsewhere", "node-b", 30, false).await;
+    // The launcher refuses these VMIs (a disk without a volume) before starting QEMU.
+    let ours = h.schedule("invalid", NODE, 30, false).await;
 
     let v = h
-        .wait_vmi(&bad, "Synchronized=False", |v| {
+        .wait_vmi(&ours, "Synchronized=False", |v| {
             condition(v, &Cond::Synchronized).is_some()
         })
         .await;
@@ -583,16 +633,47 @@ async fn a_vmi_of_another_node_is_ignored_and_a_refused_sync_is_reported() {
     let (kind, _, _) = h.wait_event("invalid", "SyncFailed").await;
     assert_eq!(kind, "Warning");
 
-    // By now the loop has long seen every VMI; the other node's was never synced or written.
-    let d = other.launcher.domain().await;
+    // node-a's loop has handled its VMI; node-b's was never synced or written.
+    let d = theirs.launcher.domain().await;
     assert_eq!((d.state, d.uid), (DomainState::NoState, None));
     let v = h.vmi("elsewhere").await.expect("VMI");
-    let types: BTreeSet<String> = v
-        .status
-        .iter()
-        .flat_map(|s| s.conditions.iter())
-        .map(|c| format!("{:?}", c.type_))
-        .collect();
-    assert!(types.is_empty(), "untouched: {types:?}");
+    assert!(
+        v.status.iter().all(|s| s.conditions.is_empty()),
+        "untouched: {:?}",
+        v.status
+    );
     assert!(h.events("elsewhere").await.is_empty());
+
+    // A second node with its own handler takes exactly its own VMI.
+    let mut cfg = h.config();
+    cfg.node = "node-b".into();
+    let stop_b = CancellationToken::new();
+    let (_node_b, loop_b) = node::start(h.client.clone(), cfg, stop_b.clone())
+        .await
+        .expect("node-b loop");
+    h.wait_vmi(&theirs, "node-b's Synchronized=False", |v| {
+        condition(v, &Cond::Synchronized).is_some()
+    })
+    .await;
+    h.wait_event("elsewhere", "SyncFailed").await;
+    for (vmi, node) in [("elsewhere", "node-b"), ("invalid", NODE)] {
+        let reporters: BTreeSet<String> = reporters(&h.client, vmi).await;
+        assert_eq!(reporters, BTreeSet::from([node.to_owned()]), "{vmi}");
+    }
+    stop_b.cancel();
+    loop_b.await.expect("node-b loop stops");
+}
+
+/// The handler instances (nodes) that recorded events on `vmi`.
+async fn reporters(client: &Client, vmi: &str) -> BTreeSet<String> {
+    let events: Api<Event> = Api::default_namespaced(client.clone());
+    events
+        .list(&ListParams::default())
+        .await
+        .expect("events")
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(vmi))
+        .filter_map(|e| e.reporting_instance)
+        .collect()
 }

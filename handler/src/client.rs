@@ -151,12 +151,13 @@ impl LauncherClient {
         sender.send_request(req).await.map_err(http_err)
     }
 
-    async fn call<T: DeserializeOwned>(
+    /// One call's status and whole body, bounded by the call timeout.
+    async fn exchange(
         &self,
         method: Method,
         path: &str,
         body: Option<Vec<u8>>,
-    ) -> Result<T, ClientError> {
+    ) -> Result<(StatusCode, Bytes), ClientError> {
         let work = async {
             let resp = self.send(method, path, body).await?;
             let status = resp.status();
@@ -170,7 +171,7 @@ impl LauncherClient {
                     source,
                 })?
                 .to_bytes();
-            self.decode(path, status, &bytes)
+            Ok((status, bytes))
         };
         tokio::time::timeout(self.timeout, work)
             .await
@@ -179,6 +180,16 @@ impl LauncherClient {
                 path: path.to_owned(),
                 timeout: self.timeout,
             })?
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<T, ClientError> {
+        let (status, bytes) = self.exchange(method, path, body).await?;
+        self.decode(path, status, &bytes)
     }
 
     fn decode<T: DeserializeOwned>(
@@ -283,6 +294,15 @@ impl LauncherClient {
 
     pub async fn guest_filesystems(&self) -> Result<Vec<QgaFilesystem>, ClientError> {
         self.call(Method::GET, "/v1/guest/filesystems", None).await
+    }
+
+    /// The guest's display as a PNG (QMP `screendump`).
+    pub async fn screendump(&self) -> Result<Bytes, ClientError> {
+        const PATH: &str = "/v1/screendump";
+        match self.exchange(Method::GET, PATH, None).await? {
+            (status, png) if status.is_success() => Ok(png),
+            (status, body) => Err(self.api_error(PATH, status, &body)),
+        }
     }
 
     /// The domain now, then every change; ends after a final state or when the launcher goes.

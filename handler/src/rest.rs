@@ -12,6 +12,7 @@ use crate::client::ClientError;
 pub enum Action {
     Console,
     Vnc,
+    Screenshot,
     Pause,
     Unpause,
     SoftReboot,
@@ -159,6 +160,14 @@ mod tests {
         let cases = [
             (running.clone(), false, false, A::Console, ok),
             (running.clone(), false, false, A::Vnc, ok),
+            (running.clone(), true, false, A::Screenshot, ok),
+            (
+                Some(Phase::Scheduled),
+                false,
+                false,
+                A::Screenshot,
+                conflict,
+            ),
             (Some(Phase::Scheduled), false, false, A::Console, conflict),
             (None, false, false, A::Pause, conflict),
             (

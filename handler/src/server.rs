@@ -201,6 +201,7 @@ pub fn router(vmis: Arc<dyn Vmis>, limits: Limits) -> Router {
             Router::new()
                 .route("/console", get(console))
                 .route("/vnc", get(vnc))
+                .route("/vnc/screenshot", get(screenshot))
                 .route("/pause", lifecycle(Action::Pause))
                 .route("/unpause", lifecycle(Action::Unpause))
                 .route("/softreboot", lifecycle(Action::SoftReboot))
@@ -214,7 +215,7 @@ pub fn router(vmis: Arc<dyn Vmis>, limits: Limits) -> Router {
         .fallback(|| async {
             Reply(Refusal::new(
                 StatusCode::BAD_REQUEST,
-                "no such endpoint: expected /v1/namespaces/{namespace}/virtualmachineinstances/{name}/<console|vnc|pause|unpause|softreboot|reset|freeze|unfreeze|guestosinfo|userlist|filesystemlist>",
+                "no such endpoint: expected /v1/namespaces/{namespace}/virtualmachineinstances/{name}/<console|vnc|vnc/screenshot|pause|unpause|softreboot|reset|freeze|unfreeze|guestosinfo|userlist|filesystemlist>",
             ))
         })
         .with_state(state)
@@ -278,6 +279,12 @@ async fn vnc(
 ) -> Result<Response, Reply> {
     let t = target(&s, &vmi, Action::Vnc)?;
     stream(s, t, Stream::Vnc, ws).await
+}
+
+async fn screenshot(State(s): State<Arc<AppState>>, Path(vmi): Vmi) -> Result<Response, Reply> {
+    let t = target(&s, &vmi, Action::Screenshot)?;
+    let png = client(&s, &t).screendump().await?;
+    Ok(([(http::header::CONTENT_TYPE, "image/png")], png).into_response())
 }
 
 /// Connects to the unix socket before upgrading, so a missing socket is a 503 rather than a

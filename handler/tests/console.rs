@@ -241,8 +241,15 @@ async fn connect(
         .await
 }
 
-/// One HTTP/1.1 request; the status and body, or the error that stopped it.
+/// One HTTP/1.1 request; the status and JSON body, or the error that stopped it.
 async fn request(tls: Tls, method: &str, path: &str) -> Result<(u16, serde_json::Value), String> {
+    let (status, body) = request_bytes(tls, method, path).await?;
+    let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    Ok((status, json))
+}
+
+/// One HTTP/1.1 request; the status and raw body.
+async fn request_bytes(tls: Tls, method: &str, path: &str) -> Result<(u16, Bytes), String> {
     let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
         .map_err(|e| e.to_string())?;
@@ -261,8 +268,7 @@ async fn request(tls: Tls, method: &str, path: &str) -> Result<(u16, serde_json:
         .await
         .map_err(|e| e.to_string())?
         .to_bytes();
-    let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
-    Ok((status, json))
+    Ok((status, body))
 }
 
 fn url(vmi: &str, what: &str) -> String {
@@ -455,6 +461,8 @@ async fn rest_errors_say_what_is_wrong() {
         // Running, agent connected, but no launcher behind the socket path.
         ("PUT", "nolauncher", "pause", 503, "launcher-sock"),
         ("GET", "nolauncher", "userlist", 503, "launcher-sock"),
+        ("GET", "nolauncher", "vnc/screenshot", 503, "launcher-sock"),
+        ("GET", "pending", "vnc/screenshot", 409, "not running"),
         ("GET", "echo", "nosuchthing", 400, "no such endpoint"),
         ("GET", "pending", "vnc", 409, "not running"),
     ];
@@ -641,6 +649,20 @@ async fn guest_console_rest_and_agent_through_the_server() {
         "{:?}",
         String::from_utf8_lossy(&banner)
     );
+
+    // The display as a PNG: the signature, then the IHDR chunk with a real size.
+    let tls = connect(s.addr, &s.ca.der(), Some(&s.client))
+        .await
+        .expect("connect");
+    let (status, png) = request_bytes(tls, "GET", &url("real", "vnc/screenshot"))
+        .await
+        .expect("request");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&png));
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(&png[12..16], b"IHDR");
+    let width = u32::from_be_bytes(png[16..20].try_into().expect("4 bytes"));
+    let height = u32::from_be_bytes(png[20..24].try_into().expect("4 bytes"));
+    assert!(width >= 320 && height >= 200, "{width}x{height}");
 
     let (status, body) = s.call("PUT", "real", "pause").await;
     assert_eq!(status, 200, "{body}");

@@ -4,6 +4,7 @@
 
 pub mod client;
 pub mod deviceplugin;
+pub mod devices;
 pub mod events;
 pub mod guestinfo;
 pub mod heartbeat;

@@ -31,6 +31,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{ClientError, LauncherClient, pod_socket};
+use crate::devices::{self, DeviceError};
 use crate::events::{Event, EventType};
 use crate::guestinfo;
 use crate::mounts::{self, MountConfig, MountError, Prepared};
@@ -91,6 +92,8 @@ pub enum NodeError {
     CacheNotReady(&'static str),
     #[error("stopped before the caches filled")]
     Stopped,
+    #[error("detecting this host's cgroup layout")]
+    Cgroups(#[from] cgroups::CgroupError),
 }
 
 /// Why one reconcile failed; the key is retried with backoff.
@@ -106,6 +109,8 @@ enum ReconcileError {
     Join(#[from] tokio::task::JoinError),
     #[error("mounting the VMI's containerDisk / kernelBoot files")]
     Mounts(#[from] MountError),
+    #[error("setting the launcher's device rules")]
+    Devices(#[from] DeviceError),
 }
 
 /// What a reconcile wants next.
@@ -160,6 +165,7 @@ pub struct Node {
     pods: Store<Pod>,
     queue: Arc<Queue>,
     recorder: Recorder,
+    cgroups: cgroups::CgroupSetup,
     entries: Mutex<HashMap<String, Entry>>,
     next_watch: AtomicU64,
     stop: CancellationToken,
@@ -552,8 +558,8 @@ impl Node {
         }
     }
 
-    /// Detects the launcher's isolation and makes the VMI's containerDisk and kernelBoot files
-    /// visible in it (idempotent). `Some(reason)`: an image container does not serve yet.
+    /// Detects the launcher's isolation, lets its cgroup open the VM's devices, and makes the
+    /// VMI's containerDisk and kernelBoot files visible in it (idempotent). `Some(reason)`: an image container does not serve yet.
     async fn prepare(
         &self,
         key: &str,
@@ -564,9 +570,17 @@ impl Node {
         let path = socket.to_owned();
         let v = vmi.clone();
         let cfg = self.cfg.mounts.clone();
+        let setup = self.cgroups.clone();
         // Blocking: detection reads /proc, mounting enters namespaces on threads of its own.
         let (pid, prepared) = tokio::task::spawn_blocking(move || {
             let iso = isolation::detect_from_socket(&path)?;
+            // QEMU opens /dev/kvm, /dev/net/tun and /dev/vhost-net (those the host has).
+            // Hotplugged block volumes are not offered yet, so there are no block devices.
+            let wanted = devices::Wanted {
+                char_devices: devices::host_vm_devices(Path::new("/dev")),
+                ..devices::Wanted::default()
+            };
+            devices::apply(&setup, &iso, &wanted)?;
             let prepared = mounts::prepare(&v, &iso, &cfg)?;
             Ok::<_, ReconcileError>((iso.pid, prepared))
         })
@@ -938,6 +952,7 @@ pub async fn start(
     cfg: Config,
     stop: CancellationToken,
 ) -> Result<(Arc<Node>, tokio::task::JoinHandle<()>), NodeError> {
+    let cgroups = cgroups::CgroupSetup::detect()?;
     let queue = Arc::new(Queue::default());
     let mut tasks = JoinSet::new();
     let vmis = reflect(
@@ -983,6 +998,7 @@ pub async fn start(
         pods,
         queue,
         recorder,
+        cgroups,
         entries: Mutex::default(),
         next_watch: AtomicU64::new(0),
         stop: stop.clone(),

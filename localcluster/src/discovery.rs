@@ -251,6 +251,7 @@ fn subresource_shape(
         ),
         "binding" => ("Binding".into(), vec!["create"], None),
         "log" => (d.kind.clone(), vec!["get"], None),
+        "exec" => ("PodExecOptions".into(), vec!["create", "get"], None),
         "finalize" => (d.kind.clone(), vec!["update"], None),
         _ => (d.kind.clone(), vec!["get", "patch", "update"], None),
     }

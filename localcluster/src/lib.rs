@@ -7,6 +7,7 @@ pub mod admission;
 pub mod controllers;
 pub mod discovery;
 pub mod error;
+pub mod exec;
 pub mod fields;
 pub mod images;
 pub mod kubelet;
@@ -142,6 +143,10 @@ impl ApiServer {
         });
         create_default_namespaces(&state);
         let app = axum::Router::new()
+            .route(
+                "/api/v1/namespaces/{namespace}/pods/{name}/exec",
+                axum::routing::any(exec::handle),
+            )
             .fallback(server::handle)
             .with_state(state.clone());
         let mut tasks = JoinSet::new();

@@ -128,7 +128,7 @@ const BUILTINS: &[Builtin] = &[
         &["po"],
         true,
         &["all"],
-        &["status", "binding", "log"],
+        &["status", "binding", "log", "exec"],
     ),
     ("", "v1", "Node", "nodes", &["no"], false, &[], &["status"]),
     ("", "v1", "Event", "events", &["ev"], true, &[], &[]),
@@ -548,7 +548,7 @@ mod tests {
         assert!(pods.status && pods.namespaced);
         assert_eq!(
             pods.extra_subresources,
-            vec!["binding".to_string(), "log".to_string()]
+            vec!["binding".to_string(), "log".to_string(), "exec".to_string()]
         );
     }
 

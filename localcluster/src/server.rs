@@ -102,7 +102,7 @@ fn respond(code: StatusCode, content_type: &str, body: &Value) -> Response<Body>
         .expect("static response parts are valid")
 }
 
-fn error_response(err: &ApiError) -> Response<Body> {
+pub(crate) fn error_response(err: &ApiError) -> Response<Body> {
     respond(
         StatusCode::from_u16(err.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
         JSON,
@@ -212,7 +212,7 @@ fn route(registry: &Registry, path: &str) -> Result<Route, ApiError> {
     })))
 }
 
-fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+pub(crate) fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -248,7 +248,7 @@ pub async fn handle(
 }
 
 /// Decodes `application/x-www-form-urlencoded` query pairs.
-fn url_pairs(q: &str) -> Vec<(String, String)> {
+pub(crate) fn url_pairs(q: &str) -> Vec<(String, String)> {
     fn decode(s: &str) -> String {
         let bytes = s.as_bytes();
         let mut out = Vec::with_capacity(bytes.len());

@@ -4,6 +4,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::process::Stdio;
 use std::time::Duration;
 
 use common::{Cluster, eventually};
@@ -1179,5 +1180,80 @@ async fn kubectl_logs_reads_containers_previous_runs_and_follows() {
     })
     .await;
     assert!(ended.is_ok(), "the followed log ended with the pod");
+    node.stop().await;
+}
+
+#[tokio::test]
+async fn kubectl_exec_runs_in_the_container_with_streams_and_exit_code() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let pods: Api<Pod> = cluster.api();
+    let mut c = sh("main", "echo inside > /tmp/mark; exec sleep 1000");
+    c["volumeMounts"] = json!([{"name": "data", "mountPath": "/data"}]);
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "target",
+            &node.name(),
+            &json!({"volumes": [{"name": "data", "emptyDir": {}}], "containers": [c]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "target", "Running", |p| {
+        p["status"]["phase"] == "Running"
+    })
+    .await;
+    let pod_ip = p["status"]["podIP"].as_str().expect("podIP").to_string();
+    // The command sees the container's files, mounts and network; streams are kept apart
+    // and the exit code comes back.
+    let out = kubectl(
+        &cluster,
+        &[
+            "exec",
+            "target",
+            "--",
+            "sh",
+            "-c",
+            "cat /tmp/mark; test -d /data && ip -o -4 addr show eth0; echo oops >&2; exit 3",
+        ],
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stdout} {stderr}");
+    assert!(stdout.starts_with("inside\n"), "{stdout}");
+    assert!(stdout.contains(&format!("inet {pod_ip}/")), "{stdout}");
+    assert!(stderr.contains("oops"), "{stderr}");
+    // stdin reaches the command and its end closes it.
+    let mut child = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(&cluster.kubeconfig)
+        .args([
+            "-n",
+            &cluster.namespace,
+            "exec",
+            "-i",
+            "target",
+            "--",
+            "tr",
+            "a-z",
+            "A-Z",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("kubectl exec -i");
+    {
+        use tokio::io::AsyncWriteExt as _;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin.write_all(b"hello\n").await.expect("writing stdin");
+    }
+    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .expect("kubectl exec -i ends")
+        .expect("kubectl output");
+    assert!(out.status.success());
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "HELLO\n");
     node.stop().await;
 }

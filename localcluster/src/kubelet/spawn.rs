@@ -179,6 +179,7 @@ pub struct Launch {
     pub hostname: Option<String>,
     /// A new mount namespace built by this plan; `None` shares the kubelet's.
     pub root: Option<RootPlan>,
+    pub stdin: Stdio,
     pub stdout: Stdio,
     pub stderr: Stdio,
 }
@@ -192,7 +193,7 @@ pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
     cmd.args(&launch.argv[1..])
         .env_clear()
         .envs(launch.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(Stdio::null())
+        .stdin(launch.stdin)
         .stdout(launch.stdout)
         .stderr(launch.stderr)
         .kill_on_drop(false);

@@ -758,6 +758,7 @@ impl Worker {
                 .then(|| self.name.clone()),
             cgroups: cgroup.procs_files()?,
             root: Some(plan),
+            stdin: Stdio::null(),
             stdout: Stdio::from(log),
             stderr: Stdio::from(log2),
         })?;
@@ -885,6 +886,7 @@ impl Worker {
                     hostname: None,
                     cgroups: Vec::new(),
                     root: None,
+                    stdin: Stdio::null(),
                     stdout: Stdio::null(),
                     stderr: Stdio::null(),
                 })

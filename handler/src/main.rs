@@ -41,7 +41,7 @@ struct Flags {
     console_server_port: u16,
     /// This pod's IP; KubeVirt uses it for migrations, which we do not do yet: only logged.
     #[arg(long, env = "MY_POD_IP")]
-    pod_ip_address: Option<IpAddr>,
+    pod_ip_address: Option<String>,
     /// The kubelet's pods dir as mounted in this container.
     #[arg(long, default_value = "/var/lib/kubelet/pods")]
     kubelet_pods_dir: PathBuf,

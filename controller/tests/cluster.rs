@@ -951,6 +951,61 @@ async fn manual_vm_runs_only_on_requests() {
     );
 }
 
+/// The deprecated `spec.running`: true runs as Always, false stops; a Start request on a
+/// stopped one flips it to `running: true` rather than adding a runStrategy.
+#[tokio::test]
+async fn deprecated_running_field_starts_and_stops() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let vm: VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "legacy", "namespace": "default"},
+        "spec": {"running": true, "template": {"spec": vmi_spec()}},
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &vm).await.unwrap();
+    let first = run_guest(&client, "legacy", None).await;
+    set_phase(&vmis, "legacy", "Succeeded").await;
+    run_guest(&client, "legacy", Some(&first)).await;
+    vms.patch(
+        "legacy",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"running": false}})),
+    )
+    .await
+    .unwrap();
+    wait_for("the VMI to be deleted", || async {
+        let v = vmis.get_opt("legacy").await.unwrap()?;
+        v.metadata.deletion_timestamp.map(|_| ())
+    })
+    .await;
+    // The kubelet's part: the guest is gone, the terminating pod object goes.
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    for p in launcher_pods(&client).await {
+        let _ = pods
+            .delete(&p.name_any(), &DeleteParams::default().grace_period(0))
+            .await;
+    }
+    wait_for("the VMI to go", || async {
+        vmis.get_opt("legacy")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    request(&vms, "legacy", "Start", None).await;
+    wait_for("a VMI after the start request", || async {
+        vmis.get_opt("legacy").await.unwrap()
+    })
+    .await;
+    let spec = vms.get("legacy").await.unwrap().spec;
+    assert_eq!(spec.running, Some(true));
+    assert_eq!(spec.run_strategy, None);
+}
+
 #[tokio::test]
 async fn once_vm_runs_one_time() {
     let (_server, client) = cluster().await;

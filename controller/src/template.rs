@@ -398,7 +398,10 @@ pub fn render_launcher_pod(
                 disks.push(DiskImage {
                     volume: &v.name,
                     image: &cd.image,
-                    pull_policy: cd.image_pull_policy.as_ref().map(api::common::PullPolicy::as_str),
+                    pull_policy: cd
+                        .image_pull_policy
+                        .as_ref()
+                        .map(api::common::PullPolicy::as_str),
                     copy_name: format!("disk_{index}"),
                 });
                 if let Some(s) = &cd.image_pull_secret {
@@ -440,7 +443,10 @@ pub fn render_launcher_pod(
         disks.push(DiskImage {
             volume: KERNEL_BOOT_VOLUME,
             image: &kb.image,
-            pull_policy: kb.image_pull_policy.as_ref().map(api::common::PullPolicy::as_str),
+            pull_policy: kb
+                .image_pull_policy
+                .as_ref()
+                .map(api::common::PullPolicy::as_str),
             copy_name: KERNEL_BOOT_NAME.to_owned(),
         });
         if let Some(s) = &kb.image_pull_secret {

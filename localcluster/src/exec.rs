@@ -22,7 +22,6 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use crate::error::ApiError;
 use crate::kubelet::cgroup::Cgroup;
 use crate::kubelet::spawn::{Launch, open_proc, spawn};
-use crate::resources::GroupResource;
 use crate::server::{AppState, authorized, error_response};
 
 const STDIN: u8 = 0;
@@ -113,13 +112,7 @@ fn prepare(
         return Err(ApiError::unauthorized());
     }
     let req = parse_query(uri.query().unwrap_or_default())?;
-    let pods = GroupResource {
-        group: String::new(),
-        resource: "pods".into(),
-    };
-    let pod = state
-        .store
-        .get(&pods, namespace, name)
+    let pod = crate::logs::stored_pod(state, namespace, name)
         .ok_or_else(|| ApiError::not_found("", "pods", name))?;
     let container = crate::logs::container_name(&pod, req.container.as_deref())?;
     let node = pod["spec"]["nodeName"].as_str().unwrap_or_default();

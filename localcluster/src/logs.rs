@@ -96,6 +96,15 @@ fn restarts_in(dir: &Path) -> Vec<u32> {
         .collect()
 }
 
+/// The stored pod `namespace/name`.
+pub(crate) fn stored_pod(state: &AppState, namespace: &str, name: &str) -> Option<Value> {
+    let pods = GroupResource {
+        group: String::new(),
+        resource: "pods".into(),
+    };
+    state.store.get(&pods, namespace, name)
+}
+
 /// Answers `GET .../pods/<name>/log`.
 pub(crate) fn pod_log(
     state: &Arc<AppState>,
@@ -103,14 +112,8 @@ pub(crate) fn pod_log(
     name: &str,
     query: &HashMap<String, String>,
 ) -> Result<Response<Body>, ApiError> {
-    let pods = GroupResource {
-        group: String::new(),
-        resource: "pods".into(),
-    };
-    let pod = state
-        .store
-        .get(&pods, namespace, name)
-        .ok_or_else(|| ApiError::not_found("", "pods", name))?;
+    let pod =
+        stored_pod(state, namespace, name).ok_or_else(|| ApiError::not_found("", "pods", name))?;
     let container = container_name(&pod, query.get("container").map(String::as_str))?;
     let waiting = || {
         ApiError::bad_request(format!(
@@ -219,11 +222,7 @@ pub(crate) fn pod_log(
 /// Whether the container of the pod `uid` may still write to its log: the pod exists and the
 /// container is not terminated.
 fn running(state: &AppState, namespace: &str, name: &str, uid: &str, container: &str) -> bool {
-    let pods = GroupResource {
-        group: String::new(),
-        resource: "pods".into(),
-    };
-    let Some(pod) = state.store.get(&pods, namespace, name) else {
+    let Some(pod) = stored_pod(state, namespace, name) else {
         return false;
     };
     if pod["metadata"]["uid"] != uid {

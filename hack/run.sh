@@ -1,12 +1,8 @@
 #!/usr/bin/env bash
-# The main job, as far as the project goes today: build everything and boot the example
-# kernel-boot VMI (manifests/examples/vmi-kernel-boot.yaml) through virt-launcher on real QEMU,
-# then show the guest's console.
-#
-# Until virt-handler's node loop lands, this script plays the handler's part itself: it lays out
-# the launcher's directories, puts the kernel-boot files where the handler would mount them, and
-# PUTs the VMI to the launcher's command socket. The full path (localcluster, virt-controller,
-# virt-handler) replaces these steps as those issues land.
+# The main job: on a fresh Debian 12 machine (root, Rust toolchain), install what is needed, build,
+# start localcluster, deploy virt-controller (Deployment) and virt-handler (DaemonSet) on it from
+# manifests/, apply the example VM, wait until its guest has booted, show the guest's console, and
+# leave everything running with the next commands to try.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -14,7 +10,10 @@ repo=$PWD
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 fail() { printf '\nrun.sh: %s\n' "$*" >&2; exit 1; }
 
-[[ $(id -u) == 0 ]] || fail "run as root (QEMU, namespaces and /var/run paths need it)"
+[[ $(id -u) == 0 ]] || fail "run as root (namespaces, cgroups, mounts and QEMU need it)"
+
+vm_manifest=${1:-manifests/examples/vm-demo.yaml}
+[[ -f $vm_manifest ]] || fail "no such manifest: $vm_manifest"
 
 step "installing Debian packages and tools (hack/deps.sh)"
 hack/deps.sh
@@ -22,65 +21,92 @@ step "building the test guest from Debian packages (hack/guest/build.sh, cached)
 hack/guest/build.sh
 guest=${KUBEVIRT_RS_GUEST_DIR:-$repo/.cache/guest}
 
-step "building virt-launcher"
-cargo build -p launcher --bin virt-launcher
-launcher_bin=${CARGO_TARGET_DIR:-$repo/target}/debug/virt-launcher
+step "building localcluster, virt-controller, virt-handler, virt-launcher, container-disk"
+cargo build --locked -p localcluster -p controller -p handler -p launcher -p containerdisk --bins
+bins=${CARGO_TARGET_DIR:-$repo/target}/debug
 
-run=${KUBEVIRT_RS_RUN_DIR:-/var/tmp/kubevirt-rs/demo}
-step "laying out the launcher's directories under $run"
-if [[ -S $run/share/sockets/launcher-sock ]] && curl -sf --unix-socket "$run/share/sockets/launcher-sock" http://launcher/v1/ping >/dev/null; then
-  fail "a demo launcher is already serving $run/share/sockets/launcher-sock; stop it with: curl -X POST --unix-socket $run/share/sockets/launcher-sock http://launcher/v1/kill"
+state=${LOCALCLUSTER_DIR:-$HOME/.localcluster}
+export LOCALCLUSTER_DIR=$state
+export KUBECONFIG=$state/kubeconfig
+if [[ -f $state/localcluster.pid ]] && kill -0 "$(cat "$state/localcluster.pid")" 2>/dev/null; then
+  fail "localcluster is already running (pid $(cat "$state/localcluster.pid")); stop it first: $bins/localcluster down"
 fi
-rm -rf "$run"
-mkdir -p "$run"/{share/sockets,private,ephemeral,container-disks/kernel-boot,hotplug}
-# virt-handler bind-mounts the kernelBoot container's files here; the demo copies them.
-cp "$guest/vmlinuz" "$guest/initrd.img" "$run/container-disks/kernel-boot/"
 
-manifest=manifests/examples/vmi-kernel-boot.yaml
-uid=$(cat /proc/sys/kernel/random/uuid)
-vmi=$(yq --arg uid "$uid" '.metadata.uid = $uid | .metadata.namespace = "default"' "$manifest")
-name=$(jq -r .metadata.name <<<"$vmi")
+step "starting localcluster (one node; log: $state/localcluster.log)"
+mkdir -p "$state"
+setsid "$bins/localcluster" up --nodes 1 --bin-dir "$bins" --guest-dir "$guest" \
+  >"$state/localcluster.log" 2>&1 </dev/null &
+lc_pid=$!
+for _ in $(seq 120); do
+  [[ -f $KUBECONFIG ]] && kubectl get --raw /readyz >/dev/null 2>&1 && break
+  kill -0 $lc_pid 2>/dev/null || fail "localcluster exited; see $state/localcluster.log"
+  sleep 0.5
+done
+kubectl get --raw /readyz >/dev/null || fail "localcluster's API server did not become ready; see $state/localcluster.log"
+kubectl get nodes
 
-step "starting virt-launcher for $name (uid $uid)"
-"$launcher_bin" --name "$name" --namespace default --uid "$uid" --allow-emulation \
-  --kubevirt-share-dir "$run/share" --private-dir "$run/private" \
-  --ephemeral-disk-dir "$run/ephemeral" --container-disk-dir "$run/container-disks" \
-  --hotplug-disk-dir "$run/hotplug" >"$run/launcher.log" 2>&1 &
-launcher_pid=$!
-sock=$run/share/sockets/launcher-sock
-for _ in $(seq 100); do [[ -S $sock ]] && break; kill -0 $launcher_pid 2>/dev/null || fail "virt-launcher exited; see $run/launcher.log"; sleep 0.1; done
-[[ -S $sock ]] || fail "virt-launcher did not open $sock; see $run/launcher.log"
-api() { curl -sS --unix-socket "$sock" "$@"; }
-api http://launcher/v1/info; echo
+step "installing the CRDs and the KubeVirt CR (emulation allowed: no KVM is assumed)"
+kubectl apply -f manifests/crds/
+kubectl wait --for condition=established --timeout=60s crd --all >/dev/null
+kubectl apply -f manifests/install/00-namespace.yaml
+kubectl apply -f manifests/examples/kubevirt-cr.yaml
 
-step "syncing the VMI ($manifest) to the launcher"
-api -X PUT -H 'content-type: application/json' --data-binary "$vmi" http://launcher/v1/sync; echo
-for _ in $(seq 300); do
-  state=$(api http://launcher/v1/domain | jq -r .state)
-  [[ $state == Running ]] && break
-  [[ $state == Crashed || $state == Shutoff ]] && fail "domain is $state; see $run/launcher.log and $run/private/$uid/qemu.log"
+step "creating virt-handler's console-server certificates (secret kubevirt/kubevirt-virt-handler-server-cert)"
+pki=$state/pki
+hack/pki.sh "$pki"
+kubectl -n kubevirt create secret generic kubevirt-virt-handler-server-cert \
+  --from-file=tls.crt="$pki/server.crt" --from-file=tls.key="$pki/server.key" \
+  --from-file=ca.crt="$pki/ca.crt" --dry-run=client -o yaml | kubectl apply -f -
+
+step "deploying virt-controller and virt-handler (manifests/install/)"
+kubectl apply -f manifests/install/
+kubectl -n kubevirt rollout status deployment/virt-controller --timeout=180s
+kubectl -n kubevirt rollout status daemonset/virt-handler --timeout=180s
+for _ in $(seq 120); do
+  [[ $(kubectl get nodes -l kubevirt.io/schedulable=true -o name | wc -l) -ge 1 ]] && break
   sleep 1
 done
-[[ $state == Running ]] || fail "domain did not reach Running; see $run/launcher.log"
-api http://launcher/v1/domain | jq "{state, reason, accelerator, qemuPid, vcpuThreads}"
+[[ $(kubectl get nodes -l kubevirt.io/schedulable=true -o name | wc -l) -ge 1 ]] ||
+  fail "virt-handler did not mark the node schedulable; see: kubectl -n kubevirt logs ds/virt-handler"
+kubectl get nodes -L kubevirt.io/schedulable
 
-step "guest console (under TCG a boot takes 15-90 s)"
-log=$run/private/$uid/virt-serial0-log
+step "applying $vm_manifest"
+kubectl apply -f "$vm_manifest"
+vm=$(yq -r .metadata.name "$vm_manifest")
+ns=$(yq -r '.metadata.namespace // "default"' "$vm_manifest")
+echo "waiting for VMI $ns/$vm to run (under TCG a boot takes 15-90 s)"
+phase=
+for _ in $(seq 300); do
+  phase=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.status.phase}' 2>/dev/null || true)
+  [[ $phase == Running || $phase == Failed || $phase == Succeeded ]] && break
+  sleep 1
+done
+kubectl -n "$ns" get vm,vmi,pods -o wide
+[[ $phase == Running ]] || fail "VMI $vm is '${phase:-not created}'; see: kubectl -n $ns describe vmi $vm; kubectl -n $ns get events"
+
+pod=$(kubectl -n "$ns" get pods -l "kubevirt.io/created-by=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.metadata.uid}')" -o jsonpath='{.items[0].metadata.uid}')
+node=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.status.nodeName}')
+vmi_uid=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.metadata.uid}')
+private=$state/nodes/$node/var/lib/kubelet/pods/$pod/volumes/kubernetes.io~empty-dir/private/$vmi_uid
+log=$private/virt-serial0-log
+
+step "guest console ($log)"
 ready=0
-for _ in $(seq 240); do
+for _ in $(seq 300); do
   if grep -q KUBEVIRT-RS-GUEST-READY "$log" 2>/dev/null; then ready=1; break; fi
   sleep 1
 done
 tail -n 25 "$log" || true
-((ready)) || fail "the guest did not print its ready marker within 240 s; full console log: $log"
+((ready)) || fail "the guest did not print its ready marker within 300 s; full console log: $log"
 
 cat <<MSG
 
-The VM is running under virt-launcher (pid $launcher_pid). Try:
-  curl --unix-socket $sock http://launcher/v1/domain
-  curl --unix-socket $sock http://launcher/v1/guest/osinfo
-  curl -X POST --unix-socket $sock http://launcher/v1/pause     # and /v1/unpause
-  socat -,raw,echo=0 UNIX-CONNECT:$run/private/$uid/virt-serial0   # the serial console
-Stop it (ACPI shutdown, then the launcher exits):
-  curl -X POST --unix-socket $sock http://launcher/v1/shutdown
+The VM runs on localcluster, through virt-controller, virt-handler and virt-launcher. Try:
+  export KUBECONFIG=$KUBECONFIG
+  kubectl get vms,vmis,pods -A
+  kubectl -n $ns describe vmi $vm
+  socat -,raw,echo=0 UNIX-CONNECT:$private/virt-serial0      # the guest's serial console
+  kubectl -n $ns patch vm $vm --type merge -p '{"spec":{"runStrategy":"Halted"}}'   # stop the VM
+Stop everything:
+  $bins/localcluster down
 MSG

@@ -169,7 +169,9 @@ impl Stack {
                 });
             }
         }
-        let dir = tempfile::Builder::new().prefix("kubevirt-rs-e2e").tempdir()?;
+        let dir = tempfile::Builder::new()
+            .prefix("kubevirt-rs-e2e")
+            .tempdir()?;
         let log = std::fs::File::create(dir.path().join("localcluster.log"))?;
         let cluster = Command::new(bins.join("localcluster"))
             .arg("up")
@@ -204,7 +206,10 @@ impl Stack {
         let kubeconfig = self.kubeconfig();
         wait_for("localcluster's API server", Duration::from_secs(60), || {
             if let Ok(Some(status)) = self.cluster.try_wait() {
-                return Err(format!("localcluster exited ({status}); see {}", log.display()));
+                return Err(format!(
+                    "localcluster exited ({status}); see {}",
+                    log.display()
+                ));
             }
             if !kubeconfig.exists() {
                 return Err("no kubeconfig yet".into());
@@ -320,7 +325,9 @@ impl Stack {
         name: &str,
     ) -> Result<Option<serde_json::Value>, StackError> {
         match self.kubectl(&["-n", namespace, "get", resource, name, "-o", "json"]) {
-            Ok(out) => Ok(Some(serde_json::from_str(&out).map_err(std::io::Error::other)?)),
+            Ok(out) => Ok(Some(
+                serde_json::from_str(&out).map_err(std::io::Error::other)?,
+            )),
             Err(StackError::Failed { stderr, .. }) if stderr.contains("NotFound") => Ok(None),
             Err(e) => Err(e),
         }

@@ -1,6 +1,9 @@
 //! The README's main job as a test: a VM applied with kubectl boots through localcluster,
-//! virt-controller, virt-handler and virt-launcher, and stops when its run strategy says Halted.
+//! virt-controller, virt-handler and virt-launcher, is reachable on its pod's IP through the
+//! masquerade binding, and stops when its run strategy says Halted.
 
+use std::io::Read as _;
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use e2e::{Stack, repo_root, wait_for};
@@ -49,6 +52,40 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         }
     })
     .expect("the guest boots");
+    let vmi_uid = vmi["metadata"]["uid"].as_str().expect("uid").to_owned();
+    let pod_ip = stack
+        .kubectl(&[
+            "get",
+            "pods",
+            "-l",
+            &format!("kubevirt.io/created-by={vmi_uid}"),
+            "-o",
+            "jsonpath={.items[0].status.podIP}",
+        ])
+        .expect("the launcher pod's IP");
+    let guest_port: SocketAddr = format!("{pod_ip}:8080").parse().expect("pod IP");
+    // The guest asks for its address in the background and its listener starts with user-data:
+    // the pod's port 8080 answers once masquerade's DNAT, DHCP and the listener are all there.
+    let greeting = wait_for(
+        "the guest's port 8080 on the pod IP",
+        Duration::from_secs(180),
+        || {
+            let mut conn = TcpStream::connect_timeout(&guest_port, Duration::from_secs(5))
+                .map_err(|e| format!("{guest_port}: {e}"))?;
+            conn.set_read_timeout(Some(Duration::from_secs(10)))
+                .map_err(|e| e.to_string())?;
+            let mut text = String::new();
+            conn.read_to_string(&mut text)
+                .map_err(|e| format!("{guest_port}: {e}"))?;
+            Ok((!text.is_empty()).then_some(text))
+        },
+    )
+    .expect("the guest answers through the masquerade binding");
+    assert_eq!(
+        greeting.trim(),
+        "hello from the demo VM over the pod network"
+    );
+
     wait_for("VM status ready", Duration::from_secs(120), || {
         let vm = stack
             .get_json("default", "vm", "demo")
@@ -77,7 +114,14 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
             .get_json("default", "vmi", "demo")
             .map_err(|e| e.to_string())?;
         let pods = stack
-            .kubectl(&["get", "pods", "-l", "kubevirt.io=virt-launcher", "-o", "name"])
+            .kubectl(&[
+                "get",
+                "pods",
+                "-l",
+                "kubevirt.io=virt-launcher",
+                "-o",
+                "name",
+            ])
             .map_err(|e| e.to_string())?;
         if vmi.is_none() && pods.trim().is_empty() {
             Ok(Some(()))

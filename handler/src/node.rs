@@ -111,6 +111,8 @@ enum ReconcileError {
     Mounts(#[from] MountError),
     #[error("setting the launcher's device rules")]
     Devices(#[from] DeviceError),
+    #[error("plugging the VMI's interfaces into the pod network")]
+    Network(#[from] network::NetworkError),
 }
 
 /// What a reconcile wants next.
@@ -571,7 +573,9 @@ impl Node {
         let v = vmi.clone();
         let cfg = self.cfg.mounts.clone();
         let setup = self.cgroups.clone();
-        // Blocking: detection reads /proc, mounting enters namespaces on threads of its own.
+        let private_dir = self.cfg.launcher_private_dir.clone();
+        // Blocking: detection reads /proc; mounts and network phase 1 enter the pod's
+        // namespaces on threads of their own.
         let (pid, prepared) = tokio::task::spawn_blocking(move || {
             let iso = isolation::detect_from_socket(&path)?;
             // QEMU opens /dev/kvm, /dev/net/tun and /dev/vhost-net (those the host has).
@@ -581,13 +585,14 @@ impl Node {
                 ..devices::Wanted::default()
             };
             devices::apply(&setup, &iso, &wanted)?;
+            // Like the mounts, the pod's bridge, tap and NAT must be there before the sync
+            // below starts QEMU; phase 1 is idempotent, so every reconcile runs it.
+            network::phase1::setup(&v, &iso, &private_dir)?;
             let prepared = mounts::prepare(&v, &iso, &cfg)?;
             Ok::<_, ReconcileError>((iso.pid, prepared))
         })
         .await??;
         self.with_entry(key, uid, |e| e.pid = Some(pid));
-        // Network phase 1 in the pod's network namespace belongs here too: like the mounts,
-        // it must be in place before the sync below starts QEMU.
         Ok(match prepared {
             Prepared::Ready { mounted, .. } => {
                 if !mounted.is_empty() {

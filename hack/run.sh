@@ -99,6 +99,8 @@ done
 tail -n 25 "$log" || true
 ((ready)) || fail "the guest did not print its ready marker within 300 s; full console log: $log"
 
+pod_ip=$(kubectl -n "$ns" get pods -l "kubevirt.io/created-by=$vmi_uid" -o jsonpath='{.items[0].status.podIP}')
+
 cat <<MSG
 
 The VM runs on localcluster, through virt-controller, virt-handler and virt-launcher. Try:
@@ -106,6 +108,7 @@ The VM runs on localcluster, through virt-controller, virt-handler and virt-laun
   kubectl get vms,vmis,pods -A
   kubectl -n $ns describe vmi $vm
   socat -,raw,echo=0 UNIX-CONNECT:$private/virt-serial0      # the guest's serial console
+  nc $pod_ip 8080      # the demo guest's listener, through the masquerade binding (pod IP $pod_ip)
   kubectl -n $ns patch vm $vm --type merge -p '{"spec":{"runStrategy":"Halted"}}'   # stop the VM
 Stop everything:
   $bins/localcluster down

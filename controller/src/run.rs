@@ -233,7 +233,10 @@ where
 {
     let (reader, writer) = reflector::store();
     let seen: Mutex<HashSet<String>> = Mutex::new(HashSet::new());
-    let stream = reflector::reflector(writer, watcher(api, wc)).default_backoff();
+    // The controllers never read managedFields, which are often the largest part of an object:
+    // kept out of the caches, as kube-runtime suggests for reflectors.
+    let objects = watcher(api, wc).modify(|o| o.managed_fields_mut().clear());
+    let stream = reflector::reflector(writer, objects).default_backoff();
     tasks.spawn(async move {
         futures::pin_mut!(stream);
         while let Some(ev) = stream.next().await {

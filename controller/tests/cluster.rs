@@ -853,15 +853,41 @@ async fn stays(vmis: &Api<VirtualMachineInstance>, name: &str, uid: Option<Strin
     }
 }
 
-#[tokio::test]
-async fn always_vm_replaces_a_finished_vmi() {
-    let (_server, client) = cluster().await;
-    let _c = start(&client, "a", false);
+/// A cluster with a running controller and the VM `name` of `strategy` created.
+struct WithVm {
+    _server: localcluster::ApiServer,
+    _controller: Running,
+    client: Client,
+    vms: Api<VirtualMachine>,
+    vmis: Api<VirtualMachineInstance>,
+}
+
+async fn with_vm(name: &str, strategy: &str) -> WithVm {
+    let (server, client) = cluster().await;
+    let controller = start(&client, "a", false);
     let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
-    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
-    vms.create(&PostParams::default(), &vm_with("always", "Always"))
+    vms.create(&PostParams::default(), &vm_with(name, strategy))
         .await
         .unwrap();
+    WithVm {
+        _server: server,
+        _controller: controller,
+        vmis: Api::default_namespaced(client.clone()),
+        client,
+        vms,
+    }
+}
+
+#[tokio::test]
+async fn always_vm_replaces_a_finished_vmi() {
+    // Bound by name, so the cluster and controller live until the test ends.
+    let WithVm {
+        _server,
+        _controller,
+        client,
+        vms,
+        vmis,
+    } = with_vm("always", "Always").await;
     let first = run_guest(&client, "always", None).await;
     // The guest shut itself down: Always starts it again, at once since it had run.
     set_phase(&vmis, "always", "Succeeded").await;
@@ -880,13 +906,14 @@ async fn always_vm_replaces_a_finished_vmi() {
 
 #[tokio::test]
 async fn rerun_on_failure_restarts_after_failure_not_after_success() {
-    let (_server, client) = cluster().await;
-    let _c = start(&client, "a", false);
-    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
-    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
-    vms.create(&PostParams::default(), &vm_with("rerun", "RerunOnFailure"))
-        .await
-        .unwrap();
+    // Bound by name, so the cluster and controller live until the test ends.
+    let WithVm {
+        _server,
+        _controller,
+        client,
+        vms,
+        vmis,
+    } = with_vm("rerun", "RerunOnFailure").await;
     let first = run_guest(&client, "rerun", None).await;
     set_phase(&vmis, "rerun", "Failed").await;
     let second = run_guest(&client, "rerun", Some(&first)).await;
@@ -907,13 +934,14 @@ async fn rerun_on_failure_restarts_after_failure_not_after_success() {
 
 #[tokio::test]
 async fn manual_vm_runs_only_on_requests() {
-    let (_server, client) = cluster().await;
-    let _c = start(&client, "a", false);
-    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
-    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
-    vms.create(&PostParams::default(), &vm_with("manual", "Manual"))
-        .await
-        .unwrap();
+    // Bound by name, so the cluster and controller live until the test ends.
+    let WithVm {
+        _server,
+        _controller,
+        client,
+        vms,
+        vmis,
+    } = with_vm("manual", "Manual").await;
     wait_for("printableStatus Stopped", || async {
         (printable(&vms, "manual").await.as_deref() == Some("Stopped")).then_some(())
     })
@@ -1008,13 +1036,14 @@ async fn deprecated_running_field_starts_and_stops() {
 
 #[tokio::test]
 async fn once_vm_runs_one_time() {
-    let (_server, client) = cluster().await;
-    let _c = start(&client, "a", false);
-    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
-    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
-    vms.create(&PostParams::default(), &vm_with("once", "Once"))
-        .await
-        .unwrap();
+    // Bound by name, so the cluster and controller live until the test ends.
+    let WithVm {
+        _server,
+        _controller,
+        client,
+        vms,
+        vmis,
+    } = with_vm("once", "Once").await;
     let vmi = run_guest(&client, "once", None).await;
     set_phase(&vmis, "once", "Failed").await;
     stays(

@@ -1041,7 +1041,7 @@ async fn once_vm_runs_one_time() {
         _server,
         _controller,
         client,
-        vms,
+        vms: _,
         vmis,
     } = with_vm("once", "Once").await;
     let vmi = run_guest(&client, "once", None).await;

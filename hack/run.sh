@@ -51,10 +51,10 @@ kubectl wait --for condition=established --timeout=60s crd --all >/dev/null
 kubectl apply -f manifests/install/00-namespace.yaml
 kubectl apply -f manifests/examples/kubevirt-cr.yaml
 
-step "creating virt-handler's console-server certificates (secret kubevirt/kubevirt-virt-handler-server-cert)"
+step "creating virt-handler's console-server certificates (secret kubevirt/kubevirt-virt-handler-server-certs)"
 pki=$state/pki
 hack/pki.sh "$pki"
-kubectl -n kubevirt create secret generic kubevirt-virt-handler-server-cert \
+kubectl -n kubevirt create secret generic kubevirt-virt-handler-server-certs \
   --from-file=tls.crt="$pki/server.crt" --from-file=tls.key="$pki/server.key" \
   --from-file=ca.crt="$pki/ca.crt" --dry-run=client -o yaml | kubectl apply -f -
 

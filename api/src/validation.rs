@@ -906,7 +906,7 @@ fn cloud_init(src: &CloudInitNoCloudSource, path: &str, e: &mut Errors) {
 fn is_base64(s: &str) -> bool {
     let s: String = s.chars().filter(|c| !c.is_ascii_whitespace()).collect();
     let body = s.trim_end_matches('=');
-    s.len() % 4 == 0
+    s.len().is_multiple_of(4)
         && s.len() - body.len() <= 2
         && body
             .bytes()

@@ -48,7 +48,7 @@ fn churn(i: usize) -> Vec<DeviceRule> {
             DeviceRule::allow(DeviceKind::Char, Some(1), Some(3), Access::READ),
         ],
     };
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         rules.push(DeviceRule::allow(
             DeviceKind::Char,
             Some(136),

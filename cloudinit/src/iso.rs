@@ -380,7 +380,7 @@ fn text(tree: Tree, s: &str, len: usize) -> Vec<u8> {
             .collect(),
     };
     while out.len() < len {
-        out.push(if tree == Tree::Joliet && out.len() % 2 == 0 {
+        out.push(if tree == Tree::Joliet && out.len().is_multiple_of(2) {
             0
         } else {
             b' '

@@ -246,7 +246,7 @@ impl Stack {
             "create",
             "secret",
             "generic",
-            "kubevirt-virt-handler-server-cert",
+            "kubevirt-virt-handler-server-certs",
             &format!("--from-file=tls.crt={}", pki.join("server.crt").display()),
             &format!("--from-file=tls.key={}", pki.join("server.key").display()),
             &format!("--from-file=ca.crt={}", pki.join("ca.crt").display()),

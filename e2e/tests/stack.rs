@@ -86,6 +86,23 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         "hello from the demo VM over the pod network"
     );
 
+    wait_for(
+        "the guest's address in status.interfaces",
+        Duration::from_secs(120),
+        || {
+            let vmi = stack
+                .get_json("default", "vmi", "demo")
+                .map_err(|e| e.to_string())?
+                .ok_or("no VMI")?;
+            let iface = &vmi["status"]["interfaces"][0];
+            (iface["ipAddress"] == "10.0.2.2" && iface["interfaceName"] == "eth0")
+                .then_some(())
+                .map(Some)
+                .ok_or_else(|| format!("interfaces {}", vmi["status"]["interfaces"]))
+        },
+    )
+    .expect("virt-handler reports the address the guest took by DHCP");
+
     wait_for("VM status ready", Duration::from_secs(120), || {
         let vm = stack
             .get_json("default", "vm", "demo")

@@ -288,6 +288,12 @@ impl LauncherClient {
         self.call(Method::GET, "/v1/guest/osinfo", None).await
     }
 
+    pub async fn guest_interfaces(
+        &self,
+    ) -> Result<Vec<network::status::AgentInterface>, ClientError> {
+        self.call(Method::GET, "/v1/guest/interfaces", None).await
+    }
+
     pub async fn guest_users(&self) -> Result<Vec<QgaUser>, ClientError> {
         self.call(Method::GET, "/v1/guest/users", None).await
     }

@@ -48,6 +48,9 @@ pub const CREATED_BY_LABEL: &str = "kubevirt.io/created-by";
 const MAX_CONFLICTS: usize = 5;
 /// How often a launcher whose socket has not appeared yet is looked for.
 const NOT_READY_RECHECK: Duration = Duration::from_secs(1);
+/// How often a running VMI's guest agent is asked for its interfaces (KubeVirt polls the agent
+/// every 10 s too).
+const GUEST_AGENT_POLL: Duration = Duration::from_secs(10);
 
 /// What the loop needs to know about the node.
 #[derive(Debug, Clone)]
@@ -665,6 +668,20 @@ impl Node {
         }
     }
 
+    async fn guest_interfaces(
+        &self,
+        vmi: &VirtualMachineInstance,
+        socket: &Path,
+    ) -> Option<Vec<network::status::AgentInterface>> {
+        match self.launcher(socket).guest_interfaces().await {
+            Ok(ifaces) => Some(ifaces),
+            Err(e) => {
+                tracing::debug!(vmi = %vmi.name_any(), error = %e, "guest network interfaces");
+                None
+            }
+        }
+    }
+
     /// One VMI, start to end.
     async fn reconcile(self: &Arc<Self>, key: &str) -> Result<Next, ReconcileError> {
         let (ns, name) = split_key(key);
@@ -688,6 +705,7 @@ impl Node {
         let (mut launcher, mut recheck) = self.observe(key, &vmi, &socket).await?;
         let mut sync_error = None;
         let mut guest_os = None;
+        let mut guest_interfaces = None;
 
         if let Some(deleted) = &vmi.metadata.deletion_timestamp {
             recheck = self
@@ -699,11 +717,18 @@ impl Node {
                     Ok(None) => {
                         sync_error = self.sync(key, &vmi, &socket, d).await?;
                         let (view, again) = self.observe(key, &vmi, &socket).await?;
+                        let mut agent_poll = None;
                         if let LauncherView::Answering(d) = &view {
                             guest_os = self.guest_os(&vmi, &socket, d).await;
+                            if d.agent_connected && !d.interfaces.is_empty() {
+                                guest_interfaces = self.guest_interfaces(&vmi, &socket).await;
+                                // Addresses change inside the guest (DHCP after boot) without
+                                // a domain event: poll them, as KubeVirt's agent poller does.
+                                agent_poll = Some(GUEST_AGENT_POLL);
+                            }
                         }
                         launcher = view;
-                        recheck = again;
+                        recheck = again.or(agent_poll);
                     }
                     Ok(Some(waiting)) => {
                         tracing::debug!(key, %waiting, "waiting for an image container");
@@ -723,6 +748,7 @@ impl Node {
             launcher,
             pod: pod_view(pod.as_ref()),
             guest_os,
+            guest_interfaces,
             sync_error: sync_error.clone(),
             now: now(),
         };

@@ -13,6 +13,7 @@ use api::status::{
 use api::{ConditionStatus, VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use launcher::domain::{Domain, DomainState};
+use network::status::{AgentInterface, DomainInterface};
 
 use crate::events::{Event, EventType};
 
@@ -65,6 +66,8 @@ pub struct Observed {
     pub pod: PodView,
     /// `guest-get-osinfo`, fetched by the shell while the agent is connected.
     pub guest_os: Option<VirtualMachineInstanceGuestOsInfo>,
+    /// `guest-network-get-interfaces`, fetched by the shell while the agent is connected.
+    pub guest_interfaces: Option<Vec<AgentInterface>>,
     /// The error of the last sync attempt (KubeVirt's `Synchronized` condition).
     pub sync_error: Option<String>,
     pub now: Time,
@@ -263,6 +266,18 @@ fn interfaces(
         .collect()
 }
 
+fn domain_interfaces(domain: &Domain) -> Vec<DomainInterface> {
+    domain
+        .interfaces
+        .iter()
+        .map(|i| DomainInterface {
+            name: i.name.clone(),
+            mac: i.mac.clone(),
+            pod_interface: None,
+        })
+        .collect()
+}
+
 /// The status the VMI should have now, and the events for the change.
 pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
     let old = vmi.status.clone().unwrap_or_default();
@@ -282,7 +297,10 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
 
     if let Some(d) = domain {
         if !d.interfaces.is_empty() {
-            status.interfaces = interfaces(&old.interfaces, d);
+            status.interfaces = match &obs.guest_interfaces {
+                Some(agent) => network::status::merge(&domain_interfaces(d), Some(agent)),
+                None => interfaces(&old.interfaces, d),
+            };
         }
     }
     if let Some(os) = &obs.guest_os {
@@ -442,6 +460,7 @@ mod tests {
             launcher,
             pod,
             guest_os: None,
+            guest_interfaces: None,
             sync_error: None,
             now: t(10),
         }
@@ -836,6 +855,56 @@ mod tests {
         assert!(cleared.status.condition(&Cond::Synchronized).is_none());
     }
 
+    fn two_nics() -> Vec<InterfaceStatus> {
+        vec![
+            InterfaceStatus {
+                name: "default".into(),
+                tap: "tap0".into(),
+                mac: Some("52:54:00:00:00:01".into()),
+                model: "virtio-net-pci".into(),
+            },
+            InterfaceStatus {
+                name: "second".into(),
+                tap: "tap1".into(),
+                mac: Some("52:54:00:00:00:02".into()),
+                model: "e1000".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn the_agent_adds_the_guest_addresses_and_names_to_the_domain_interfaces() {
+        let v = vmi(Some(Phase::Running), None);
+        let d = Domain {
+            state: DomainState::Running,
+            reason: "Booted".into(),
+            agent_connected: true,
+            interfaces: two_nics(),
+            ..Domain::default()
+        };
+        let mut o = obs(LauncherView::Answering(Box::new(d)), running_pod());
+        o.guest_interfaces = Some(
+            serde_json::from_value(serde_json::json!([
+                {"name": "lo", "hardware-address": "00:00:00:00:00:00",
+                 "ip-addresses": [{"ip-address-type": "ipv4", "ip-address": "127.0.0.1", "prefix": 8}]},
+                {"name": "eth0", "hardware-address": "52:54:00:00:00:01",
+                 "ip-addresses": [
+                    {"ip-address-type": "ipv6", "ip-address": "fe80::5054:ff:fe00:1", "prefix": 64},
+                    {"ip-address-type": "ipv4", "ip-address": "10.0.2.2", "prefix": 24}]}
+            ]))
+            .expect("qemu-ga's shape"),
+        );
+        let ifs = compute(&v, &o).status.interfaces;
+        assert_eq!(ifs.len(), 2, "loopback is not reported: {ifs:?}");
+        assert_eq!(ifs[0].name.as_deref(), Some("default"));
+        assert_eq!(ifs[0].ip.as_deref(), Some("10.0.2.2"));
+        assert_eq!(ifs[0].ips, vec!["10.0.2.2".to_owned()], "no link-local");
+        assert_eq!(ifs[0].interface_name.as_deref(), Some("eth0"));
+        assert_eq!(ifs[0].info_source.as_deref(), Some("domain, guest-agent"));
+        assert_eq!(ifs[1].info_source.as_deref(), Some("domain"));
+        assert_eq!(ifs[1].ip, None);
+    }
+
     #[test]
     fn interfaces_come_from_the_domain_and_keep_agent_data() {
         let mut v = vmi(Some(Phase::Running), None);
@@ -851,20 +920,7 @@ mod tests {
         let d = Domain {
             state: DomainState::Running,
             reason: "Booted".into(),
-            interfaces: vec![
-                InterfaceStatus {
-                    name: "default".into(),
-                    tap: "tap0".into(),
-                    mac: Some("52:54:00:00:00:01".into()),
-                    model: "virtio-net-pci".into(),
-                },
-                InterfaceStatus {
-                    name: "second".into(),
-                    tap: "tap1".into(),
-                    mac: Some("52:54:00:00:00:02".into()),
-                    model: "e1000".into(),
-                },
-            ],
+            interfaces: two_nics(),
             ..Domain::default()
         };
         let out = compute(

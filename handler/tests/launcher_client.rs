@@ -142,6 +142,7 @@ async fn guest_watch_follows_boot_pause_agent_and_shutdown() {
             launcher: LauncherView::Answering(Box::new(c.domain().await.expect("domain"))),
             pod: running_pod(),
             guest_os: None,
+            guest_interfaces: None,
             sync_error: None,
             now: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 k8s_openapi::jiff::Timestamp::now(),

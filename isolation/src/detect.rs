@@ -186,7 +186,7 @@ impl Process {
         let inode =
             parse_ns_link(&target.to_string_lossy()).ok_or_else(|| IsolationError::Parse {
                 path: self.proc_path(&rel),
-                message: format!("unexpected namespace link {target:?}"),
+                message: format!("unexpected namespace link {}", target.display()),
             })?;
         Ok(Namespace {
             kind,

@@ -7,6 +7,7 @@ pub mod admission;
 pub mod controllers;
 pub mod discovery;
 pub mod error;
+pub mod events;
 pub mod exec;
 pub mod fields;
 pub mod images;

@@ -58,10 +58,16 @@ impl ResourceDef {
     }
 
     /// The key objects are stored under: every version of a group/resource shares one store,
-    /// as with Kubernetes' `None` conversion strategy.
+    /// as with Kubernetes' `None` conversion strategy. `events.k8s.io` events are the core events
+    /// store seen through another version (see `events`), as in kube-apiserver.
     pub fn group_resource(&self) -> GroupResource {
+        let group = if self.group == "events.k8s.io" && self.plural == "events" {
+            String::new()
+        } else {
+            self.group.clone()
+        };
         GroupResource {
-            group: self.group.clone(),
+            group,
             resource: self.plural.clone(),
         }
     }

@@ -182,7 +182,11 @@ fn extra_fields(group: &str, plural: &str) -> &'static [&'static str] {
             "regarding.namespace",
             "regarding.name",
             "regarding.uid",
+            "regarding.apiVersion",
+            "regarding.resourceVersion",
+            "regarding.fieldPath",
             "reason",
+            "reportingController",
             "type",
         ],
         ("", "secrets") => &["type"],
@@ -215,7 +219,13 @@ impl FieldSelector {
             {
                 return Err(SelectorError::UnsupportedField(field.into()));
             }
-            terms.push((field.to_string(), equal, value.trim().to_string()));
+            // Terms are matched against the stored object, which for events is the core form.
+            let stored = match (group, plural) {
+                ("events.k8s.io", "events") => crate::events::core_field(field),
+                _ => None,
+            }
+            .unwrap_or_else(|| field.to_string());
+            terms.push((stored, equal, value.trim().to_string()));
         }
         Ok(Self(terms))
     }

@@ -17,6 +17,7 @@ use tokio::sync::broadcast::error::RecvError;
 use crate::admission;
 use crate::discovery::Registry;
 use crate::error::ApiError;
+use crate::events;
 use crate::fields::{self, Writer};
 use crate::patch::{self, ListKind};
 use crate::resources::{GroupResource, ResourceDef};
@@ -396,9 +397,9 @@ fn is_strict(query: &Query) -> bool {
     query.get("fieldValidation").is_some_and(|v| v == "Strict")
 }
 
-fn with_version(def: &ResourceDef, mut obj: Value) -> Value {
-    obj["apiVersion"] = json!(def.api_version());
-    obj
+/// The object as `def`'s version serves it (events are converted between their two versions).
+fn with_version(def: &ResourceDef, obj: Value) -> Value {
+    events::convert(obj, &def.api_version())
 }
 
 fn kinds_for(def: &ResourceDef) -> impl Fn(&[String]) -> ListKind + '_ {
@@ -525,6 +526,14 @@ fn write(
     name: &str,
     f: impl FnOnce(&crate::store::Objects, Option<&Value>) -> Result<Outcome, ApiError>,
 ) -> Result<Value, ApiError> {
+    // Callers compute in the requested version; the store keeps its own form.
+    let f = |objs: &crate::store::Objects, cur: Option<&Value>| {
+        Ok(match f(objs, cur)? {
+            Outcome::Put(v) => Outcome::Put(events::to_storage(gr, v)),
+            Outcome::Delete(v) => Outcome::Delete(events::to_storage(gr, v)),
+            Outcome::Unchanged(v) => Outcome::Unchanged(v),
+        })
+    };
     if dry_run {
         state.store.dry_run(gr, namespace, name, f)
     } else {
@@ -1117,7 +1126,9 @@ async fn server_side_apply(
                 }
                 Ok(match now {
                     None => Outcome::Put(admitted.clone()),
-                    Some(now) => rules::finish_update(now, admitted.clone()),
+                    Some(now) => {
+                        rules::finish_update(&with_version(def, now.clone()), admitted.clone())
+                    }
                 })
             });
             match stored {

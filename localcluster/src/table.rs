@@ -116,6 +116,42 @@ pub fn columns(def: &ResourceDef) -> Vec<PrinterColumn> {
             ),
             column("Internal-IP", "string", "", "Internal IP of the node", 1),
         ],
+        ("" | "events.k8s.io", "events") => vec![
+            column(
+                "Last Seen",
+                "string",
+                "",
+                "Time since the event was last seen.",
+                0,
+            ),
+            column("Type", "string", "", "Type of this event.", 0),
+            column("Reason", "string", "", "Why the event was generated.", 0),
+            column("Object", "string", "", "The object this event is about.", 0),
+            column(
+                "Subobject",
+                "string",
+                "",
+                "The part of the object this event is about.",
+                1,
+            ),
+            column(
+                "Source",
+                "string",
+                "",
+                "The component reporting the event.",
+                1,
+            ),
+            column("Message", "string", "", "A description of the event.", 0),
+            column(
+                "First Seen",
+                "string",
+                "",
+                "Time since the event was first seen.",
+                1,
+            ),
+            column("Count", "string", "", "How often the event occurred.", 1),
+            name,
+        ],
         ("", "namespaces") => vec![
             name,
             column("Status", "string", "", "The status of the namespace", 0),
@@ -263,10 +299,64 @@ fn node_cells(obj: &Value, now: DateTime<Utc>) -> Vec<Value> {
     ]
 }
 
+/// The cells kube-apiserver's event printer gives, for either event version (read in core form).
+fn event_cells(obj: &Value, now: DateTime<Utc>) -> Vec<Value> {
+    let ev = crate::events::convert(obj.clone(), "v1");
+    let since = |v: &Value| {
+        v.as_str()
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| human_duration((now - t.with_timezone(&Utc)).num_seconds()))
+    };
+    let unknown = || "<unknown>".to_string();
+    let first = since(&ev["firstTimestamp"]).or_else(|| since(&ev["eventTime"]));
+    let (last, count) = if ev["series"].is_object() {
+        (
+            since(&ev["series"]["lastObservedTime"]),
+            ev["series"]["count"].as_i64().unwrap_or(1),
+        )
+    } else {
+        (
+            since(&ev["lastTimestamp"]).or_else(|| first.clone()),
+            ev["count"].as_i64().filter(|c| *c != 0).unwrap_or(1),
+        )
+    };
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
+    let involved = &ev["involvedObject"];
+    let kind = text(&involved["kind"]).to_lowercase();
+    let target = match involved["name"].as_str().filter(|n| !n.is_empty()) {
+        Some(name) => format!("{kind}/{name}"),
+        None => kind,
+    };
+    let non_empty = |a: String, b: String| if a.is_empty() { b } else { a };
+    let component = non_empty(
+        text(&ev["source"]["component"]),
+        text(&ev["reportingComponent"]),
+    );
+    let instance = non_empty(text(&ev["source"]["host"]), text(&ev["reportingInstance"]));
+    let source = if instance.is_empty() {
+        component
+    } else {
+        format!("{component}, {instance}")
+    };
+    vec![
+        json!(last.unwrap_or_else(unknown)),
+        ev["type"].clone(),
+        ev["reason"].clone(),
+        json!(target),
+        json!(text(&involved["fieldPath"])),
+        json!(source),
+        json!(text(&ev["message"]).trim()),
+        json!(first.unwrap_or_else(unknown)),
+        json!(count),
+        ev["metadata"]["name"].clone(),
+    ]
+}
+
 fn cells(def: &ResourceDef, cols: &[PrinterColumn], obj: &Value, now: DateTime<Utc>) -> Vec<Value> {
     if !def.custom {
         match (def.group.as_str(), def.plural.as_str()) {
             ("", "pods") => return pod_cells(obj, now),
+            ("" | "events.k8s.io", "events") => return event_cells(obj, now),
             ("", "nodes") => return node_cells(obj, now),
             ("", "namespaces") => {
                 return vec![
@@ -392,6 +482,49 @@ mod tests {
         );
         assert_eq!(t["rows"][0]["object"]["kind"], "PartialObjectMetadata");
         assert_eq!(t["columnDefinitions"][1]["name"], "Ready");
+    }
+
+    #[test]
+    fn event_rows_read_either_version() {
+        let defs = builtins();
+        let core = defs
+            .iter()
+            .find(|d| d.group.is_empty() && d.plural == "events")
+            .unwrap();
+        let new = defs
+            .iter()
+            .find(|d| d.group == "events.k8s.io" && d.plural == "events")
+            .unwrap();
+        let recorded = json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
+            "metadata": {"name": "p.1"}, "eventTime": "2024-01-01T00:09:00.000000Z",
+            "regarding": {"kind": "Pod", "name": "p", "fieldPath": "spec.containers{a}"},
+            "reason": "Started", "type": "Normal", "note": " started ",
+            "reportingController": "ctl", "reportingInstance": "ctl-1"});
+        let row = json!([
+            "60s",
+            "Normal",
+            "Started",
+            "pod/p",
+            "spec.containers{a}",
+            "ctl, ctl-1",
+            "started",
+            "60s",
+            1,
+            "p.1"
+        ]);
+        let t = render(
+            new,
+            std::slice::from_ref(&recorded),
+            IncludeObject::None,
+            true,
+            "1",
+            now(),
+        );
+        assert_eq!(t["rows"][0]["cells"], row);
+        let stored = crate::events::convert(recorded, "v1");
+        let t = render(core, &[stored], IncludeObject::None, true, "1", now());
+        assert_eq!(t["rows"][0]["cells"], row);
+        assert_eq!(t["columnDefinitions"][0]["name"], "Last Seen");
     }
 
     #[test]

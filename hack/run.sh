@@ -84,9 +84,10 @@ done
 kubectl -n "$ns" get vm,vmi,pods -o wide
 [[ $phase == Running ]] || fail "VMI $vm is '${phase:-not created}'; see: kubectl -n $ns describe vmi $vm; kubectl -n $ns get events"
 
-pod=$(kubectl -n "$ns" get pods -l "kubevirt.io/created-by=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.metadata.uid}')" -o jsonpath='{.items[0].metadata.uid}')
-node=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.status.nodeName}')
-vmi_uid=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.metadata.uid}')
+fields=$(kubectl -n "$ns" get vmi "$vm" -o jsonpath='{.metadata.uid} {.status.nodeName}')
+read -r vmi_uid node <<<"$fields"
+fields=$(kubectl -n "$ns" get pods -l "kubevirt.io/created-by=$vmi_uid" -o jsonpath='{.items[0].metadata.uid} {.items[0].status.podIP}')
+read -r pod pod_ip <<<"$fields"
 private=$state/nodes/$node/var/lib/kubelet/pods/$pod/volumes/kubernetes.io~empty-dir/private/$vmi_uid
 log=$private/virt-serial0-log
 
@@ -98,8 +99,6 @@ for _ in $(seq 300); do
 done
 tail -n 25 "$log" || true
 ((ready)) || fail "the guest did not print its ready marker within 300 s; full console log: $log"
-
-pod_ip=$(kubectl -n "$ns" get pods -l "kubevirt.io/created-by=$vmi_uid" -o jsonpath='{.items[0].status.podIP}')
 
 cat <<MSG
 

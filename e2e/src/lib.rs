@@ -299,21 +299,20 @@ impl Stack {
 
     /// Runs kubectl against the stack; its stdout.
     pub fn kubectl(&self, args: &[&str]) -> Result<String, StackError> {
-        run(
-            Command::new("kubectl")
-                .env("KUBECONFIG", self.kubeconfig())
-                .args(args),
-            None,
-        )
+        self.run_kubectl(args, None)
     }
 
     /// Runs kubectl with `input` on its stdin.
     pub fn kubectl_with_input(&self, args: &[&str], input: &str) -> Result<String, StackError> {
+        self.run_kubectl(args, Some(input))
+    }
+
+    fn run_kubectl(&self, args: &[&str], input: Option<&str>) -> Result<String, StackError> {
         run(
             Command::new("kubectl")
                 .env("KUBECONFIG", self.kubeconfig())
                 .args(args),
-            Some(input),
+            input,
         )
     }
 

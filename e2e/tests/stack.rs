@@ -10,6 +10,14 @@ use e2e::{Stack, repo_root, wait_for};
 
 const BOOT: Duration = Duration::from_secs(420);
 
+/// The demo VM or VMI as it is now; a missing one is something to wait for.
+fn demo(stack: &Stack, resource: &str) -> Result<serde_json::Value, String> {
+    stack
+        .get_json("default", resource, "demo")
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("no {resource} default/demo yet"))
+}
+
 #[test]
 fn guest_vm_applied_with_kubectl_boots_and_halts() {
     let stack = Stack::up().expect("the stack comes up");
@@ -19,10 +27,7 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         .expect("kubectl apply of the VM");
 
     let vmi = wait_for("VMI default/demo to run", BOOT, || {
-        let vmi = stack
-            .get_json("default", "vmi", "demo")
-            .map_err(|e| e.to_string())?
-            .ok_or("no VMI yet")?;
+        let vmi = demo(&stack, "vmi")?;
         match vmi["status"]["phase"].as_str() {
             Some("Running") => Ok(Some(vmi)),
             Some(p @ ("Failed" | "Succeeded")) => panic!("VMI ended {p}: {vmi:#}"),
@@ -90,10 +95,7 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         "the guest's address in status.interfaces",
         Duration::from_secs(120),
         || {
-            let vmi = stack
-                .get_json("default", "vmi", "demo")
-                .map_err(|e| e.to_string())?
-                .ok_or("no VMI")?;
+            let vmi = demo(&stack, "vmi")?;
             let iface = &vmi["status"]["interfaces"][0];
             (iface["ipAddress"] == "10.0.2.2" && iface["interfaceName"] == "eth0")
                 .then_some(())
@@ -104,10 +106,7 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
     .expect("virt-handler reports the address the guest took by DHCP");
 
     wait_for("VM status ready", Duration::from_secs(120), || {
-        let vm = stack
-            .get_json("default", "vm", "demo")
-            .map_err(|e| e.to_string())?
-            .ok_or("no VM")?;
+        let vm = demo(&stack, "vm")?;
         (vm["status"]["printableStatus"] == "Running" && vm["status"]["ready"] == true)
             .then_some(())
             .map(Some)

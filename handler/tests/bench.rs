@@ -11,8 +11,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use api::status::{Condition, VirtualMachineInstanceConditionType as Cond};
-use api::{ConditionStatus, VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
+use api::VirtualMachineInstancePhase as Phase;
+use api::status::VirtualMachineInstanceConditionType as Cond;
 use bytes::Bytes;
 use futures::StreamExt as _;
 use handler::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
@@ -63,28 +63,6 @@ impl Vmis for OneVmi {
                 name: name.to_owned(),
             })
     }
-}
-
-fn running_vmi(name: &str, uid: &str, conds: &[Cond]) -> VirtualMachineInstance {
-    let mut v = VirtualMachineInstance::new(name, api::VirtualMachineInstanceSpec::default());
-    v.metadata.namespace = Some("default".into());
-    v.metadata.uid = Some(uid.into());
-    v.status = Some(api::VirtualMachineInstanceStatus {
-        phase: Some(Phase::Running),
-        conditions: conds
-            .iter()
-            .map(|c| Condition {
-                type_: c.clone(),
-                status: ConditionStatus::True,
-                last_probe_time: None,
-                last_transition_time: None,
-                reason: None,
-                message: None,
-            })
-            .collect(),
-        ..Default::default()
-    });
-    v
 }
 
 async fn start(target: Target) -> Server {
@@ -213,7 +191,12 @@ async fn bench_console_throughput_proxied_vs_direct() {
     let serial = dir.path().join("virt-serial0");
     let _peer = streaming_peer(&serial);
     let s = start(Target {
-        vmi: Arc::new(running_vmi("flood", "uid-flood", &[])),
+        vmi: Arc::new(common::vmi_with_conditions(
+            "flood",
+            "uid-flood",
+            Phase::Running,
+            &[],
+        )),
         launcher_socket: dir.path().join("launcher-sock"),
         serial_socket: serial.clone(),
         vnc_socket: dir.path().join("virt-vnc"),
@@ -303,7 +286,12 @@ async fn bench_rest_pause_unpause_latency() {
     // The server refuses pause on a VMI whose status says Paused and unpause on one that does
     // not: one server per status, as the handler's status would flip between calls.
     let target = |conds: &[Cond]| Target {
-        vmi: Arc::new(running_vmi("bench", uid, conds)),
+        vmi: Arc::new(common::vmi_with_conditions(
+            "bench",
+            uid,
+            Phase::Running,
+            conds,
+        )),
         launcher_socket: launcher.socket.clone(),
         serial_socket: vm_dir.join("virt-serial0"),
         vnc_socket: vm_dir.join("virt-vnc"),

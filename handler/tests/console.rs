@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use api::status::{Condition, VirtualMachineInstanceConditionType as Cond};
-use api::{ConditionStatus, VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
+use api::status::VirtualMachineInstanceConditionType as Cond;
+use api::{VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use bytes::Bytes;
 use futures::{SinkExt as _, StreamExt as _};
 use handler::server::{self, Limits, LookupError, Target, Vmis};
@@ -106,28 +106,6 @@ impl Vmis for StaticVmis {
             name: name.to_owned(),
         })
     }
-}
-
-fn vmi(name: &str, uid: &str, phase: Phase, conds: &[Cond]) -> VirtualMachineInstance {
-    let mut v = VirtualMachineInstance::new(name, api::VirtualMachineInstanceSpec::default());
-    v.metadata.namespace = Some("default".into());
-    v.metadata.uid = Some(uid.into());
-    v.status = Some(api::VirtualMachineInstanceStatus {
-        phase: Some(phase),
-        conditions: conds
-            .iter()
-            .map(|c| Condition {
-                type_: c.clone(),
-                status: ConditionStatus::True,
-                last_probe_time: None,
-                last_transition_time: None,
-                reason: None,
-                message: None,
-            })
-            .collect(),
-        ..Default::default()
-    });
-    v
 }
 
 fn target(v: VirtualMachineInstance, dir: &Path) -> Target {
@@ -353,7 +331,10 @@ async fn fixture(limits: Limits) -> Fixture {
         let p = d.path().to_owned();
         vmis.here.insert(
             ("default".into(), name.into()),
-            target(vmi(name, &format!("uid-{name}"), phase, conds), &p),
+            target(
+                common::vmi_with_conditions(name, &format!("uid-{name}"), phase, conds),
+                &p,
+            ),
         );
         dirs.push(d);
         p
@@ -588,7 +569,12 @@ async fn guest_console_rest_and_agent_through_the_server() {
         .unwrap_or_else(|e| panic!("{e}\n{}", launcher.log()));
     let vm_dir = launcher.private_dir().join(uid);
     let running = |conds: &[Cond]| Target {
-        vmi: Arc::new(vmi("real", uid, Phase::Running, conds)),
+        vmi: Arc::new(common::vmi_with_conditions(
+            "real",
+            uid,
+            Phase::Running,
+            conds,
+        )),
         launcher_socket: launcher.socket.clone(),
         serial_socket: vm_dir.join("virt-serial0"),
         vnc_socket: vm_dir.join("virt-vnc"),

@@ -149,6 +149,34 @@ pub fn kernel_vmi(name: &str, uid: &str) -> api::VirtualMachineInstance {
 }
 
 /// Installs our CRDs (`manifests/crds/`) and waits until VMIs are served.
+/// A VMI in `phase` whose `conds` are True, as the console server's lookup sees it.
+pub fn vmi_with_conditions(
+    name: &str,
+    uid: &str,
+    phase: api::VirtualMachineInstancePhase,
+    conds: &[api::status::VirtualMachineInstanceConditionType],
+) -> api::VirtualMachineInstance {
+    let mut v = api::VirtualMachineInstance::new(name, api::VirtualMachineInstanceSpec::default());
+    v.metadata.namespace = Some("default".into());
+    v.metadata.uid = Some(uid.into());
+    v.status = Some(api::VirtualMachineInstanceStatus {
+        phase: Some(phase),
+        conditions: conds
+            .iter()
+            .map(|c| api::status::Condition {
+                type_: c.clone(),
+                status: api::ConditionStatus::True,
+                last_probe_time: None,
+                last_transition_time: None,
+                reason: None,
+                message: None,
+            })
+            .collect(),
+        ..Default::default()
+    });
+    v
+}
+
 pub async fn install_crds(client: &kube::Client) {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::api::{Api, ListParams, PostParams};

@@ -22,7 +22,7 @@ hack/guest/build.sh
 guest=${KUBEVIRT_RS_GUEST_DIR:-$repo/.cache/guest}
 
 step "building localcluster, virt-controller, virt-handler, virt-launcher, container-disk"
-cargo build --locked -p localcluster -p controller -p handler -p launcher -p containerdisk --bins
+CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p controller -p handler -p launcher -p containerdisk --bins
 bins=${CARGO_TARGET_DIR:-$repo/target}/debug
 
 state=${LOCALCLUSTER_DIR:-$HOME/.localcluster}

@@ -5,8 +5,12 @@
 //! identity page tables, enables PAE, long mode and paging, and only then writes to
 //! `isa-debug-exit`. If QEMU exits with the code that write produces, KVM can run a kernel.
 
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::process::Stdio;
+
+use nix::sys::memfd::{MFdFlags, memfd_create};
 use std::time::Duration;
 
 use tokio::process::Command;
@@ -76,7 +80,7 @@ pub enum Probe {
 }
 
 /// Runs the probe firmware under `accel` and reports whether it reached the exit port.
-pub async fn probe(qemu: &Path, accel: Accel, scratch: &Path) -> Probe {
+pub async fn probe(qemu: &Path, accel: Accel) -> Probe {
     if accel == Accel::Kvm {
         if let Err(e) = std::fs::OpenOptions::new()
             .read(true)
@@ -86,10 +90,10 @@ pub async fn probe(qemu: &Path, accel: Accel, scratch: &Path) -> Probe {
             return Probe::Fails(format!("cannot open /dev/kvm: {e}"));
         }
     }
-    let fw = scratch.join(format!("accel-probe-{}.bin", std::process::id()));
-    if let Err(e) = std::fs::write(&fw, probe_firmware()) {
-        return Probe::Fails(format!("cannot write probe firmware {}: {e}", fw.display()));
-    }
+    let firmware = match firmware_memfd() {
+        Ok(fd) => fd,
+        Err(e) => return Probe::Fails(format!("cannot hold the probe firmware in a memfd: {e}")),
+    };
     let mut cmd = Command::new(qemu);
     cmd.args(["-machine", "pc", "-accel"])
         .arg(accel.to_string())
@@ -104,13 +108,14 @@ pub async fn probe(qemu: &Path, accel: Accel, scratch: &Path) -> Probe {
             "isa-debug-exit,iobase=0xf4,iosize=0x04",
             "-bios",
         ])
-        .arg(&fw)
+        .arg(format!("/proc/self/fd/{}", firmware.as_raw_fd()))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
     // A broken KVM never finishes the probe: it must not outlive a launcher that exits early.
     crate::child::die_with_launcher(&mut cmd);
+    inherit_in_child(&mut cmd, firmware.as_raw_fd());
     let result = match cmd.spawn() {
         Err(e) => Probe::Fails(format!("cannot run {}: {e}", qemu.display())),
         Ok(child) => match tokio::time::timeout(PROBE_TIMEOUT, child.wait_with_output()).await {
@@ -126,17 +131,37 @@ pub async fn probe(qemu: &Path, accel: Accel, scratch: &Path) -> Probe {
             )),
         },
     };
-    let _ = std::fs::remove_file(&fw);
+    drop(firmware);
     result
 }
 
+/// The firmware lives in memory only: a file would be left behind whenever a launcher is killed
+/// mid-probe (tests and pod deletions do that), one per launcher.
+fn firmware_memfd() -> std::io::Result<OwnedFd> {
+    let fd = memfd_create(c"kubevirt-rs-accel-probe", MFdFlags::MFD_CLOEXEC)?;
+    let mut file = std::fs::File::from(fd);
+    file.write_all(&probe_firmware())?;
+    Ok(OwnedFd::from(file))
+}
+
+/// The memfd is close-on-exec so no other child of the launcher inherits it; only the probe's
+/// QEMU, which opens it by its `/proc/self/fd` path, keeps it across exec.
+fn inherit_in_child(cmd: &mut Command, fd: RawFd) {
+    // SAFETY: fcntl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// KVM when it runs guest code, else TCG when emulation is allowed.
-pub async fn choose(
-    qemu: &Path,
-    allow_emulation: bool,
-    scratch: &Path,
-) -> Result<(Accel, Option<String>), String> {
-    match probe(qemu, Accel::Kvm, scratch).await {
+pub async fn choose(qemu: &Path, allow_emulation: bool) -> Result<(Accel, Option<String>), String> {
+    match probe(qemu, Accel::Kvm).await {
         Probe::Works => Ok((Accel::Kvm, None)),
         Probe::Fails(why) if allow_emulation => Ok((Accel::Tcg, Some(why))),
         Probe::Fails(why) => Err(why),
@@ -158,15 +183,13 @@ mod tests {
     /// The payload itself is proven under TCG, so a KVM failure means KVM, not the payload.
     #[tokio::test]
     async fn probe_payload_runs_under_tcg() {
-        let dir = tempfile::tempdir().unwrap();
         let qemu = Path::new("qemu-system-x86_64");
-        assert_eq!(probe(qemu, Accel::Tcg, dir.path()).await, Probe::Works);
+        assert_eq!(probe(qemu, Accel::Tcg).await, Probe::Works);
     }
 
     #[tokio::test]
     async fn missing_binary_is_reported() {
-        let dir = tempfile::tempdir().unwrap();
-        match probe(Path::new("/nonexistent/qemu"), Accel::Tcg, dir.path()).await {
+        match probe(Path::new("/nonexistent/qemu"), Accel::Tcg).await {
             Probe::Fails(why) => assert!(why.contains("/nonexistent/qemu"), "{why}"),
             Probe::Works => panic!("a missing binary cannot work"),
         }

@@ -197,11 +197,7 @@ impl Launcher {
     async fn accel(&self) -> Result<Accel, Error> {
         let r = self
             .accel
-            .get_or_init(|| async {
-                let scratch = std::env::temp_dir();
-                crate::accel::choose(&self.cfg.qemu_binary, self.cfg.allow_emulation, &scratch)
-                    .await
-            })
+            .get_or_init(|| crate::accel::choose(&self.cfg.qemu_binary, self.cfg.allow_emulation))
             .await;
         match r {
             Ok((accel, why)) => {

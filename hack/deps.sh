@@ -8,6 +8,7 @@ packages=(
   qemu-utils        # qemu-img: overlays, empty disks, test images
   ovmf              # EFI firmware for efi VMIs
   nftables          # masquerade binding
+  isc-dhcp-client   # dhclient -6: a real DHCPv6 client against the launcher's server (network tests)
   iproute2          # netns, veth, bridges, taps
   cpio              # packing the test guest's initramfs
   xz-utils zstd     # unpacking kernel modules from Debian packages

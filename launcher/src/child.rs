@@ -16,3 +16,18 @@ pub fn die_with_launcher(cmd: &mut Command) {
         });
     }
 }
+
+/// Lets the child inherit `fd` (Rust opens every descriptor close-on-exec). Only the child's
+/// copy changes: the flag is cleared after the fork.
+pub fn inherit_fd(cmd: &mut Command, fd: std::os::fd::RawFd) {
+    // SAFETY: fcntl(F_SETFD) is async-signal-safe and changes only the child's descriptor
+    // table; `fd` is open in the parent until after the spawn, so it is open in the child.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}

@@ -14,8 +14,8 @@ use crate::paths::Dirs;
 use crate::prepare::{Prep, Seed};
 use crate::qemu::{
     Accel, AgentChannel, CacheMode, Controllers, Cpu, Disk, DiskSource, Firmware, Frontend,
-    ImageFormat, KernelBoot, Machine, MachineKind, Memory, Nic, NicModel, QemuConfig, SATA_PORTS,
-    SerialPort, Smbios, Vnc,
+    ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic, NicModel, QemuConfig,
+    SATA_PORTS, SerialPort, Smbios, Vnc,
 };
 use crate::quantity;
 
@@ -369,7 +369,7 @@ pub fn convert(
         controllers,
         disks,
         nics,
-        qmp_socket: dirs.qmp_socket(&uid),
+        monitor: Monitor::Socket(dirs.qmp_socket(&uid)),
         serial: devices
             .autoattach_serial_console
             .unwrap_or(true)

@@ -2,8 +2,9 @@
 //! its exit, and applies what a later sync may change (hotplugged disks).
 
 use std::collections::{BTreeSet, VecDeque};
+use std::os::fd::AsRawFd as _;
 use std::os::unix::fs::FileTypeExt as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
@@ -23,7 +24,7 @@ use crate::domain::{DiskStatus, Domain, DomainState, InterfaceStatus};
 use crate::error::Error;
 use crate::paths::Dirs;
 use crate::prepare;
-use crate::qemu::{Accel, Disk, Frontend, MachineKind, QemuConfig};
+use crate::qemu::{Accel, Disk, Frontend, MachineKind, Monitor};
 use crate::state::{LastWords, Requested, final_state};
 
 /// Everything the launcher is told on its command line.
@@ -227,7 +228,21 @@ impl Launcher {
         let running = ops.uid.clone().or_else(|| self.cfg.uid.clone());
         if let Some(running) = running {
             if running != offered {
-                return Err(Error::UidMismatch { running, offered });
+                let e = Error::UidMismatch { running, offered };
+                // The refusal shows in the domain too, where virt-handler looks; a domain that
+                // exists (running or final) keeps its state and only carries the error.
+                let message = e.to_string();
+                let exists = ops.vm.is_some();
+                self.update(|d| {
+                    if exists {
+                        d.sync_error = Some(message);
+                    } else {
+                        d.state = DomainState::NoState;
+                        d.reason = "FailedSync".into();
+                        d.message = Some(message);
+                    }
+                });
+                return Err(e);
             }
         }
         let live = ops.vm.as_ref().is_some_and(|vm| !vm.exited());
@@ -301,7 +316,12 @@ impl Launcher {
         // Before QEMU, so the guest's first DHCP request finds a server.
         let resolv = std::fs::read_to_string(crate::net::RESOLV_CONF).unwrap_or_default();
         let dhcp = crate::net::Dhcp::start(vmi, &plan.config.nics, &host.network, &resolv)?;
-        let config = plan.config;
+        let qmp_socket = dirs.qmp_socket(&uid);
+        let monitor = std::os::unix::net::UnixListener::bind(&qmp_socket).map_err(Error::io(
+            format!("binding the QMP socket {}", qmp_socket.display()),
+        ))?;
+        let mut config = plan.config;
+        config.monitor = Monitor::ListeningFd(monitor.as_raw_fd());
         let argv = config.argv();
         tracing::info!(qemu = %self.cfg.qemu_binary.display(), argv = ?argv, "starting QEMU");
 
@@ -312,6 +332,7 @@ impl Launcher {
             .stderr(Stdio::piped())
             .kill_on_drop(true);
         crate::child::die_with_launcher(&mut cmd);
+        crate::child::inherit_fd(&mut cmd, monitor.as_raw_fd());
         let mut child = cmd.spawn().map_err(|e| Error::QemuStart {
             binary: self.cfg.qemu_binary.display().to_string(),
             message: e.to_string(),
@@ -359,9 +380,20 @@ impl Launcher {
             }
         };
 
-        let started = self
-            .connect_and_verify(&config, accel, &mut exit_rx, &tail_text)
-            .await;
+        // Queued in the listener's backlog at once; QEMU accepts it when its main loop runs.
+        let qmp_stream = tokio::net::UnixStream::connect(&qmp_socket).await;
+        // QEMU has its own copy; ours would keep the socket alive after QEMU is gone.
+        drop(monitor);
+        let started = match qmp_stream {
+            Ok(stream) => {
+                self.connect_and_verify(stream, &qmp_socket, accel, &mut exit_rx, &tail_text)
+                    .await
+            }
+            Err(e) => Err(Error::io(format!(
+                "connecting to the QMP socket {}",
+                qmp_socket.display()
+            ))(e)),
+        };
         let (qmp, vcpus) = match started {
             Ok(v) => v,
             Err(e) => {
@@ -462,7 +494,8 @@ impl Launcher {
 
     async fn connect_and_verify(
         &self,
-        config: &QemuConfig,
+        stream: tokio::net::UnixStream,
+        socket: &Path,
         accel: Accel,
         exit_rx: &mut watch::Receiver<Option<ExitStatus>>,
         tail: &impl Fn() -> String,
@@ -475,27 +508,30 @@ impl Launcher {
             let _ = exit_rx.wait_for(Option::is_some).await;
         };
         let qmp = tokio::select! {
-            r = qmp::QmpClient::connect(&config.qmp_socket, &opts) => r?,
+            r = qmp::QmpClient::from_stream(stream, socket, &opts) => r?,
             () = exited => {
                 let status = exit_rx.borrow().map(|s| s.to_string()).unwrap_or_default();
                 return Err(Error::QemuExited(format!("{status}: {}", tail())));
             }
         };
-        let status = qmp.execute(qmp::qapi::qmp::query_status {}).await?;
+        // One round trip for the three checks: the client matches replies by id.
+        let (status, kvm, cpus) = tokio::try_join!(
+            qmp.execute(qmp::qapi::qmp::query_status {}),
+            qmp.execute_raw("query-kvm", json!({})),
+            qmp.execute_raw("query-cpus-fast", json!({})),
+        )?;
         if status.running {
             return Err(Error::QemuExited(format!(
                 "QEMU is running before it was told to ({:?}); refusing to supervise it",
                 status.status
             )));
         }
-        let kvm = qmp.execute_raw("query-kvm", json!({})).await?;
         let kvm_on = kvm["enabled"].as_bool().unwrap_or(false);
         if kvm_on != (accel == Accel::Kvm) {
             return Err(Error::QemuExited(format!(
                 "QEMU reports KVM enabled={kvm_on}, but {accel} was chosen"
             )));
         }
-        let cpus = qmp.execute_raw("query-cpus-fast", json!({})).await?;
         let vcpus = cpus
             .as_array()
             .map(|a| a.iter().filter_map(|c| c["thread-id"].as_i64()).collect())

@@ -156,3 +156,43 @@ fn ready_means_the_socket_exists_and_answers() {
     });
     assert_eq!(lines[0]["state"], "NoState");
 }
+
+/// A second sync with another uid: refused with 409 before a domain exists (`--uid` names the
+/// VMI) and while one runs, said in the domain state, and the running QEMU is left alone.
+/// QEMU runs SeaBIOS with nothing to boot: enough to have a running domain, cheap under TCG.
+#[test]
+fn guest_second_sync_with_another_uid_keeps_the_running_domain() {
+    let id = uid();
+    let l = Launcher::start(&["--uid", &id, "--keep-after-shutdown"]);
+    let spec = json!({
+        "domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {}},
+    });
+    let foreign = uid();
+    let (status, e) = l.sync(&vmi("other", &foreign, spec.clone()));
+    assert_eq!(status, 409, "{e}");
+    assert_eq!(e["code"], "UIDMismatch");
+    let msg = e["message"].as_str().unwrap();
+    assert!(msg.contains(&id) && msg.contains(&foreign), "{msg}");
+    let d = l.domain();
+    assert_eq!(d["state"], "NoState", "{d}");
+    assert_eq!(d["reason"], "FailedSync");
+    assert_eq!(d["message"], msg);
+
+    let (status, d) = l.sync(&vmi("mine", &id, spec.clone()));
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    assert_eq!(d["state"], "Running");
+    assert!(d.get("message").is_none(), "{d}");
+    let pid = d["qemuPid"].as_i64().unwrap();
+
+    let (status, e) = l.sync(&vmi("other", &foreign, spec));
+    assert_eq!(status, 409, "{e}");
+    assert_eq!(e["code"], "UIDMismatch");
+    let d = l.domain();
+    assert_eq!(d["state"], "Running", "{d}");
+    assert_eq!(d["qemuPid"], pid);
+    assert_eq!(d["uid"], id.as_str());
+    assert_eq!(d["syncError"], e["message"]);
+    assert!(common::process_alive(pid));
+    let d = l.post("/v1/kill");
+    assert_eq!(d["state"], "Shutoff", "{d}");
+}

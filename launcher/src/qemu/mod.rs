@@ -556,6 +556,37 @@ impl Args for Vnc {
     }
 }
 
+/// Where QEMU serves QMP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Monitor {
+    /// QEMU creates the socket and listens on it.
+    Socket(PathBuf),
+    /// A socket the launcher has already bound and listens on, inherited as this descriptor.
+    /// The launcher can connect at once and wait for the greeting, instead of polling for a
+    /// socket QEMU has not created yet (libvirt passes its monitor socket the same way).
+    ListeningFd(i32),
+}
+
+impl Args for Monitor {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        match self {
+            Monitor::Socket(path) => SocketChardev {
+                id: "charmonitor",
+                path: path.clone(),
+            }
+            .push_args(argv),
+            Monitor::ListeningFd(fd) => {
+                let p = Props::new()
+                    .set("id", "charmonitor")
+                    .set("fd", fd.to_string())
+                    .set("server", true)
+                    .set("wait", false);
+                push(argv, "-chardev", p.keyval_with("socket"));
+            }
+        }
+    }
+}
+
 /// Controllers that exist only when something needs them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Controllers {
@@ -602,7 +633,7 @@ pub struct QemuConfig {
     pub controllers: Controllers,
     pub disks: Vec<Disk>,
     pub nics: Vec<Nic>,
-    pub qmp_socket: PathBuf,
+    pub monitor: Monitor,
     pub serial: Option<SerialPort>,
     pub agent: Option<AgentChannel>,
     pub vnc: Option<Vnc>,
@@ -640,11 +671,7 @@ impl QemuConfig {
         if let Some(k) = &self.kernel_boot {
             k.push_args(&mut a);
         }
-        SocketChardev {
-            id: "charmonitor",
-            path: self.qmp_socket.clone(),
-        }
-        .push_args(&mut a);
+        self.monitor.push_args(&mut a);
         push(
             &mut a,
             "-mon",
@@ -766,6 +793,25 @@ mod tests {
         assert!(rendered.starts_with("ide-cd,id=ua-cd,drive="));
         assert!(rendered.contains("bus=sata0.3"));
         assert!(!rendered.contains("write-cache"));
+    }
+
+    #[test]
+    fn monitor_is_a_socket_path_or_an_inherited_listener() {
+        let mut argv = Vec::new();
+        Monitor::ListeningFd(7).push_args(&mut argv);
+        assert_eq!(
+            argv,
+            ["-chardev", "socket,id=charmonitor,fd=7,server=on,wait=off"]
+        );
+        argv.clear();
+        Monitor::Socket("/run/a,b/qmp.sock".into()).push_args(&mut argv);
+        assert_eq!(
+            argv,
+            [
+                "-chardev",
+                "socket,id=charmonitor,path=/run/a,,b/qmp.sock,server=on,wait=off"
+            ]
+        );
     }
 
     #[test]

@@ -456,3 +456,104 @@ pub fn process_alive(pid: i64) -> bool {
             .unwrap_or_default()
             .contains(") Z ")
 }
+
+fn run_tool(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// A loop device over a file: a real block device for a block-mode PVC. Detached on drop
+/// (deferred by the kernel until QEMU has closed it).
+#[derive(Debug)]
+pub struct LoopDevice {
+    pub path: PathBuf,
+}
+
+impl LoopDevice {
+    pub fn attach(file: &Path) -> Self {
+        let path = run_tool(
+            Command::new("losetup")
+                .arg("--find")
+                .arg("--show")
+                .arg(file),
+        );
+        Self { path: path.into() }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.path).status();
+    }
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+fn meminfo(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim_start_matches(':').trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in /proc/meminfo"))
+}
+
+/// 2 MiB hugepages reserved for the test and a hugetlbfs mount to hand to the launcher. The
+/// reservation is restored and the mount detached on drop.
+#[derive(Debug)]
+pub struct Hugepages {
+    pub mount: tempfile::TempDir,
+    before: String,
+    mounted: bool,
+}
+
+impl Hugepages {
+    pub fn reserve(pages: u64) -> Self {
+        let before = std::fs::read_to_string(NR_HUGEPAGES).unwrap();
+        let want = before.trim().parse::<u64>().unwrap() + pages;
+        let mut h = Self {
+            mount: tempfile::Builder::new()
+                .prefix("hugetlbfs")
+                .tempdir()
+                .unwrap(),
+            before,
+            mounted: false,
+        };
+        std::fs::write(NR_HUGEPAGES, want.to_string()).unwrap();
+        let got = meminfo("HugePages_Total");
+        assert!(
+            got >= want,
+            "this machine reserved only {got} of {want} 2 MiB hugepages"
+        );
+        run_tool(
+            Command::new("mount")
+                .args(["-t", "hugetlbfs", "-o", "pagesize=2M", "hugetlbfs"])
+                .arg(h.mount.path()),
+        );
+        h.mounted = true;
+        h
+    }
+
+    /// Pages taken (allocated or reserved) by someone.
+    pub fn in_use() -> u64 {
+        meminfo("HugePages_Total") - meminfo("HugePages_Free") + meminfo("HugePages_Rsvd")
+    }
+}
+
+impl Drop for Hugepages {
+    fn drop(&mut self) {
+        if self.mounted {
+            // Lazy: the killed QEMU may still hold its backing file for a moment.
+            let _ = Command::new("umount")
+                .arg("--lazy")
+                .arg(self.mount.path())
+                .status();
+        }
+        let _ = std::fs::write(NR_HUGEPAGES, self.before.trim());
+    }
+}

@@ -738,6 +738,22 @@ async fn sync_vmi(s: &Shared, key: &str) {
         }
     }
 
+    if let Some((pod_name, condition)) = out.pod_condition {
+        // A strategic merge patch merges conditions by type, so the kubelet's stay as they are.
+        let patch = json!({"status": {"conditions": [condition]}});
+        if let Err(e) = pods_api
+            .patch_status(&pod_name, &PatchParams::default(), &Patch::Strategic(patch))
+            .await
+        {
+            retry_later(
+                &s.vmi_q,
+                key,
+                "setting the launcher pod's unpaused condition",
+                &e,
+            );
+        }
+    }
+
     // One Event per field at fault, when the validation condition first appears.
     let was_invalid = old_status
         .condition(&api::status::VirtualMachineInstanceConditionType::Synchronized)

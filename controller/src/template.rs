@@ -37,7 +37,8 @@ pub const KVM_RESOURCE: &str = "devices.kubevirt.io/kvm";
 pub const TUN_RESOURCE: &str = "devices.kubevirt.io/tun";
 /// The vhost-net device plugin resource.
 pub const VHOST_NET_RESOURCE: &str = "devices.kubevirt.io/vhost-net";
-/// Readiness gate virt-handler flips when the guest is not paused.
+/// The launcher pod's readiness gate: virt-controller sets the pod condition of this type
+/// `True` while the guest is not paused (`vmi::unpaused_condition`).
 pub const UNPAUSED_READINESS_GATE: &str = "kubevirt.io/virtual-machine-unpaused";
 /// KubeVirt's default VMI termination grace period.
 pub const DEFAULT_GRACE_PERIOD_SECONDS: i64 = 30;

@@ -9,11 +9,12 @@ use api::status::{
 };
 use api::validation::FieldError;
 use api::{VirtualMachineInstance, VirtualMachineInstancePhase, VirtualMachineInstanceStatus};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::events;
+use crate::template::UNPAUSED_READINESS_GATE;
 
 /// Label naming the node a VMI was scheduled to (virt-handler selects its VMIs by it).
 pub const NODE_NAME_LABEL: &str = "kubevirt.io/nodeName";
@@ -76,6 +77,8 @@ pub struct VmiSync {
     pub node_label: Option<String>,
     /// The VMI is final and its pods are gone: drop the VMI finalizer.
     pub release_finalizer: bool,
+    /// Write this condition into the status of the launcher pod of this name.
+    pub pod_condition: Option<(String, PodCondition)>,
 }
 
 fn pod_phase(pod: &Pod) -> &str {
@@ -191,6 +194,41 @@ fn image_pull_problem(pod: &Pod) -> Option<(&'static str, String)> {
     })
 }
 
+/// The condition behind the launcher pod's readiness gate, when the pod's must change
+/// (KubeVirt's `syncPausedConditionToPod`): `True` while the guest is not paused, `False` once
+/// virt-handler reports it `Paused`, so a paused guest's pod leaves its Services' endpoints.
+/// As KubeVirt, a pod that never had the condition `True` is left without it while paused.
+pub fn unpaused_condition(
+    status: &VirtualMachineInstanceStatus,
+    pod: &Pod,
+    now: Timestamp,
+) -> Option<PodCondition> {
+    let paused = status
+        .condition(&VirtualMachineInstanceConditionType::Paused)
+        .is_some_and(|c| c.status == ConditionStatus::True);
+    let unpaused_now = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| c.type_ == UNPAUSED_READINESS_GATE && c.status == "True");
+    let (cond_status, reason, message) = match (paused, unpaused_now) {
+        (true, true) => ("False", "Paused", "the virtual machine is paused"),
+        (false, false) => ("True", "NotPaused", "the virtual machine is not paused"),
+        _ => return None,
+    };
+    Some(PodCondition {
+        type_: UNPAUSED_READINESS_GATE.into(),
+        status: cond_status.into(),
+        reason: Some(reason.into()),
+        message: Some(message.into()),
+        last_probe_time: Some(Time(now)),
+        last_transition_time: Some(Time(now)),
+        ..PodCondition::default()
+    })
+}
+
 /// One sync of `vmi`, given its launcher pods and the problems validation found.
 pub fn sync(
     vmi: &VirtualMachineInstance,
@@ -208,6 +246,7 @@ pub fn sync(
         status: VirtualMachineInstanceStatus::default(),
         node_label: None,
         release_finalizer: false,
+        pod_condition: None,
     };
     let phase = status.phase.clone();
     let final_ = phase
@@ -281,6 +320,10 @@ pub fn sync(
 
     if unprocessed {
         set_phase(&mut status, Ph::Scheduling, now);
+    }
+    if !pod_over {
+        out.pod_condition = unpaused_condition(&status, pod, now)
+            .and_then(|c| Some((pod.metadata.name.clone()?, c)));
     }
 
     // Scheduling problems and image pulls show on the VMI while it waits for its pod.
@@ -636,5 +679,100 @@ mod tests {
             sync_c.message.as_deref(),
             Some("container volumedisk0: not found")
         );
+    }
+
+    fn paused(v: &mut VirtualMachineInstance, status: ConditionStatus) {
+        v.status
+            .get_or_insert_default()
+            .conditions
+            .push(VirtualMachineInstanceCondition {
+                type_: VirtualMachineInstanceConditionType::Paused,
+                status,
+                last_probe_time: None,
+                last_transition_time: None,
+                reason: None,
+                message: None,
+            });
+    }
+
+    fn with_unpaused(mut p: Pod, status: &str) -> Pod {
+        p.status.get_or_insert_default().conditions = Some(vec![PodCondition {
+            type_: UNPAUSED_READINESS_GATE.into(),
+            status: status.into(),
+            ..PodCondition::default()
+        }]);
+        p
+    }
+
+    #[test]
+    fn unpaused_pod_condition_follows_the_paused_vmi() {
+        let running = pod("Running", Some("n1"));
+        let mut is_paused = vmi(Some(Ph::Running));
+        paused(&mut is_paused, ConditionStatus::True);
+        let mut was_paused = vmi(Some(Ph::Running));
+        paused(&mut was_paused, ConditionStatus::False);
+        let cases = vec![
+            (
+                "new pod of a running guest",
+                vmi(Some(Ph::Running)),
+                running.clone(),
+                Some("True"),
+            ),
+            (
+                "new pod while scheduling",
+                vmi(Some(Ph::Pending)),
+                pod("Pending", None),
+                Some("True"),
+            ),
+            (
+                "already True",
+                vmi(Some(Ph::Running)),
+                with_unpaused(running.clone(), "True"),
+                None,
+            ),
+            (
+                "paused: True -> False",
+                is_paused.clone(),
+                with_unpaused(running.clone(), "True"),
+                Some("False"),
+            ),
+            (
+                "paused and already False",
+                is_paused.clone(),
+                with_unpaused(running.clone(), "False"),
+                None,
+            ),
+            ("paused, never had it", is_paused, running.clone(), None),
+            (
+                "unpaused again: False -> True",
+                was_paused,
+                with_unpaused(running.clone(), "False"),
+                Some("True"),
+            ),
+            (
+                "failed pod left alone",
+                vmi(Some(Ph::Running)),
+                pod("Failed", Some("n1")),
+                None,
+            ),
+        ];
+        for (name, v, p, want) in cases {
+            let out = sync(&v, &[p], &[], now());
+            let got = out.pod_condition.map(|(pod_name, c)| {
+                assert_eq!(pod_name, "virt-launcher-a-xyz12", "{name}");
+                assert_eq!(c.type_, UNPAUSED_READINESS_GATE, "{name}");
+                assert_eq!(
+                    c.reason.as_deref(),
+                    Some(if c.status == "True" {
+                        "NotPaused"
+                    } else {
+                        "Paused"
+                    }),
+                    "{name}"
+                );
+                c.status
+            });
+            assert_eq!(got.as_deref(), want, "{name}");
+        }
     }
 }

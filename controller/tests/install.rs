@@ -14,30 +14,15 @@ use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBind
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
 
+mod common;
+use common::kubectl;
+
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn manifests(sub: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../manifests")
         .join(sub)
-}
-
-/// Async, so that the in-process API server keeps serving while kubectl runs.
-async fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
-    let out = tokio::process::Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(args)
-        .output()
-        .await
-        .expect("running kubectl (is it on PATH?)");
-    assert!(
-        out.status.success(),
-        "kubectl {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
 }
 
 async fn pods(client: &kube::Client, app: &str, want: usize) -> Vec<Pod> {
@@ -135,6 +120,10 @@ async fn install_manifests_apply_and_render_the_components() {
         .rules
         .unwrap();
     assert!(grants(&controller, "pods", "create"));
+    assert!(
+        grants(&controller, "pods/status", "patch"),
+        "the unpaused condition"
+    );
     assert!(grants(&controller, "virtualmachineinstances", "create"));
     let handler = Api::<ClusterRole>::all(client.clone())
         .get("kubevirt-handler")

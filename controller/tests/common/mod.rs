@@ -1,0 +1,22 @@
+//! Helpers the integration test files share.
+
+use std::path::Path;
+
+/// Runs the real `kubectl` against `kubeconfig`; panics with its output when it fails.
+/// Async, so that the in-process API server keeps serving while kubectl runs.
+pub async fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
+    let out = tokio::process::Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .await
+        .expect("running kubectl (is it on PATH?)");
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}

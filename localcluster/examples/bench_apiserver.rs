@@ -1,8 +1,12 @@
-//! Figures for the API server: write throughput, watch fan-out and memory per stored object.
+//! Figures for the API server: write throughput, watch fan-out and memory per stored object;
+//! then the scheduler's throughput.
 //!
-//! `cargo run --release -p localcluster --example bench_apiserver [-- OBJECTS WATCHERS]` (defaults 10000 and
-//! 100). Client and server share the process, so the figures include the client's share of the
-//! work; memory is the growth of this process's resident set while the objects are created.
+//! `cargo run --release -p localcluster --example bench_apiserver [-- OBJECTS WATCHERS PODS]`
+//! (defaults 10000, 100 and 1000). Client and server share the process, so the figures include
+//! the client's share of the work; memory is the growth of this process's resident set while
+//! the objects are created. The scheduler places PODS pods over 10 nodes (created 32 at a
+//! time, as fast as the server takes them) and the figure is pods bound per second from the
+//! first create to the last binding.
 
 // Counts become f64 only to print rates; precision beyond 2^52 does not matter there.
 #![allow(clippy::cast_precision_loss)]
@@ -10,7 +14,7 @@
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt as _, TryStreamExt as _};
-use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod};
 use kube::Api;
 use kube::api::{ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use serde_json::json;
@@ -31,6 +35,7 @@ async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let objects: usize = args.next().map_or(Ok(10_000), |a| a.parse())?;
     let watchers: usize = args.next().map_or(Ok(100), |a| a.parse())?;
+    let pods: usize = args.next().map_or(Ok(1000), |a| a.parse())?;
     let server = localcluster::ApiServer::start(localcluster::Config {
         history_window: objects * 2,
         ..localcluster::Config::default()
@@ -126,6 +131,87 @@ async fn main() -> anyhow::Result<()> {
         fanout.as_secs_f64(),
         delivered as f64 / fanout.as_secs_f64()
     );
+    scheduler_throughput(&client, pods).await?;
     server.shutdown().await;
+    Ok(())
+}
+
+/// Creates `n` pending pods over 10 Ready nodes and prints how fast the scheduler binds them.
+async fn scheduler_throughput(client: &kube::Client, n: usize) -> anyhow::Result<()> {
+    const NODES: usize = 10;
+    let nodes: Api<Node> = Api::all(client.clone());
+    for i in 0..NODES {
+        let name = format!("bench-node-{i}");
+        nodes
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {"name": name}}))?,
+            )
+            .await?;
+        nodes
+            .patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {
+                    "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "10k"},
+                    "conditions": [{"type": "Ready", "status": "True"}]}})),
+            )
+            .await?;
+    }
+    let scheduler = tokio::spawn(localcluster::scheduler::run(
+        client.clone(),
+        localcluster::scheduler::DEFAULT_SCHEDULER.into(),
+        Duration::from_secs(5),
+    ));
+    let api: Api<Pod> = Api::namespaced(client.clone(), "default");
+    // Counts bindings as the watch reports them, from before the first create.
+    let rv = api
+        .list(&ListParams::default().limit(1))
+        .await?
+        .metadata
+        .resource_version
+        .unwrap_or_default();
+    let mut stream = api.watch(&WatchParams::default(), &rv).await?.boxed();
+    let bound = tokio::spawn(async move {
+        let mut seen = std::collections::HashSet::new();
+        while seen.len() < n {
+            match tokio::time::timeout(Duration::from_secs(600), stream.try_next()).await?? {
+                Some(WatchEvent::Modified(p) | WatchEvent::Added(p))
+                    if p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some() =>
+                {
+                    seen.insert(p.metadata.name.unwrap_or_default());
+                }
+                Some(_) => {}
+                None => anyhow::bail!("the pod watch ended early"),
+            }
+        }
+        anyhow::Ok(Instant::now())
+    });
+    let started = Instant::now();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            let api = api.clone();
+            async move {
+                let pod: Pod = serde_json::from_value(json!({
+                    "metadata": {"name": format!("bench-pod-{i}")},
+                    "spec": {"containers": [{"name": "c", "image": "i",
+                        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}}}]}
+                }))?;
+                api.create(&PostParams::default(), &pod).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(32)
+        .try_collect::<Vec<()>>()
+        .await?;
+    let created = started.elapsed();
+    let done = bound.await?? - started;
+    scheduler.abort();
+    println!(
+        "scheduler: {n} pods over {NODES} nodes created in {:.2} s, all bound after {:.2} s = {:.0} pods/s scheduled",
+        created.as_secs_f64(),
+        done.as_secs_f64(),
+        n as f64 / done.as_secs_f64()
+    );
     Ok(())
 }

@@ -145,6 +145,7 @@ async fn run(mut socket: WebSocket, req: ExecRequest, pid: u32, cgroup: Cgroup) 
             workdir: "/".into(),
             netns: Some(open_proc(pid, "ns/net")?),
             mntns: Some(open_proc(pid, "ns/mnt")?),
+            pidns: Some(open_proc(pid, "ns/pid")?),
             hostname: None,
             cgroups: cgroup.procs_files()?,
             root: None,
@@ -158,7 +159,7 @@ async fn run(mut socket: WebSocket, req: ExecRequest, pid: u32, cgroup: Cgroup) 
         })
     })();
     let mut child = match launched {
-        Ok(c) => c,
+        Ok(c) => c.child,
         Err(e) => {
             let status = json!({"metadata": {}, "status": "Failure",
                 "message": format!("starting {:?}: {e}", req.command), "reason": "InternalError"});

@@ -1,21 +1,24 @@
 //! The scheduler: binds pending pods to nodes, as a client of the API server.
 //!
-//! Filtering is a pure function of the pod, a node and the pods already bound there
-//! ([`fits`]); [`schedule`] picks the fitting node with the most free cpu, or explains why none
-//! fits the way kube-scheduler does ("0/2 nodes are available: 1 Insufficient cpu, ...").
-//! [`run`] is the thin shell: it watches pods and nodes, binds through `pods/binding`, and
-//! marks unschedulable pods with `PodScheduled=False` / `Unschedulable`, retrying them on every
-//! change and every few seconds.
+//! Filtering is a pure function of the pod, a node and what the pods already bound there
+//! request ([`fits`]); [`schedule`] picks the fitting node with the most free cpu, or explains
+//! why none fits the way kube-scheduler does ("0/2 nodes are available: 1 Insufficient cpu,
+//! ..."). A pass decides every pending pod at once against watch caches, counting the pods it
+//! bound before the caches show them (`decide`, pure). [`run`] is the thin shell: it keeps the
+//! caches, binds through `pods/binding` (16 writes in flight) and marks unschedulable pods
+//! with `PodScheduled=False` / `Unschedulable`, retrying them on every change and every few
+//! seconds.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{FutureExt as _, StreamExt as _};
 use k8s_openapi::api::core::v1::{
     Binding, Node, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference, Pod, Taint,
 };
-use kube::api::{ListParams, Patch, PatchParams};
-use kube::runtime::watcher;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::{reflector, watcher};
 use kube::{Api, Client};
 use serde_json::json;
 
@@ -261,10 +264,78 @@ pub fn allocatable(node: &Node) -> BTreeMap<String, i128> {
         .collect()
 }
 
-/// Every reason `node` cannot take `pod`, given the pods already bound to it (empty: it fits).
-pub fn fits(pod: &Pod, node: &Node, bound: &[&Pod]) -> Vec<Unfit> {
+fn add_requests(total: &mut BTreeMap<String, i128>, requests: &BTreeMap<String, i128>) {
+    for (k, v) in requests {
+        *total.entry(k.clone()).or_default() += v;
+    }
+}
+
+/// The cpu kube-scheduler's scoring counts for a pod that requests none (100m), so pods
+/// without requests still spread over the nodes.
+const DEFAULT_SCORING_CPU: i128 = 100;
+
+/// What the pods on a node take.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Their requests, for the filters.
+    pub requests: BTreeMap<String, i128>,
+    /// Their cpu for scoring, [`DEFAULT_SCORING_CPU`] for a pod that requests none.
+    pub scoring_cpu: i128,
+}
+
+impl Usage {
+    /// The usage of `pods` together.
+    pub fn of<'a>(pods: impl IntoIterator<Item = &'a Pod>) -> Self {
+        let mut usage = Self::default();
+        for p in pods {
+            usage.add(&pod_requests(p));
+        }
+        usage
+    }
+
+    fn add(&mut self, requests: &BTreeMap<String, i128>) {
+        add_requests(&mut self.requests, requests);
+        self.scoring_cpu += requests
+            .get("cpu")
+            .copied()
+            .filter(|c| *c > 0)
+            .unwrap_or(DEFAULT_SCORING_CPU);
+    }
+}
+
+/// The taint a node that is not Ready carries in a real cluster (the node lifecycle
+/// controller's); here it is implied by the Ready condition, so only pods that tolerate it
+/// (some DaemonSets') go to such a node.
+fn not_ready_taint() -> Taint {
+    Taint {
+        key: "node.kubernetes.io/not-ready".into(),
+        effect: "NoSchedule".into(),
+        ..Taint::default()
+    }
+}
+
+fn untolerated_taint<'a>(pod: &Pod, node: &'a Node) -> Option<&'a Taint> {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
+        .find(|t| !tolerates(pod, t))
+}
+
+/// Whether a DaemonSet's pod (its template) should run on `node`, by the DaemonSet
+/// controller's rules: its node selector and required node affinity match, and it tolerates
+/// the node's `NoSchedule` / `NoExecute` taints. Resources and readiness are the scheduler's.
+pub fn daemon_should_run(pod: &Pod, node: &Node) -> bool {
+    matches_affinity(pod, node) && untolerated_taint(pod, node).is_none()
+}
+
+/// Every reason `node` cannot take `pod`, given what the pods already bound to it request
+/// ([`Usage::requests`]); empty: it fits.
+pub fn fits(pod: &Pod, node: &Node, used: &BTreeMap<String, i128>) -> Vec<Unfit> {
     let mut unfit = Vec::new();
-    if !node_ready(node) {
+    if !node_ready(node) && !tolerates(pod, &not_ready_taint()) {
         unfit.push(Unfit::NodeNotReady);
     }
     if node
@@ -275,30 +346,16 @@ pub fn fits(pod: &Pod, node: &Node, bound: &[&Pod]) -> Vec<Unfit> {
     {
         unfit.push(Unfit::Unschedulable);
     }
-    for taint in node
-        .spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .into_iter()
-        .flatten()
-    {
-        if taint.effect != "NoSchedule" && taint.effect != "NoExecute" {
-            continue;
-        }
-        if !tolerates(pod, taint) {
-            let value = taint.value.as_deref().unwrap_or_default();
-            unfit.push(Unfit::UntoleratedTaint(format!("{}: {value}", taint.key)));
-            break;
-        }
+    if let Some(taint) = untolerated_taint(pod, node) {
+        let value = taint.value.as_deref().unwrap_or_default();
+        unfit.push(Unfit::UntoleratedTaint(format!("{}: {value}", taint.key)));
     }
     if !matches_affinity(pod, node) {
         unfit.push(Unfit::AffinityMismatch);
     }
     let mut free = allocatable(node);
-    for other in bound {
-        for (k, v) in pod_requests(other) {
-            *free.entry(k).or_default() -= v;
-        }
+    for (k, v) in used {
+        *free.entry(k.clone()).or_default() -= v;
     }
     for (resource, wanted) in pod_requests(pod) {
         if wanted > 0 && free.get(&resource).copied().unwrap_or(0) < wanted {
@@ -309,25 +366,28 @@ pub fn fits(pod: &Pod, node: &Node, bound: &[&Pod]) -> Vec<Unfit> {
 }
 
 /// Picks a node for `pod` among `nodes` (filters in kube-scheduler's order: readiness,
-/// cordon, taints, affinity, resources), where `bound` maps node names to the pods bound
-/// there: the fitting node with the most free cpu (then name), or kube-scheduler's message.
-pub fn schedule<'a, S: std::hash::BuildHasher>(
+/// cordon, taints, affinity, resources), where `used` maps node names to what the pods bound
+/// there take: the fitting node with the most free cpu by kube-scheduler's scoring (then the
+/// first), or kube-scheduler's message.
+pub fn schedule<'a, N, S>(
     pod: &Pod,
-    nodes: &'a [Node],
-    bound: &HashMap<String, Vec<&Pod>, S>,
-) -> Result<&'a Node, String> {
+    nodes: &'a [N],
+    used: &HashMap<String, Usage, S>,
+) -> Result<&'a Node, String>
+where
+    N: std::borrow::Borrow<Node>,
+    S: std::hash::BuildHasher,
+{
+    let none = Usage::default();
     let mut reasons: BTreeMap<String, usize> = BTreeMap::new();
     let mut best: Option<(&Node, i128)> = None;
     for node in nodes {
+        let node = node.borrow();
         let name = node.metadata.name.as_deref().unwrap_or_default();
-        let on_node = bound.get(name).map(Vec::as_slice).unwrap_or_default();
-        let unfit = fits(pod, node, on_node);
+        let on_node = used.get(name).unwrap_or(&none);
+        let unfit = fits(pod, node, &on_node.requests);
         if unfit.is_empty() {
-            let used: i128 = on_node
-                .iter()
-                .map(|p| pod_requests(p).get("cpu").copied().unwrap_or(0))
-                .sum();
-            let free_cpu = allocatable(node).get("cpu").copied().unwrap_or(0) - used;
+            let free_cpu = allocatable(node).get("cpu").copied().unwrap_or(0) - on_node.scoring_cpu;
             if best.is_none_or(|(_, f)| free_cpu > f) {
                 best = Some((node, free_cpu));
             }
@@ -367,84 +427,80 @@ fn occupies_node(pod: &Pod) -> bool {
     )
 }
 
-/// Errors of one scheduling pass.
-#[derive(Debug, thiserror::Error)]
-pub enum SchedulerError {
-    #[error("listing {what}")]
-    List {
-        what: &'static str,
-        source: kube::Error,
-    },
+fn key(pod: &Pod) -> (String, String) {
+    (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    )
 }
 
-/// Schedules every pending pod once; binding failures are logged and retried on the next pass.
-pub async fn pass(client: &Client, scheduler_name: &str) -> Result<(), SchedulerError> {
-    let nodes = Api::<Node>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .map_err(|source| SchedulerError::List {
-            what: "nodes",
-            source,
-        })?
-        .items;
-    let pods = Api::<Pod>::all(client.clone())
-        .list(&ListParams::default())
-        .await
-        .map_err(|source| SchedulerError::List {
-            what: "pods",
-            source,
-        })?
-        .items;
-    let mut bound: HashMap<String, Vec<&Pod>> = HashMap::new();
-    for p in &pods {
-        if let Some(n) = p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-            && !n.is_empty()
+/// What one pass decided for a pending pod.
+enum Decision {
+    Bind { pod: Arc<Pod>, node: String },
+    Unschedulable { pod: Arc<Pod>, message: String },
+}
+
+/// Pods bound by this scheduler that the pod cache does not show bound yet (kube-scheduler's
+/// "assumed" pods): counted on their node so the next pass neither binds them again nor gives
+/// their resources away. Keyed by namespace and name, with the uid bound.
+type Assumed = HashMap<(String, String), (String, String)>;
+
+/// Decides every pending pod in one go against the caches: placements are made one after
+/// another on the running totals, so a pass never overcommits a node. Pure, so the batching
+/// rules are unit tested.
+fn decide(
+    pods: &[Arc<Pod>],
+    nodes: &[Arc<Node>],
+    assumed: &mut Assumed,
+    scheduler_name: &str,
+) -> Vec<Decision> {
+    // Forget assumptions the cache has caught up with (bound there, or the pod is gone or
+    // replaced by another with the same name).
+    let live: HashMap<(String, String), &Pod> = pods.iter().map(|p| (key(p), &**p)).collect();
+    assumed.retain(|k, (uid, _)| {
+        live.get(k).is_some_and(|p| {
+            p.metadata.uid.as_deref() == Some(uid.as_str()) && pending_for_us(p, scheduler_name)
+        })
+    });
+    let mut used: HashMap<String, Usage> = HashMap::new();
+    for p in pods {
+        let on = p
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_deref())
+            .filter(|n| !n.is_empty())
+            .map(str::to_string)
+            .or_else(|| assumed.get(&key(p)).map(|(_, n)| n.clone()));
+        if let Some(n) = on
             && occupies_node(p)
         {
-            bound.entry(n.to_string()).or_default().push(p);
+            used.entry(n).or_default().add(&pod_requests(p));
         }
     }
-    let pending: Vec<&Pod> = pods
+    let mut pending: Vec<&Arc<Pod>> = pods
         .iter()
-        .filter(|p| pending_for_us(p, scheduler_name))
+        .filter(|p| pending_for_us(p, scheduler_name) && !assumed.contains_key(&key(p)))
         .collect();
+    // Oldest first, as kube-scheduler's queue orders pods of equal priority.
+    pending.sort_by(|a, b| {
+        (&a.metadata.creation_timestamp, key(a)).cmp(&(&b.metadata.creation_timestamp, key(b)))
+    });
+    let mut out = Vec::new();
     for pod in pending {
-        let name = pod.metadata.name.clone().unwrap_or_default();
-        let namespace = pod.metadata.namespace.clone().unwrap_or_default();
-        let api = Api::<Pod>::namespaced(client.clone(), &namespace);
-        match schedule(pod, &nodes, &bound) {
+        match schedule(pod, nodes, &used) {
             Ok(node) => {
-                let node_name = node.metadata.name.clone().unwrap_or_default();
-                let binding = Binding {
-                    metadata: kube::api::ObjectMeta {
-                        name: Some(name.clone()),
-                        namespace: Some(namespace.clone()),
-                        ..Default::default()
-                    },
-                    target: ObjectReference {
-                        api_version: Some("v1".into()),
-                        kind: Some("Node".into()),
-                        name: Some(node_name.clone()),
-                        ..Default::default()
-                    },
-                };
-                let body = serde_json::to_vec(&binding).unwrap_or_default();
-                let request = http::Request::post(format!(
-                    "/api/v1/namespaces/{namespace}/pods/{name}/binding"
-                ))
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(body);
-                let result = match request {
-                    Ok(req) => client.request_text(req).await.map(|_| ()),
-                    Err(e) => Err(kube::Error::HttpError(e)),
-                };
-                match result {
-                    Ok(()) => {
-                        tracing::info!(pod = %name, %namespace, node = %node_name, "bound");
-                        bound.entry(node_name).or_default().push(pod);
-                    }
-                    Err(e) => tracing::warn!(pod = %name, %namespace, error = %e, "binding"),
-                }
+                let node = node.metadata.name.clone().unwrap_or_default();
+                used.entry(node.clone())
+                    .or_default()
+                    .add(&pod_requests(pod));
+                assumed.insert(
+                    key(pod),
+                    (pod.metadata.uid.clone().unwrap_or_default(), node.clone()),
+                );
+                out.push(Decision::Bind {
+                    pod: pod.clone(),
+                    node,
+                });
             }
             Err(message) => {
                 let already = pod
@@ -458,58 +514,157 @@ pub async fn pass(client: &Client, scheduler_name: &str) -> Result<(), Scheduler
                                 && c.message.as_deref() == Some(message.as_str())
                         })
                     });
-                if already {
-                    continue;
-                }
-                let mut conditions: Vec<serde_json::Value> = pod
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.conditions.as_ref())
-                    .into_iter()
-                    .flatten()
-                    .filter(|c| c.type_ != "PodScheduled")
-                    .filter_map(|c| serde_json::to_value(c).ok())
-                    .collect();
-                conditions.push(json!({
-                    "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                    "message": message,
-                    "lastTransitionTime": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                }));
-                let patch = json!({"status": {"phase": "Pending", "conditions": conditions}});
-                if let Err(e) = api
-                    .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                {
-                    tracing::warn!(pod = %name, %namespace, error = %e, "marking unschedulable");
-                } else {
-                    tracing::info!(pod = %name, %namespace, %message, "unschedulable");
+                if !already {
+                    out.push(Decision::Unschedulable {
+                        pod: pod.clone(),
+                        message,
+                    });
                 }
             }
         }
     }
-    Ok(())
+    out
 }
 
-/// Runs the scheduler until the task is dropped: a pass on every pod or node change, and at
-/// least every `resync` so unschedulable pods are retried.
+async fn bind(client: &Client, pod: &Pod, node_name: &str) -> Result<(), kube::Error> {
+    let (namespace, name) = key(pod);
+    let binding = Binding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(namespace.clone()),
+            uid: pod.metadata.uid.clone(),
+            ..Default::default()
+        },
+        target: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(node_name.to_string()),
+            ..Default::default()
+        },
+    };
+    let body = serde_json::to_vec(&binding).map_err(kube::Error::SerdeError)?;
+    let request = http::Request::post(format!(
+        "/api/v1/namespaces/{namespace}/pods/{name}/binding"
+    ))
+    .header(http::header::CONTENT_TYPE, "application/json")
+    .body(body)
+    .map_err(kube::Error::HttpError)?;
+    client.request_text(request).await.map(|_| ())
+}
+
+async fn mark_unschedulable(client: &Client, pod: &Pod, message: &str) -> Result<(), kube::Error> {
+    let (namespace, name) = key(pod);
+    // A strategic merge patch merges conditions by type: other controllers' conditions stay.
+    let patch = json!({"status": {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": message,
+        "lastTransitionTime": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    }]}});
+    Api::<Pod>::namespaced(client.clone(), &namespace)
+        .patch_status(&name, &PatchParams::default(), &Patch::Strategic(patch))
+        .await
+        .map(|_| ())
+}
+
+/// How many bindings and status writes one pass has in flight.
+const WRITES_IN_FLIGHT: usize = 16;
+
+/// Carries out one pass's decisions concurrently. A failed binding drops its assumption so the
+/// next pass retries the pod.
+async fn apply(client: &Client, decisions: Vec<Decision>, assumed: &mut Assumed) {
+    let failed: Vec<(String, String)> = futures::stream::iter(decisions)
+        .map(|d| async move {
+            match d {
+                Decision::Bind { pod, node } => match bind(client, &pod, &node).await {
+                    Ok(()) => {
+                        tracing::debug!(pod = ?key(&pod), %node, "bound");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(pod = ?key(&pod), %node, error = %e, "binding");
+                        Some(key(&pod))
+                    }
+                },
+                Decision::Unschedulable { pod, message } => {
+                    match mark_unschedulable(client, &pod, &message).await {
+                        Ok(()) => tracing::info!(pod = ?key(&pod), %message, "unschedulable"),
+                        Err(e) => {
+                            tracing::warn!(pod = ?key(&pod), error = %e, "marking unschedulable");
+                        }
+                    }
+                    None
+                }
+            }
+        })
+        .buffer_unordered(WRITES_IN_FLIGHT)
+        .filter_map(std::future::ready)
+        .collect()
+        .await;
+    for k in failed {
+        assumed.remove(&k);
+    }
+}
+
+/// Runs the scheduler until the task is dropped. Pods and nodes are cached by watches
+/// (reflectors, as kube-scheduler's informers), so a pass reads memory, not the API; a pass
+/// runs on changes (batched: everything that arrived while the previous pass ran) and at least
+/// every `resync`, so unschedulable pods are retried.
 pub async fn run(client: Client, scheduler_name: String, resync: Duration) {
-    let pods = watcher(Api::<Pod>::all(client.clone()), watcher::Config::default())
-        .map(|_| ())
-        .boxed();
-    let nodes = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-        .map(|_| ())
-        .boxed();
+    let (pod_store, pod_writer) = reflector::store::<Pod>();
+    let (node_store, node_writer) = reflector::store::<Node>();
+    let pods = reflector(
+        pod_writer,
+        watcher(Api::<Pod>::all(client.clone()), watcher::Config::default()),
+    )
+    .map(|_| ())
+    .boxed();
+    let nodes = reflector(
+        node_writer,
+        watcher(Api::<Node>::all(client.clone()), watcher::Config::default()),
+    )
+    .map(|_| ())
+    .boxed();
     let mut changes = futures::stream::select(pods, nodes);
+    let mut assumed = Assumed::new();
+    // Something changed since the last pass began.
+    let mut dirty = false;
     loop {
-        if let Err(e) = pass(&client, &scheduler_name).await {
-            tracing::warn!(error = %e, "scheduling pass");
+        if !dirty {
+            tokio::select! {
+                next = changes.next() => if next.is_none() { return },
+                () = tokio::time::sleep(resync) => {}
+            }
         }
-        // Drain what piled up during the pass, then wait for the next change or the resync.
-        tokio::select! {
-            next = changes.next() => if next.is_none() { return },
-            () = tokio::time::sleep(resync) => {}
-        }
+        // Take in everything that piled up, then decide on one consistent view.
         while let Some(Some(())) = changes.next().now_or_never() {}
+        dirty = false;
+        if pod_store.wait_until_ready().now_or_never().is_none()
+            || node_store.wait_until_ready().now_or_never().is_none()
+        {
+            continue;
+        }
+        let decisions = decide(
+            &pod_store.state(),
+            &node_store.state(),
+            &mut assumed,
+            &scheduler_name,
+        );
+        if decisions.is_empty() {
+            continue;
+        }
+        // The caches keep filling while the writes are in flight; what arrives meanwhile makes
+        // the next pass start at once.
+        let writes = apply(&client, decisions, &mut assumed);
+        tokio::pin!(writes);
+        loop {
+            tokio::select! {
+                () = &mut writes => break,
+                next = changes.next() => match next {
+                    None => return,
+                    Some(()) => dirty = true,
+                },
+            }
+        }
     }
 }
 
@@ -704,7 +859,7 @@ mod tests {
             ),
         ];
         for (what, p, n, want) in cases {
-            assert_eq!(fits(&p, &n, &[]), want, "{what}");
+            assert_eq!(fits(&p, &n, &BTreeMap::new()), want, "{what}");
         }
     }
 
@@ -717,14 +872,18 @@ mod tests {
         let wants_kvm = pod(
             &json!({"spec": {"containers": [{"name": "c", "image": "i", "resources": {"limits": {"devices.kubevirt.io/kvm": "1"}}}]}}),
         );
-        assert!(fits(&wants_kvm, &n, &[]).is_empty());
+        assert!(fits(&wants_kvm, &n, &BTreeMap::new()).is_empty());
         assert_eq!(
-            fits(&wants_kvm, &n, &[&wants_kvm]),
+            fits(&wants_kvm, &n, &Usage::of([&wants_kvm]).requests),
             vec![Unfit::Insufficient("devices.kubevirt.io/kvm".into())]
         );
         let full = node("n", &json!({"status": {"allocatable": {"pods": "1"}}}));
         assert_eq!(
-            fits(&pod(&json!({})), &full, &[&pod(&json!({}))]),
+            fits(
+                &pod(&json!({})),
+                &full,
+                &Usage::of([&pod(&json!({}))]).requests
+            ),
             vec![Unfit::Insufficient("pods".into())]
         );
     }
@@ -783,5 +942,74 @@ mod tests {
             &pod(&json!({"status": {"phase": "Failed"}})),
             DEFAULT_SCHEDULER
         ));
+    }
+
+    fn named(name: &str, v: &serde_json::Value) -> Arc<Pod> {
+        let mut p = json!({"metadata": {"name": name, "uid": format!("uid-{name}"),
+            "creationTimestamp": format!("2026-01-01T00:00:{:02}Z", name[1..].parse::<u32>().unwrap())}});
+        json_patch::merge(&mut p, v);
+        Arc::new(pod(&p))
+    }
+
+    fn binds(decisions: &[Decision]) -> Vec<(String, String)> {
+        decisions
+            .iter()
+            .filter_map(|d| match d {
+                Decision::Bind { pod, node } => Some((key(pod).1, node.clone())),
+                Decision::Unschedulable { .. } => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn one_pass_places_many_pods_without_overcommitting() {
+        let two_pods = json!({"status": {"allocatable": {"pods": "2"}}});
+        let nodes = vec![
+            Arc::new(node("a", &two_pods)),
+            Arc::new(node("b", &two_pods)),
+        ];
+        let pods: Vec<Arc<Pod>> = (0..5)
+            .map(|i| named(&format!("p{i}"), &json!({})))
+            .collect();
+        let mut assumed = Assumed::new();
+        let decisions = decide(&pods, &nodes, &mut assumed, DEFAULT_SCHEDULER);
+        let placed = binds(&decisions);
+        assert_eq!(placed.len(), 4, "two per node: {placed:?}");
+        assert_eq!(
+            placed.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>(),
+            ["p0", "p1", "p2", "p3"],
+            "oldest first"
+        );
+        let on = |n: &str| placed.iter().filter(|(_, on)| on == n).count();
+        assert_eq!((on("a"), on("b")), (2, 2));
+        assert_ne!(placed[0].1, placed[1].1, "pods without requests spread");
+        assert!(
+            matches!(&decisions[4], Decision::Unschedulable { pod, message }
+                if key(pod).1 == "p4" && message == "0/2 nodes are available: 2 Insufficient pods."),
+        );
+
+        // The cache has not caught up: the assumed pods still hold their places and are not
+        // bound again; the unschedulable pod is not marked a second time.
+        let mut again = pods.clone();
+        again[4] = named(
+            "p4",
+            &json!({"status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                "message": "0/2 nodes are available: 2 Insufficient pods."}]}}),
+        );
+        assert!(decide(&again, &nodes, &mut assumed, DEFAULT_SCHEDULER).is_empty());
+
+        // p0 shows up bound and p1 is deleted: p1's assumption goes, freeing a place for p4.
+        let on_a = placed.iter().find(|(p, _)| p == "p0").unwrap().1.clone();
+        let caught_up = vec![
+            named("p0", &json!({"spec": {"nodeName": on_a}})),
+            pods[2].clone(),
+            pods[3].clone(),
+            again[4].clone(),
+        ];
+        let decisions = decide(&caught_up, &nodes, &mut assumed, DEFAULT_SCHEDULER);
+        assert_eq!(binds(&decisions).len(), 1);
+        assert_eq!(binds(&decisions)[0].0, "p4");
+        assert!(!assumed.contains_key(&("default".into(), "p0".into())));
+        assert!(!assumed.contains_key(&("default".into(), "p1".into())));
     }
 }

@@ -445,6 +445,9 @@ async fn resource(
             query,
         );
     }
+    if matches!(*method, Method::POST | Method::PUT) && !body.is_empty() {
+        body_media_type(&content_type(headers))?;
+    }
     let mut target = target;
     target.dry_run = query.get("dryRun").is_some_and(|d| d == "All");
     let watch = target.legacy_watch || query.get("watch").is_some_and(|w| w == "true" || w == "1");
@@ -908,6 +911,22 @@ async fn update(
     Ok(respond(StatusCode::OK, JSON, &obj))
 }
 
+/// Create and update bodies are JSON or YAML (no protobuf schemas here): anything else, by
+/// `Content-Type`, is 415 with kube-apiserver's message listing what is accepted. No header
+/// at all is taken as JSON, as kube-apiserver's decoder sniffs it.
+fn body_media_type(content_type: &str) -> Result<(), ApiError> {
+    match content_type {
+        "" | "application/json" | "application/yaml" | "text/yaml" | "*/*" => Ok(()),
+        other => Err(ApiError::new(
+            415,
+            "UnsupportedMediaType",
+            format!(
+                "the body of the request was in an unknown format - accepted media types include: application/json, application/yaml; got {other}"
+            ),
+        )),
+    }
+}
+
 fn content_type(headers: &HeaderMap) -> String {
     headers
         .get(header::CONTENT_TYPE)
@@ -1253,6 +1272,19 @@ fn bind(state: &AppState, target: &Target, body: &Bytes) -> Result<Response<Body
         .store
         .mutate(&def.group_resource(), &ns_key(target), &name, |_, cur| {
             let cur = cur.ok_or_else(|| ApiError::not_found(&def.group, &def.plural, &name))?;
+            if let Some(uid) = binding["metadata"]["uid"].as_str()
+                && cur["metadata"]["uid"].as_str() != Some(uid)
+            {
+                return Err(ApiError::conflict(
+                    "",
+                    "pods",
+                    &name,
+                    &format!(
+                        "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                        cur["metadata"]["uid"].as_str().unwrap_or_default()
+                    ),
+                ));
+            }
             if let Some(existing) = cur["spec"]["nodeName"].as_str().filter(|n| !n.is_empty()) {
                 return Err(ApiError::conflict(
                     "",
@@ -1687,6 +1719,16 @@ mod tests {
         );
         let err = parse_body(&Bytes::from_static(b"k8s\0\n\x0b\n\x07apps/v1")).unwrap_err();
         assert_eq!(err.code, 415);
+        for ok in ["", "application/json", "application/yaml"] {
+            assert!(body_media_type(ok).is_ok(), "{ok}");
+        }
+        let err = body_media_type("application/vnd.kubernetes.protobuf").unwrap_err();
+        assert_eq!((err.code, err.reason), (415, "UnsupportedMediaType"));
+        assert!(
+            err.message.contains("application/json, application/yaml"),
+            "{}",
+            err.message
+        );
         assert_eq!(parse_body(&Bytes::from_static(b"{")).unwrap_err().code, 400);
     }
 

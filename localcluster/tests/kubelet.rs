@@ -326,6 +326,186 @@ while True:
     );
 }
 
+/// `NSpid:` of a host pid: its pid in every namespace from ours inwards.
+fn ns_pids(pid: i32) -> Vec<i64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn pods_share_one_pid_namespace_unless_host_pid() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let node_name = node.name();
+    let pods: Api<Pod> = cluster.api();
+    // Each container records its pid and the pids its /proc shows, then stays.
+    let record = |name: &str| {
+        let mut c = sh(
+            name,
+            &format!(
+                "echo $$ > /data/{name}.pid; sleep 1; ls /proc | grep -E '^[0-9]+$' > /data/{name}.procs; exec sleep 1000"
+            ),
+        );
+        c["volumeMounts"] = json!([{"name": "data", "mountPath": "/data"}]);
+        c
+    };
+    let volumes = json!([{"name": "data", "emptyDir": {}}]);
+    let mut uids = Vec::new();
+    for (name, host_pid) in [("shared", false), ("host", true)] {
+        let created = pods
+            .create(
+                &PostParams::default(),
+                &pod(
+                    name,
+                    &node_name,
+                    &json!({"hostPID": host_pid, "volumes": volumes,
+                        "containers": [record("a"), record("b")]}),
+                ),
+            )
+            .await
+            .expect("creating the pod");
+        uids.push(created.metadata.uid.expect("uid"));
+    }
+    let data = |uid: &str, file: &str| {
+        node.pods_dir()
+            .join(uid)
+            .join("volumes/kubernetes.io~empty-dir/data")
+            .join(file)
+    };
+    let read_pid = |uid: &str, c: &str| -> i64 {
+        std::fs::read_to_string(data(uid, &format!("{c}.pid")))
+            .unwrap_or_default()
+            .trim()
+            .parse()
+            .unwrap_or(0)
+    };
+    let read_procs = |uid: &str, c: &str| -> Vec<i64> {
+        std::fs::read_to_string(data(uid, &format!("{c}.procs")))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect()
+    };
+    eventually(120, "every container recorded its view", || async {
+        uids.iter()
+            .all(|u| {
+                ["a", "b"]
+                    .iter()
+                    .all(|c| data(u, &format!("{c}.procs")).exists())
+            })
+            .then_some(())
+    })
+    .await;
+    // Both files are written by then (the pid first, the list after a second).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let host_pid_of = |uid: &str, c: &str| -> i32 {
+        let dir = Path::new("/sys/fs/cgroup/pids/localcluster")
+            .join(&node_name)
+            .join(format!("pod{uid}"))
+            .join(c);
+        let dir = if dir.exists() {
+            dir
+        } else {
+            Path::new("/sys/fs/cgroup/localcluster")
+                .join(&node_name)
+                .join(format!("pod{uid}"))
+                .join(c)
+        };
+        pids_in(&dir)
+            .into_iter()
+            .min()
+            .expect("the container's process")
+    };
+
+    // The pod's own namespace: both containers see each other and the pause process (1),
+    // and not the host's processes; from the host they have their host pids, with the
+    // inner one last in NSpid (what virt-handler reads).
+    let shared = &uids[0];
+    let (a, b) = (read_pid(shared, "a"), read_pid(shared, "b"));
+    let procs = read_procs(shared, "a");
+    assert!(procs.contains(&1), "the pause process is pid 1: {procs:?}");
+    assert!(
+        procs.contains(&a) && procs.contains(&b),
+        "{a} {b} in {procs:?}"
+    );
+    assert!(procs.len() < 10, "host processes visible: {procs:?}");
+    let host_a = host_pid_of(shared, "a");
+    let nspid = ns_pids(host_a);
+    assert_eq!(nspid.len(), 2, "{nspid:?}");
+    assert_eq!(nspid[0], i64::from(host_a));
+    assert_eq!(nspid[1], a);
+    assert!(
+        Path::new(&format!("/proc/{host_a}/root/data/a.pid")).exists(),
+        "the container's root is reachable through its host pid"
+    );
+
+    // hostPID: the host's namespace.
+    let host = &uids[1];
+    let host_a = host_pid_of(host, "a");
+    assert_eq!(read_pid(host, "a"), i64::from(host_a));
+    assert_eq!(ns_pids(host_a), vec![i64::from(host_a)]);
+    assert!(read_procs(host, "a").contains(&i64::from(std::process::id())));
+
+    // SIGTERM reaches the container (not its waiter) on delete: a trap answers it (and
+    // keeps the container running, so the grace period holds the pod and its files).
+    let mut trapper = sh(
+        "main",
+        "trap 'echo term > /data/term' TERM; while true; do sleep 0.1; done",
+    );
+    trapper["volumeMounts"] = json!([{"name": "data", "mountPath": "/data"}]);
+    let created = pods
+        .create(
+            &PostParams::default(),
+            &pod(
+                "trap",
+                &node_name,
+                &json!({"volumes": volumes, "containers": [trapper],
+                    "terminationGracePeriodSeconds": 10}),
+            ),
+        )
+        .await
+        .expect("creating the pod");
+    let trap_uid = created.metadata.uid.expect("uid");
+    wait_pod(&pods, "trap", "the trap running", |p| {
+        p["status"]["containerStatuses"][0]["state"]["running"].is_object()
+    })
+    .await;
+    let term = data(&trap_uid, "term");
+    pods.delete("trap", &DeleteParams::default())
+        .await
+        .expect("deleting");
+    // Well before the grace period ends in SIGKILL (and the pod's files go).
+    eventually(8, "the trap ran", || async { term.exists().then_some(()) }).await;
+    for name in ["shared", "host"] {
+        pods.delete(name, &DeleteParams::default())
+            .await
+            .expect("deleting");
+    }
+    eventually(60, "the pods gone", || async {
+        let left = pods
+            .list(&kube::api::ListParams::default())
+            .await
+            .ok()?
+            .items;
+        left.iter()
+            .all(|p| p.metadata.name.as_deref() == Some("trap"))
+            .then_some(())
+    })
+    .await;
+    for uid in &uids {
+        assert!(cgroup_dirs(&node_name, uid).is_empty(), "cgroups left");
+    }
+    node.stop().await;
+}
+
 #[tokio::test]
 async fn init_containers_run_in_order_and_restart_policy_applies() {
     let cluster = Cluster::start().await;
@@ -582,6 +762,118 @@ async fn http_and_tcp_readiness_probes() {
     .await;
     assert_eq!(p["status"]["containerStatuses"][2]["ready"], false);
     assert_eq!(condition(&p, "Ready").as_deref(), Some("False"));
+    node.stop().await;
+}
+
+/// A condition's `(status, reason, message)`.
+fn condition_detail(pod: &Value, kind: &str) -> Option<(String, String, String)> {
+    let c = pod["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == kind)?;
+    let text = |k: &str| c[k].as_str().unwrap_or_default().to_string();
+    Some((text("status"), text("reason"), text("message")))
+}
+
+#[tokio::test]
+async fn readiness_gates_are_kept_and_hold_ready_until_true() {
+    const GATE: &str = "kubevirt.io/virtual-machine-unpaused";
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let pods: Api<Pod> = cluster.api();
+    let mut c = sh("main", "exec sleep 1000");
+    c["volumeMounts"] = json!([{"name": "flags", "mountPath": "/flags"}]);
+    c["readinessProbe"] = json!({"exec": {"command": ["test", "-f", "/flags/ready"]},
+        "periodSeconds": 1});
+    let created = pods
+        .create(
+            &PostParams::default(),
+            &pod(
+                "gated",
+                &node.name(),
+                &json!({"containers": [c], "readinessGates": [{"conditionType": GATE}],
+                    "volumes": [{"name": "flags", "emptyDir": {}}]}),
+            ),
+        )
+        .await
+        .expect("creating the pod");
+    let uid = created.metadata.uid.expect("uid");
+    let flag = node
+        .pods_dir()
+        .join(&uid)
+        .join("volumes/kubernetes.io~empty-dir/flags/ready");
+    wait_pod(&pods, "gated", "the container running", |p| {
+        p["status"]["containerStatuses"][0]["state"]["running"].is_object()
+    })
+    .await;
+    std::fs::write(&flag, "").expect("writing the readiness flag");
+
+    let p = wait_pod(&pods, "gated", "containers ready", |p| {
+        condition(p, "ContainersReady").as_deref() == Some("True")
+    })
+    .await;
+    assert_eq!(
+        condition_detail(&p, "Ready"),
+        Some((
+            "False".into(),
+            "ReadinessGatesNotReady".into(),
+            format!("corresponding condition of pod readiness gate \"{GATE}\" does not exist.")
+        ))
+    );
+
+    // Set as virt-controller does: a JSON patch on the status subresource.
+    let add_gate: json_patch::Patch = serde_json::from_value(json!([{"op": "add",
+        "path": "/status/conditions/-", "value": {"type": GATE, "status": "True"}}]))
+    .expect("patch");
+    pods.patch_status(
+        "gated",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Json::<()>(add_gate),
+    )
+    .await
+    .expect("setting the gate");
+    wait_pod(&pods, "gated", "Ready once the gate is True", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await;
+
+    // The kubelet's next writes (the container turning unready, then ready) keep the gate.
+    std::fs::remove_file(&flag).expect("removing the readiness flag");
+    let p = wait_pod(&pods, "gated", "containers unready", |p| {
+        condition(p, "ContainersReady").as_deref() == Some("False")
+    })
+    .await;
+    assert_eq!(condition(&p, GATE).as_deref(), Some("True"), "{p:#}");
+    assert_eq!(condition(&p, "Ready").as_deref(), Some("False"));
+    std::fs::write(&flag, "").expect("writing the readiness flag");
+    let p = wait_pod(&pods, "gated", "ready again", |p| {
+        condition(p, "Ready").as_deref() == Some("True")
+    })
+    .await;
+    assert_eq!(condition(&p, GATE).as_deref(), Some("True"));
+
+    pods.patch_status(
+        "gated",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Strategic(
+            json!({"status": {"conditions": [{"type": GATE, "status": "False"}]}}),
+        ),
+    )
+    .await
+    .expect("clearing the gate");
+    let p = wait_pod(&pods, "gated", "unready once the gate is False", |p| {
+        condition(p, "Ready").as_deref() == Some("False")
+    })
+    .await;
+    assert_eq!(
+        condition_detail(&p, "Ready"),
+        Some((
+            "False".into(),
+            "ReadinessGatesNotReady".into(),
+            format!("the status of pod readiness gate \"{GATE}\" is not \"True\", but False")
+        ))
+    );
+    assert_eq!(condition(&p, "ContainersReady").as_deref(), Some("True"));
     node.stop().await;
 }
 

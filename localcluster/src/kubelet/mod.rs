@@ -164,10 +164,16 @@ impl NodeConfig {
     }
 }
 
+/// The cgroup (below the pod's) of a pod's pause process; not a DNS label, so no container
+/// can have it.
+pub(crate) const PAUSE_CGROUP: &str = "pod_pause";
+
 /// What a pod holds on the node, so it can be released even if its worker is gone.
 #[derive(Debug, Clone)]
 pub(crate) struct Sandbox {
     pub network: Option<PodNetwork>,
+    /// The pause process holding the pod's PID namespace (none for `hostPID` pods).
+    pub pause: Option<u32>,
     pub cgroup: cgroup::Cgroup,
     pub pod_dir: PathBuf,
     pub log_dir: PathBuf,

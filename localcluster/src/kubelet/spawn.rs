@@ -177,6 +177,11 @@ pub struct Launch {
     pub cgroups: Vec<File>,
     /// A new UTS namespace with this host name; `None` shares the kubelet's.
     pub hostname: Option<String>,
+    /// The pod's PID namespace (its pause process's); `None` shares the kubelet's. A process
+    /// only enters a PID namespace by being forked there, so the child forks once more after
+    /// `setns`: the grandchild becomes the container and the child stays behind as its waiter
+    /// (see [`Spawned`]).
+    pub pidns: Option<File>,
     /// A new mount namespace built by this plan; `None` shares the kubelet's.
     pub root: Option<RootPlan>,
     pub stdin: Stdio,
@@ -184,8 +189,141 @@ pub struct Launch {
     pub stderr: Stdio,
 }
 
+/// A started process.
+#[derive(Debug)]
+pub struct Spawned {
+    /// What to wait on: the process itself, or, in a pod PID namespace, its waiter, which ends
+    /// the way the process does (its exit code, or the same signal).
+    pub child: tokio::process::Child,
+    /// The process's pid (in the kubelet's PID namespace): what to signal and whose
+    /// namespaces probes enter.
+    pub pid: u32,
+}
+
+/// Reads the pid the forked child reported through `read` (its write end closed here first,
+/// so a child that died early gives EOF instead of a hang).
+fn reported_pid(read: std::os::fd::OwnedFd, write: std::os::fd::OwnedFd) -> std::io::Result<u32> {
+    use std::io::Read as _;
+    drop(write);
+    let mut buf = [0u8; 4];
+    File::from(read).read_exact(&mut buf)?;
+    Ok(u32::from_ne_bytes(buf))
+}
+
+/// Closes every file descriptor of a process that will never `exec`: the standard library's
+/// exec-error pipe among them, whose parent reads until every copy is closed.
+fn close_all_fds() {
+    // SAFETY: close_range(2) only closes descriptors of this (forked, single-threaded)
+    // process; nothing here uses them afterwards.
+    unsafe {
+        nix::libc::close_range(0, u32::MAX, 0);
+    }
+}
+
+/// Ends a forked process that never execs, running none of the parent's exit handlers.
+fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit(2) ends this process at once; nothing of it is used afterwards.
+    unsafe { nix::libc::_exit(code) }
+}
+
+/// In a forked waiter: waits for `child` and ends as it ended, so the kubelet (which waits on
+/// the waiter) sees the container's exit code or signal.
+fn wait_and_mirror(child: nix::unistd::Pid) -> ! {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    use nix::sys::wait::{WaitStatus, waitpid};
+    for s in [
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGQUIT,
+    ] {
+        // SAFETY: SIG_IGN installs no handler code. Signals meant for the container go to its
+        // own pid; a stray one must not end the waiter and orphan the container's status.
+        let _ = unsafe { signal(s, SigHandler::SigIgn) };
+    }
+    loop {
+        match waitpid(child, None) {
+            Ok(WaitStatus::Exited(_, code)) => exit_now(code),
+            Ok(WaitStatus::Signaled(_, sig, _)) => {
+                // No core file from the waiter for a container's core-dumping signal.
+                let _ =
+                    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
+                // SAFETY: restores the default action, which installs no handler code.
+                let _ = unsafe { signal(sig, SigHandler::SigDfl) };
+                let _ = nix::sys::signal::raise(sig);
+                exit_now(128 + sig as i32)
+            }
+            Err(nix::errno::Errno::EINTR) | Ok(_) => {}
+            Err(_) => exit_now(255),
+        }
+    }
+}
+
+/// Starts a pod's pause process: PID 1 of a new PID namespace, in `cgroups`, reaping the
+/// orphans of the pod's containers as the pause container does, until it is killed. It is a
+/// fork of the kubelet that never execs (the reaping loop is a few system calls), so no pause
+/// binary has to exist on the node. As for containers, the child that made the namespace
+/// stays behind (outside the cgroups) as the pause's waiter, so the pause is reaped the
+/// moment it is killed; the caller waits on [`Spawned::child`].
+pub fn spawn_pause(cgroups: Vec<File>) -> Result<Spawned, KubeletError> {
+    use std::os::fd::AsRawFd as _;
+    let io = |source| KubeletError::Io {
+        path: "pause process".into(),
+        source,
+    };
+    let (read, write) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| io(e.into()))?;
+    let write_fd = write.as_raw_fd();
+    // Never executed: both sides of the fork below end inside the closure.
+    let mut cmd = tokio::process::Command::new("/proc/self/exe");
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(false);
+    let run = move || -> std::io::Result<()> {
+        nix::unistd::setsid()?;
+        nix::sched::unshare(CloneFlags::CLONE_NEWPID)?;
+        // SAFETY: this forked child is single-threaded; both sides below only make system
+        // calls until they exit.
+        match unsafe { nix::unistd::fork() }? {
+            nix::unistd::ForkResult::Parent { child } => {
+                // SAFETY: `write_fd` is the pipe's write end, open in this process.
+                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(write_fd) };
+                let _ = nix::unistd::write(fd, &child.as_raw().to_ne_bytes());
+                close_all_fds();
+                wait_and_mirror(child)
+            }
+            nix::unistd::ForkResult::Child => {
+                for f in &cgroups {
+                    if nix::unistd::write(f.as_fd(), b"0").is_err() {
+                        exit_now(1);
+                    }
+                }
+                close_all_fds();
+                loop {
+                    if let Err(nix::errno::Errno::ECHILD) =
+                        nix::sys::wait::waitpid(None::<nix::unistd::Pid>, None)
+                    {
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                }
+            }
+        }
+    };
+    // SAFETY: the closure only makes system calls (write, setsid, unshare, fork, waitpid,
+    // close_range, nanosleep, _exit) on descriptors prepared before the fork; it allocates
+    // nothing and takes no locks.
+    unsafe {
+        cmd.pre_exec(run);
+    }
+    let child = cmd.spawn().map_err(io)?;
+    let pid = reported_pid(read, write).map_err(io)?;
+    Ok(Spawned { child, pid })
+}
+
 /// Spawns the process; it is in its cgroups, namespaces and root before `exec`.
-pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
+pub fn spawn(launch: Launch) -> Result<Spawned, KubeletError> {
+    use std::os::fd::AsRawFd as _;
     let Some(program) = launch.argv.first().cloned() else {
         return Err(KubeletError::NoCommand);
     };
@@ -203,7 +341,33 @@ pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
     let cgroups = launch.cgroups;
     let root = launch.root;
     let hostname = launch.hostname;
+    let pidns = launch.pidns;
+    let report = if pidns.is_some() {
+        Some(
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| KubeletError::Spawn {
+                program: program.clone(),
+                source: e.into(),
+            })?,
+        )
+    } else {
+        None
+    };
+    let report_fd = report.as_ref().map(|(_, w)| w.as_raw_fd());
     let run = move || -> std::io::Result<()> {
+        if let (Some(ns), Some(report_fd)) = (&pidns, report_fd) {
+            nix::sched::setns(ns.as_fd(), CloneFlags::CLONE_NEWPID)?;
+            // SAFETY: this forked child is single-threaded; the waiter below only makes
+            // system calls until it exits, the grandchild carries on to exec.
+            if let nix::unistd::ForkResult::Parent { child } = unsafe { nix::unistd::fork() }? {
+                // SAFETY: `report_fd` is the pipe's write end, open in this process.
+                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(report_fd) };
+                let _ = nix::unistd::write(fd, &child.as_raw().to_ne_bytes());
+                close_all_fds();
+                // Out of the terminal's process group, as the container will be.
+                let _ = nix::unistd::setsid();
+                wait_and_mirror(child);
+            }
+        }
         for f in &cgroups {
             nix::unistd::write(f.as_fd(), b"0")?;
         }
@@ -275,14 +439,24 @@ pub fn spawn(launch: Launch) -> Result<tokio::process::Child, KubeletError> {
         nix::unistd::setsid()?;
         Ok(())
     };
-    // SAFETY: the closure only makes system calls (write, setns, unshare, sethostname, mount, mkdir, open,
-    // chdir, pivot_root, umount2, setsid) on files and C strings prepared before the fork; it
-    // allocates nothing and takes no locks, so it is safe between fork and exec.
+    // SAFETY: the closure only makes system calls (write, setns, fork, waitpid, unshare,
+    // sethostname, mount, mkdir, open, chdir, pivot_root, umount2, setsid, close_range, _exit)
+    // on files and C strings prepared before the fork; it allocates nothing and takes no
+    // locks, so it is safe between fork and exec.
     unsafe {
         cmd.pre_exec(run);
     }
-    cmd.spawn()
-        .map_err(|source| KubeletError::Spawn { program, source })
+    let child = cmd.spawn().map_err(|source| KubeletError::Spawn {
+        program: program.clone(),
+        source,
+    })?;
+    let pid = match report {
+        Some((read, write)) => {
+            reported_pid(read, write).map_err(|source| KubeletError::Spawn { program, source })?
+        }
+        None => child.id().unwrap_or_default(),
+    };
+    Ok(Spawned { child, pid })
 }
 
 /// Opens a namespace or root of a running process, for exec probes.

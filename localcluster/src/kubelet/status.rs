@@ -125,6 +125,10 @@ pub struct PodView<'a> {
     /// Why the sandbox is not ready, if it failed.
     pub sandbox_error: Option<&'a str>,
     pub qos_class: &'a str,
+    /// `spec.readinessGates` condition types.
+    pub readiness_gates: &'a [String],
+    /// The conditions on the pod object now, where other controllers set the gates'.
+    pub current_conditions: &'a [Value],
 }
 
 /// The pod phase by Kubernetes' rules.
@@ -165,45 +169,108 @@ pub fn phase(v: &PodView<'_>) -> &'static str {
     }
 }
 
-fn condition(kind: &str, ok: bool, reason: Option<&str>, now: &str) -> Value {
-    let mut c = json!({"type": kind, "status": if ok { "True" } else { "False" },
-        "lastProbeTime": null, "lastTransitionTime": now});
-    if let Some(r) = reason.filter(|_| !ok) {
-        c["reason"] = json!(r);
+/// A condition the kubelet owns. `reason` and `message` are always present (null when unset)
+/// because the status is written as a strategic merge patch, which merges conditions by type:
+/// a null removes what an earlier write set.
+fn condition(kind: &str, ok: bool, why: Option<(&str, String)>, now: &str) -> Value {
+    let (reason, message) = why.filter(|_| !ok).unzip();
+    json!({"type": kind, "status": if ok { "True" } else { "False" },
+        "lastProbeTime": null, "lastTransitionTime": now,
+        "reason": reason, "message": message})
+}
+
+/// The kubelet's `Ready`: `ContainersReady` and then every readiness gate's condition `True`,
+/// with the real kubelet's reasons and messages (`GeneratePodReadyCondition`).
+fn ready_condition(v: &PodView<'_>, containers: &Value, now: &str) -> Value {
+    if containers["status"] != "True" {
+        let mut c = containers.clone();
+        c["type"] = json!("Ready");
+        return c;
     }
-    c
+    let unready: Vec<String> = v
+        .readiness_gates
+        .iter()
+        .filter_map(|gate| {
+            match v
+                .current_conditions
+                .iter()
+                .find(|c| c["type"] == gate.as_str())
+            {
+                None => Some(format!(
+                    "corresponding condition of pod readiness gate {gate:?} does not exist."
+                )),
+                Some(c) if c["status"] != "True" => Some(format!(
+                    "the status of pod readiness gate {gate:?} is not \"True\", but {}",
+                    c["status"].as_str().unwrap_or_default()
+                )),
+                Some(_) => None,
+            }
+        })
+        .collect();
+    if unready.is_empty() {
+        condition("Ready", true, None, now)
+    } else {
+        condition(
+            "Ready",
+            false,
+            Some(("ReadinessGatesNotReady", unready.join(", "))),
+            now,
+        )
+    }
+}
+
+fn names(records: &[Record], pick: impl Fn(&Record) -> bool) -> String {
+    let picked: Vec<&str> = records
+        .iter()
+        .filter(|r| pick(r))
+        .map(|r| r.name.as_str())
+        .collect();
+    picked.join(" ")
 }
 
 /// The `status` object the kubelet writes. `previous` conditions keep their transition times.
+/// It holds only the conditions the kubelet owns; others on the pod (readiness gates set by
+/// controllers, `DisruptionTarget`) are left alone by the strategic merge patch that writes it.
 pub fn pod_status(v: &PodView<'_>, previous: &[Value], now: &str) -> Value {
     let phase = phase(v);
     let initialized = v.init.iter().all(|c| c.state.succeeded());
     let all_ready = !v.app.is_empty() && v.app.iter().all(|c| c.ready);
+    let containers_ready = condition(
+        "ContainersReady",
+        all_ready,
+        Some((
+            "ContainersNotReady",
+            format!(
+                "containers with unready status: [{}]",
+                names(v.app, |r| !r.ready)
+            ),
+        )),
+        now,
+    );
     let mut conditions = vec![
         condition(
             "PodReadyToStartContainers",
             v.sandbox_ready,
-            v.sandbox_error.map(|_| "SandboxSetupFailed"),
+            v.sandbox_error
+                .map(|m| ("SandboxSetupFailed", m.to_string())),
             now,
         ),
         condition(
             "Initialized",
             initialized,
-            Some("ContainersNotInitialized"),
+            Some((
+                "ContainersNotInitialized",
+                format!(
+                    "containers with incomplete status: [{}]",
+                    names(v.init, |r| !r.state.succeeded())
+                ),
+            )),
             now,
         ),
-        condition("Ready", all_ready, Some("ContainersNotReady"), now),
-        condition(
-            "ContainersReady",
-            all_ready,
-            Some("ContainersNotReady"),
-            now,
-        ),
+        ready_condition(v, &containers_ready, now),
+        containers_ready,
         condition("PodScheduled", true, None, now),
     ];
-    if let Some(message) = v.sandbox_error {
-        conditions[0]["message"] = json!(message);
-    }
     for c in &mut conditions {
         if let Some(old) = previous.iter().find(|o| o["type"] == c["type"])
             && old["status"] == c["status"]
@@ -280,6 +347,8 @@ mod tests {
             sandbox_ready: true,
             sandbox_error: None,
             qos_class: "BestEffort",
+            readiness_gates: &[],
+            current_conditions: &[],
         }
     }
 
@@ -421,5 +490,80 @@ mod tests {
             scheduled["lastTransitionTime"], "now",
             "unchanged keeps its time"
         );
+    }
+
+    fn cond<'a>(status: &'a Value, kind: &str) -> &'a Value {
+        status["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == kind)
+            .unwrap()
+    }
+
+    #[test]
+    fn readiness_gates_hold_ready_until_their_conditions_are_true() {
+        const GATE: &str = "kubevirt.io/virtual-machine-unpaused";
+        let app = [running()];
+        let gates = [GATE.to_string()];
+        let gated = |current: &[Value]| {
+            let v = PodView {
+                readiness_gates: &gates,
+                current_conditions: current,
+                ..view("Always", &[], &app)
+            };
+            pod_status(&v, &[], "now")
+        };
+
+        let missing = gated(&[]);
+        let ready = cond(&missing, "Ready");
+        assert_eq!(ready["status"], "False");
+        assert_eq!(ready["reason"], "ReadinessGatesNotReady");
+        assert_eq!(
+            ready["message"],
+            "corresponding condition of pod readiness gate \"kubevirt.io/virtual-machine-unpaused\" does not exist."
+        );
+        assert_eq!(cond(&missing, "ContainersReady")["status"], "True");
+
+        let ready = cond(&gated(&[json!({"type": GATE, "status": "False"})]), "Ready").clone();
+        assert_eq!(ready["status"], "False");
+        assert_eq!(
+            ready["message"],
+            "the status of pod readiness gate \"kubevirt.io/virtual-machine-unpaused\" is not \"True\", but False"
+        );
+
+        let status = gated(&[json!({"type": GATE, "status": "True"})]);
+        let ready = cond(&status, "Ready");
+        assert_eq!(ready["status"], "True");
+        assert!(ready["reason"].is_null(), "a null clears an earlier reason");
+        assert!(
+            status["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|c| c["type"] != GATE),
+            "the kubelet does not write conditions it does not own"
+        );
+    }
+
+    #[test]
+    fn unready_containers_are_named_and_gates_wait_for_them() {
+        let app = [
+            running(),
+            Record {
+                name: "slow".into(),
+                ready: false,
+                ..running()
+            },
+        ];
+        let gates = ["g".to_string()];
+        let v = PodView {
+            readiness_gates: &gates,
+            ..view("Always", &[], &app)
+        };
+        let status = pod_status(&v, &[], "now");
+        let ready = cond(&status, "Ready");
+        assert_eq!(ready["reason"], "ContainersNotReady");
+        assert_eq!(ready["message"], "containers with unready status: [slow]");
     }
 }

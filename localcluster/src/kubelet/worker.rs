@@ -317,6 +317,7 @@ impl Worker {
         let cgroup = Cgroup::node(&self.config().name).child(&format!("pod{}", self.uid));
         let mut sandbox = Sandbox {
             network: None,
+            pause: None,
             cgroup: cgroup.clone(),
             pod_dir: pod_dir.clone(),
             log_dir: self.log_dir(),
@@ -358,6 +359,20 @@ impl Worker {
         }
         self.register(&sandbox);
         cgroup.create()?;
+        if !spec.host_pid.unwrap_or(false) {
+            // The pod's PID namespace, held by its pause process in a cgroup of its own (no
+            // container can have the name: it is not a DNS label).
+            let pause = cgroup.child(super::PAUSE_CGROUP);
+            pause.create()?;
+            let spawned = super::spawn::spawn_pause(pause.procs_files()?)?;
+            let mut waiter = spawned.child;
+            tokio::spawn(async move {
+                // Reaps the waiter once the pause process is killed at teardown.
+                let _ = waiter.wait().await;
+            });
+            sandbox.pause = Some(spawned.pid);
+            self.register(&sandbox);
+        }
         let node_root = self.config().root.clone();
         let mut volumes = BTreeMap::new();
         for v in spec.volumes.iter().flatten() {
@@ -748,12 +763,17 @@ impl Worker {
             .open(&log_path)
             .map_err(io(&log_path))?;
         let log2 = log.try_clone().map_err(io(&log_path))?;
-        let child = spawn(Launch {
+        let pidns = match self.sandbox.as_ref().and_then(|s| s.pause) {
+            Some(pause) => Some(open_proc(pause, "ns/pid")?),
+            None => None,
+        };
+        let spawned = spawn(Launch {
             argv,
             env,
             workdir: PathBuf::from(spec.working_dir.clone().unwrap_or_else(|| "/".into())),
             netns,
             mntns: None,
+            pidns,
             hostname: (!spec_of(&self.pod).host_network.unwrap_or(false))
                 .then(|| self.name.clone()),
             cgroups: cgroup.procs_files()?,
@@ -762,10 +782,10 @@ impl Worker {
             stdout: Stdio::from(log),
             stderr: Stdio::from(log2),
         })?;
-        let pid = child.id().unwrap_or_default();
+        let pid = spawned.pid;
         let tx = self.exits.0.clone();
         tokio::spawn(async move {
-            let mut child = child;
+            let mut child = spawned.child;
             let status = child.wait().await;
             let _ = tx.send((kind, idx, status));
         });
@@ -876,13 +896,14 @@ impl Worker {
                 .max(1),
         );
         if let Some(exec) = &probe.exec {
-            let launch = || -> Result<tokio::process::Child, KubeletError> {
+            let launch = || -> Result<super::spawn::Spawned, KubeletError> {
                 spawn(Launch {
                     argv: exec.command.clone().unwrap_or_default(),
                     env: vec![("PATH".into(), DEFAULT_PATH.into())],
                     workdir: PathBuf::from("/"),
                     netns: Some(open_proc(pid, "ns/net")?),
                     mntns: Some(open_proc(pid, "ns/mnt")?),
+                    pidns: None,
                     hostname: None,
                     cgroups: Vec::new(),
                     root: None,
@@ -892,7 +913,7 @@ impl Worker {
                 })
             };
             let mut child = match launch() {
-                Ok(c) => c,
+                Ok(c) => c.child,
                 Err(e) => {
                     tracing::debug!(error = %error_chain(&e), "exec probe");
                     return false;
@@ -1024,6 +1045,20 @@ impl Worker {
         let (init, app) = (records(&self.init), records(&self.app));
         let policy = self.restart_policy();
         let host_ip = self.config().host_ip.clone();
+        let readiness_gates: Vec<String> = self
+            .pod
+            .spec
+            .iter()
+            .flat_map(|s| s.readiness_gates.iter().flatten())
+            .map(|g| g.condition_type.clone())
+            .collect();
+        let current_conditions: Vec<Value> = self
+            .pod
+            .status
+            .iter()
+            .flat_map(|s| s.conditions.iter().flatten())
+            .filter_map(|c| serde_json::to_value(c).ok())
+            .collect();
         let view = PodView {
             uid: &self.uid,
             restart_policy: &policy,
@@ -1035,6 +1070,8 @@ impl Worker {
             sandbox_ready: self.sandbox.is_some(),
             sandbox_error: self.sandbox_error.as_deref(),
             qos_class: qos_class(&self.pod),
+            readiness_gates: &readiness_gates,
+            current_conditions: &current_conditions,
         };
         let previous: Vec<Value> = self
             .published
@@ -1051,7 +1088,9 @@ impl Worker {
             .patch_status(
                 &self.name,
                 &PatchParams::default(),
-                &Patch::Merge(&json!({ "status": status })),
+                // Strategic, as the real kubelet writes it: conditions merge by type, so the
+                // ones other controllers own (readiness gates) stay.
+                &Patch::Strategic(json!({ "status": status })),
             )
             .await
         {

@@ -363,3 +363,51 @@ async fn kubectl_custom_resources() {
     })
     .await;
 }
+
+/// kubectl's generators (`create namespace|configmap|...`) send protobuf bodies, which this
+/// server cannot decode: they get kube-apiserver's 415 `Status`, which kubectl reports as such,
+/// and nothing is created. (A real cluster takes them, so this part is in-process only.)
+#[tokio::test]
+async fn kubectl_protobuf_bodies_get_a_415_status() {
+    let c = Cluster::start().await;
+    if !c.in_process() {
+        return;
+    }
+    let (success, out, err) = c
+        .kubectl(&[
+            "create",
+            "configmap",
+            "from-generator",
+            "--from-literal=a=b",
+        ])
+        .await;
+    assert!(!success, "{out}");
+    assert!(
+        err.contains("the body of the request was in an unknown format - accepted media types include: application/json, application/yaml; got application/vnd.kubernetes.protobuf"),
+        "{err}"
+    );
+    let (success, _, err) = c.kubectl(&["create", "namespace", "from-generator"]).await;
+    assert!(!success);
+    assert!(
+        err.contains("Error from server (UnsupportedMediaType)"),
+        "{err}"
+    );
+    let (success, _, _) = c.kubectl(&["get", "configmap", "from-generator"]).await;
+    assert!(!success, "nothing was created");
+    // The same object sent as JSON (`create -f`) is taken.
+    let generated = ok(
+        &c,
+        &[
+            "create",
+            "configmap",
+            "from-generator",
+            "--from-literal=a=b",
+            "--dry-run=client",
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    ok_stdin(&c, &["create", "-f", "-"], &generated).await;
+    ok(&c, &["get", "configmap", "from-generator"]).await;
+}

@@ -812,13 +812,15 @@ async fn readiness_gates_are_kept_and_hold_ready_until_true() {
         condition(p, "ContainersReady").as_deref() == Some("True")
     })
     .await;
-    assert_eq!(
-        condition_detail(&p, "Ready"),
-        Some((
-            "False".into(),
-            "ReadinessGatesNotReady".into(),
-            format!("corresponding condition of pod readiness gate \"{GATE}\" does not exist.")
-        ))
+    let held_by_gate = |p: &Value, why: String| {
+        assert_eq!(
+            condition_detail(p, "Ready"),
+            Some(("False".into(), "ReadinessGatesNotReady".into(), why))
+        );
+    };
+    held_by_gate(
+        &p,
+        format!("corresponding condition of pod readiness gate \"{GATE}\" does not exist."),
     );
 
     // Set as virt-controller does: a JSON patch on the status subresource.
@@ -865,13 +867,9 @@ async fn readiness_gates_are_kept_and_hold_ready_until_true() {
         condition(p, "Ready").as_deref() == Some("False")
     })
     .await;
-    assert_eq!(
-        condition_detail(&p, "Ready"),
-        Some((
-            "False".into(),
-            "ReadinessGatesNotReady".into(),
-            format!("the status of pod readiness gate \"{GATE}\" is not \"True\", but False")
-        ))
+    held_by_gate(
+        &p,
+        format!("the status of pod readiness gate \"{GATE}\" is not \"True\", but False"),
     );
     assert_eq!(condition(&p, "ContainersReady").as_deref(), Some("True"));
     node.stop().await;

@@ -281,6 +281,88 @@ pub async fn start(
     Ok(Running { socket, task })
 }
 
+/// A file's identity (device, inode), `None` while it does not exist: a kubelet that restarts
+/// creates a new `kubelet.sock` and removes the plugins' sockets.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
+
+/// Keeps every plugin of `devs` registered until `stop`, and says on `ready` whether all of
+/// them are. A plugin the kubelet refuses or cannot take yet is tried again every `retry`.
+/// When the kubelet restarts (its `kubelet.sock` is replaced, or our socket is removed, which
+/// the kubelet does to every plugin socket when it starts), the plugin is served afresh and
+/// registered again, as KubeVirt's plugins do. Returns when `stop` fires and every plugin has
+/// stopped and removed its socket.
+pub async fn run(
+    devs: Vec<GenericDevice>,
+    cfg: Config,
+    retry: Duration,
+    ready: watch::Sender<bool>,
+    stop: CancellationToken,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, dev) in devs.iter().enumerate() {
+        let (dev, cfg, stop, tx) = (dev.clone(), cfg.clone(), stop.clone(), tx.clone());
+        tasks.spawn(keep_registered(dev, cfg, retry, stop, move |up| {
+            let _ = tx.send((i, up));
+        }));
+    }
+    drop(tx);
+    let mut up = vec![false; devs.len()];
+    while let Some((i, now)) = rx.recv().await {
+        up[i] = now;
+        ready.send_if_modified(|r| std::mem::replace(r, up.iter().all(|u| *u)) != *r);
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// One plugin's life: start and register, watch for a kubelet restart, start again.
+async fn keep_registered(
+    dev: GenericDevice,
+    cfg: Config,
+    retry: Duration,
+    stop: CancellationToken,
+    report: impl Fn(bool),
+) {
+    let kubelet = cfg.plugins_dir.join(KUBELET_SOCKET);
+    while !stop.is_cancelled() {
+        let token = stop.child_token();
+        let kubelet_then = identity(&kubelet);
+        let running = match start(dev.clone(), &cfg, token.clone()).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "device plugin not registered yet");
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = tokio::time::sleep(retry) => {}
+                }
+                continue;
+            }
+        };
+        report(true);
+        let ours = identity(&running.socket);
+        // Polled like device health: a kubelet restart is rare, and a few seconds of delay
+        // only postpones new allocations.
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep(cfg.health_interval) => {}
+            }
+            if identity(&kubelet) != kubelet_then || identity(&running.socket) != ours {
+                tracing::info!(resource = %dev.resource_name(), "the kubelet restarted: registering again");
+                report(false);
+                break;
+            }
+        }
+        token.cancel();
+        let _ = running.task.await;
+    }
+}
+
 async fn register(kubelet: &Path, dev: &GenericDevice) -> Result<(), DevicePluginError> {
     let path = kubelet.to_owned();
     // The URI is a placeholder: the connector below always dials the unix socket.

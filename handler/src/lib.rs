@@ -18,3 +18,4 @@ pub mod shutdown;
 pub mod status;
 pub mod tls;
 pub mod vmistore;
+pub mod volumes;

@@ -51,6 +51,12 @@ struct Flags {
     /// The launchers' private dir (console and VNC sockets), inside each launcher's pod.
     #[arg(long, default_value = "/var/run/kubevirt-private")]
     kubevirt_private_dir: PathBuf,
+    /// Concurrent `/metrics` scrapes; more are answered 503.
+    #[arg(long, default_value_t = metrics::DEFAULT_MAX_REQUESTS)]
+    max_metric_requests: usize,
+    /// Every VMI is reconciled again this often, whatever changed.
+    #[arg(long, default_value_t = node::DEFAULT_RESYNC.as_secs())]
+    domain_resync_period_seconds: u64,
     /// A launcher that does not answer this long fails its VMI (`30s`, `1m`, ...).
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     watchdog_timeout: Duration,
@@ -84,13 +90,14 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 async fn serve_metrics(
     addr: SocketAddr,
     slot: metrics::NodeSlot,
+    max_requests: usize,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the metrics port {addr}"))?;
     tracing::info!(%addr, "serving /metrics and /healthz");
-    axum::serve(listener, metrics::router(slot))
+    axum::serve(listener, metrics::router(slot, max_requests))
         .with_graceful_shutdown(stop.cancelled_owned())
         .await
         .context("metrics server")
@@ -167,42 +174,14 @@ async fn main() -> anyhow::Result<()> {
         health_interval: REGISTER_RETRY,
     };
     let (ready_tx, ready_rx) = tokio::sync::watch::channel(false);
-    let plugins = {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            // The kubelet may not be up yet: keep trying until every plugin is registered.
-            let mut pending = deviceplugin::kubevirt_devices();
-            let mut running = Vec::new();
-            while !pending.is_empty() && !stop.is_cancelled() {
-                let mut still = Vec::new();
-                for dev in pending {
-                    match deviceplugin::start(dev.clone(), &cfg, stop.child_token()).await {
-                        Ok(r) => running.push(r),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "device plugin not registered yet");
-                            still.push(dev);
-                        }
-                    }
-                }
-                pending = still;
-                if !pending.is_empty() {
-                    tokio::select! {
-                        () = stop.cancelled() => {}
-                        () = tokio::time::sleep(REGISTER_RETRY) => {}
-                    }
-                }
-            }
-            if pending.is_empty() {
-                let _ = ready_tx.send(true);
-            }
-            // Holding the sender keeps readiness from reading as closed while plugins serve.
-            stop.cancelled().await;
-            // Wait for the plugins to stop so that their sockets are gone when we exit.
-            for r in running {
-                let _ = r.task.await;
-            }
-        })
-    };
+    // The kubelet may not be up yet, and it may restart: the plugins are kept registered.
+    let plugins = tokio::spawn(deviceplugin::run(
+        deviceplugin::kubevirt_devices(),
+        cfg,
+        REGISTER_RETRY,
+        ready_tx,
+        stop.clone(),
+    ));
     let beat = tokio::spawn(heartbeat::run(
         NodePatcher::new(client.clone(), &flags.hostname_override),
         ready_rx,
@@ -214,6 +193,7 @@ async fn main() -> anyhow::Result<()> {
     let metrics_task = tokio::spawn(serve_metrics(
         SocketAddr::new(flags.listen_address, flags.port),
         Arc::clone(&slot),
+        flags.max_metric_requests,
         stop.clone(),
     ));
     let mut cfg = node::Config::new(&flags.hostname_override);
@@ -221,6 +201,7 @@ async fn main() -> anyhow::Result<()> {
     cfg.launcher_private_dir
         .clone_from(&flags.kubevirt_private_dir);
     cfg.watchdog_timeout = flags.watchdog_timeout;
+    cfg.resync_period = Duration::from_secs(flags.domain_resync_period_seconds.max(1));
     // The loop waits for its caches (the VMI CRD may not be installed yet) in the background,
     // so signals are handled meanwhile.
     let mut loop_task = {

@@ -1,7 +1,8 @@
 //! `/metrics` (Prometheus text format) and `/healthz` on `--port`, with KubeVirt's metric names
 //! for what we can measure: VMI phase counts from the informer cache, and per VMI the QEMU
-//! process's resident memory and each vCPU thread's CPU time from `/proc`. Disk and network
-//! counters are not reported (they need QMP statistics the launcher does not relay yet).
+//! process's resident memory, each vCPU thread's CPU time, and each interface's counters from
+//! `/proc`. Disk counters are not reported (they need QMP's `query-blockstats`, which the
+//! launcher does not relay).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -27,6 +28,20 @@ pub struct Vcpu {
     pub state: &'static str,
 }
 
+/// One VMI interface's counters, from the guest's side (what libvirt reports for a tap, and
+/// therefore KubeVirt): what the guest receives is what its tap transmits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NetCounters {
+    pub rx_bytes: u64,
+    pub rx_packets: u64,
+    pub rx_errors: u64,
+    pub rx_dropped: u64,
+    pub tx_bytes: u64,
+    pub tx_packets: u64,
+    pub tx_errors: u64,
+    pub tx_dropped: u64,
+}
+
 /// What `/proc` says about one VMI's QEMU.
 #[derive(Debug, Clone, PartialEq)]
 pub struct VmiSample {
@@ -34,7 +49,53 @@ pub struct VmiSample {
     pub name: String,
     pub resident_bytes: Option<u64>,
     pub vcpus: Vec<Vcpu>,
+    /// The VMI's interface name and its counters.
+    pub interfaces: Vec<(String, NetCounters)>,
 }
+
+/// The network metrics, KubeVirt's names and help texts (`domainstats/network_metrics.go`).
+const NET_METRICS: [(&str, &str, fn(&NetCounters) -> u64); 8] = [
+    (
+        "kubevirt_vmi_network_receive_bytes_total",
+        "Total network traffic received in bytes.",
+        |c| c.rx_bytes,
+    ),
+    (
+        "kubevirt_vmi_network_transmit_bytes_total",
+        "Total network traffic transmitted in bytes.",
+        |c| c.tx_bytes,
+    ),
+    (
+        "kubevirt_vmi_network_receive_packets_total",
+        "Total network traffic received packets.",
+        |c| c.rx_packets,
+    ),
+    (
+        "kubevirt_vmi_network_transmit_packets_total",
+        "Total network traffic transmitted packets.",
+        |c| c.tx_packets,
+    ),
+    (
+        "kubevirt_vmi_network_receive_errors_total",
+        "Total network received error packets.",
+        |c| c.rx_errors,
+    ),
+    (
+        "kubevirt_vmi_network_transmit_errors_total",
+        "Total network transmitted error packets.",
+        |c| c.tx_errors,
+    ),
+    (
+        "kubevirt_vmi_network_receive_packets_dropped_total",
+        "The total number of rx packets dropped on vNIC interfaces.",
+        |c| c.rx_dropped,
+    ),
+    (
+        "kubevirt_vmi_network_transmit_packets_dropped_total",
+        "The total number of tx packets dropped on vNIC interfaces.",
+        |c| c.tx_dropped,
+    ),
+];
 
 /// Escapes a label value as the text format wants.
 fn label(v: &str) -> String {
@@ -89,7 +150,55 @@ pub fn render(node: &str, phases: &BTreeMap<String, usize>, vmis: &[VmiSample]) 
             );
         }
     }
+    for (metric, help, value) in NET_METRICS {
+        let _ = write!(out, "# HELP {metric} {help}\n# TYPE {metric} counter\n");
+        for v in vmis {
+            for (iface, c) in &v.interfaces {
+                let _ = writeln!(
+                    out,
+                    "{metric}{{namespace=\"{}\",name=\"{}\",node=\"{node}\",interface=\"{}\"}} {}",
+                    label(&v.namespace),
+                    label(&v.name),
+                    label(iface),
+                    value(c)
+                );
+            }
+        }
+    }
     out
+}
+
+/// The counters of each device in a `/proc/<pid>/net/dev` table (the network namespace of
+/// `<pid>`), swapped to the guest's side: a tap's transmit is its guest's receive.
+pub fn parse_net_dev(table: &str) -> BTreeMap<String, NetCounters> {
+    table
+        .lines()
+        .filter_map(|line| {
+            let (name, rest) = line.split_once(':')?;
+            let n: Vec<u64> = rest
+                .split_whitespace()
+                .map(str::parse)
+                .collect::<Result<_, _>>()
+                .ok()?;
+            // Receive: bytes packets errs drop fifo frame compressed multicast; then
+            // transmit: bytes packets errs drop ...
+            (n.len() >= 12).then(|| {
+                (
+                    name.trim().to_owned(),
+                    NetCounters {
+                        rx_bytes: n[8],
+                        rx_packets: n[9],
+                        rx_errors: n[10],
+                        rx_dropped: n[11],
+                        tx_bytes: n[0],
+                        tx_packets: n[1],
+                        tx_errors: n[2],
+                        tx_dropped: n[3],
+                    },
+                )
+            })
+        })
+        .collect()
 }
 
 /// State and CPU seconds from a `/proc/.../stat` line: fields after the `)` that ends the
@@ -172,19 +281,50 @@ fn sample(proc: &Path, l: &crate::node::LauncherInfo) -> Option<VmiSample> {
             })
         })
         .collect();
+    // The taps live in the launcher's network namespace, which its /proc entry shows.
+    let taps = std::fs::read_to_string(proc.join(format!("{}/net/dev", l.pid?)))
+        .map(|t| parse_net_dev(&t))
+        .unwrap_or_default();
+    let interfaces = d
+        .interfaces
+        .iter()
+        .filter_map(|i| Some((i.name.clone(), *taps.get(&i.tap)?)))
+        .collect();
     Some(VmiSample {
         namespace: l.namespace.clone(),
         name: l.name.clone(),
         resident_bytes,
         vcpus,
+        interfaces,
     })
 }
 
 /// The node loop, once its caches have filled.
 pub type NodeSlot = Arc<OnceLock<Arc<Node>>>;
 
-async fn metrics(State(slot): State<NodeSlot>) -> (StatusCode, String) {
-    let Some(node) = slot.get() else {
+/// KubeVirt's `--max-metric-requests` default.
+pub const DEFAULT_MAX_REQUESTS: usize = 3;
+
+#[derive(Clone)]
+struct Shared {
+    slot: NodeSlot,
+    /// Scrapes in flight; one more is refused, as Prometheus' Go handler does with
+    /// `MaxRequestsInFlight`, so a scrape storm cannot pile up `/proc` walks.
+    scrapes: Arc<tokio::sync::Semaphore>,
+    max: usize,
+}
+
+async fn metrics(State(s): State<Shared>) -> (StatusCode, String) {
+    let Ok(_permit) = s.scrapes.try_acquire() else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "Limit of concurrent requests reached ({}), try again later.\n",
+                s.max
+            ),
+        );
+    };
+    let Some(node) = s.slot.get() else {
         return (StatusCode::OK, render("", &BTreeMap::new(), &[]));
     };
     let mut phases = BTreeMap::new();
@@ -209,8 +349,8 @@ async fn metrics(State(slot): State<NodeSlot>) -> (StatusCode, String) {
 }
 
 /// 200 once the node loop runs (its caches filled), 503 before.
-async fn healthz(State(slot): State<NodeSlot>) -> (StatusCode, &'static str) {
-    if slot.get().is_some() {
+async fn healthz(State(s): State<Shared>) -> (StatusCode, &'static str) {
+    if s.slot.get().is_some() {
         (StatusCode::OK, "ok")
     } else {
         (
@@ -220,11 +360,17 @@ async fn healthz(State(slot): State<NodeSlot>) -> (StatusCode, &'static str) {
     }
 }
 
-pub fn router(slot: NodeSlot) -> Router {
+/// `/metrics` and `/healthz`; at most `max_requests` scrapes at once (`--max-metric-requests`).
+pub fn router(slot: NodeSlot, max_requests: usize) -> Router {
+    let max = max_requests.max(1);
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
-        .with_state(slot)
+        .with_state(Shared {
+            slot,
+            scrapes: Arc::new(tokio::sync::Semaphore::new(max)),
+            max,
+        })
 }
 
 #[cfg(test)]
@@ -257,6 +403,14 @@ mod tests {
                 seconds: 1.5,
                 state: "running",
             }],
+            interfaces: vec![(
+                "default".into(),
+                NetCounters {
+                    rx_bytes: 7,
+                    tx_dropped: 3,
+                    ..NetCounters::default()
+                },
+            )],
         }];
         let text = render("node-a", &phases, &vmis);
         assert!(
@@ -271,5 +425,62 @@ mod tests {
             "kubevirt_vmi_vcpu_seconds_total{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\",id=\"0\",state=\"running\"} 1.5\n"
         ));
         assert!(text.contains("# TYPE kubevirt_vmi_vcpu_seconds_total counter\n"));
+        assert!(text.contains(
+            "kubevirt_vmi_network_receive_bytes_total{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\",interface=\"default\"} 7\n"
+        ), "{text}");
+        assert!(text.contains(
+            "kubevirt_vmi_network_transmit_packets_dropped_total{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\",interface=\"default\"} 3\n"
+        ));
+        assert!(text.contains("# TYPE kubevirt_vmi_network_transmit_bytes_total counter\n"));
+    }
+
+    #[tokio::test]
+    async fn scrapes_beyond_the_limit_are_refused_until_one_ends() {
+        let s = Shared {
+            slot: Arc::default(),
+            scrapes: Arc::new(tokio::sync::Semaphore::new(2)),
+            max: 2,
+        };
+        let first = s.scrapes.clone().try_acquire_owned().expect("first");
+        let _second = s.scrapes.clone().try_acquire_owned().expect("second");
+        let (code, body) = metrics(State(s.clone())).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            body,
+            "Limit of concurrent requests reached (2), try again later.\n"
+        );
+        drop(first);
+        let (code, body) = metrics(State(s)).await;
+        assert_eq!(code, StatusCode::OK);
+        assert!(
+            body.contains("# TYPE kubevirt_vmi_phase_count gauge"),
+            "{body}"
+        );
+    }
+
+    #[test]
+    fn net_dev_tables_parse_to_the_guest_side() {
+        let table = "Inter-|   Receive                                                |  Transmit\n \
+             face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed\n\
+                 lo:     100       2    0    0    0     0          0         0      100       2    0    0    0     0       0          0\n\
+             tap0:    5000      40    1    2    0     0          0         0     9000      60    3    4    0     0       0          0\n";
+        let t = parse_net_dev(table);
+        assert_eq!(t.len(), 2, "{t:?}");
+        assert_eq!(
+            t["tap0"],
+            NetCounters {
+                rx_bytes: 9000,
+                rx_packets: 60,
+                rx_errors: 3,
+                rx_dropped: 4,
+                tx_bytes: 5000,
+                tx_packets: 40,
+                tx_errors: 1,
+                tx_dropped: 2,
+            }
+        );
+        // The kernel's own table has this process's loopback.
+        let own = std::fs::read_to_string("/proc/self/net/dev").expect("/proc/self/net/dev");
+        assert!(parse_net_dev(&own).contains_key("lo"), "{own}");
     }
 }

@@ -52,6 +52,9 @@ const NOT_READY_RECHECK: Duration = Duration::from_secs(1);
 /// every 10 s too).
 const GUEST_AGENT_POLL: Duration = Duration::from_secs(10);
 
+/// KubeVirt's `--domain-resync-period-seconds` default.
+pub const DEFAULT_RESYNC: Duration = Duration::from_secs(300);
+
 /// What the loop needs to know about the node.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -72,6 +75,10 @@ pub struct Config {
     pub watchdog_timeout: Duration,
     /// Where containerDisk and kernelBoot files go in the launcher.
     pub mounts: MountConfig,
+    /// Every VMI and every launcher the loop knows is reconciled again this often, whatever
+    /// changed (KubeVirt's `--domain-resync-period-seconds`, 300), so state no event announced
+    /// (a launcher that went quiet, a write lost to an API server hiccup) is caught up with.
+    pub resync_period: Duration,
 }
 
 impl Config {
@@ -85,6 +92,7 @@ impl Config {
             sync_timeout: Duration::from_secs(300),
             watchdog_timeout: Duration::from_secs(30),
             mounts: MountConfig::default(),
+            resync_period: DEFAULT_RESYNC,
         }
     }
 }
@@ -150,6 +158,8 @@ struct Entry {
     signalled_at: Option<Instant>,
     /// When shutdown of a domain whose VMI is gone began.
     orphaned_at: Option<Instant>,
+    /// Whether the console server last froze (true) or thawed (false) the guest's filesystems.
+    fs_frozen: Option<bool>,
 }
 
 /// A VMI's launcher as the console server and metrics see it.
@@ -312,6 +322,27 @@ impl Node {
             .get(&key_of(namespace, name))
             .filter(|e| e.uid == uid)
             .and_then(|e| e.pid)
+    }
+
+    /// The console server froze or thawed the guest's filesystems: the status says so on the
+    /// next reconcile, which this queues.
+    pub fn note_freeze(&self, namespace: &str, name: &str, uid: &str, frozen: bool) {
+        let key = key_of(namespace, name);
+        self.with_entry(&key, uid, |e| e.fs_frozen = Some(frozen));
+        self.queue.add(&key);
+    }
+
+    /// Queues every VMI of the cache and every launcher the loop knows (one whose VMI is gone
+    /// is shut down by its reconcile).
+    fn resync(&self) {
+        let keys = resync_keys(
+            self.vmis.state().iter().filter_map(|v| vmi_key(v)),
+            self.lock().keys().cloned(),
+        );
+        tracing::debug!(keys = keys.len(), "periodic resync");
+        for k in &keys {
+            self.queue.add(k);
+        }
     }
 
     fn launcher(&self, socket: &Path) -> LauncherClient {
@@ -750,6 +781,9 @@ impl Node {
             guest_os,
             guest_interfaces,
             sync_error: sync_error.clone(),
+            fs_frozen: self.with_entry(key, vmi.metadata.uid.as_deref().unwrap_or_default(), |e| {
+                e.fs_frozen
+            }),
             now: now(),
         };
         self.write_status(&vmi, &obs).await?;
@@ -969,6 +1003,14 @@ where
     reader
 }
 
+/// The keys a resync queues: each VMI and each launcher entry, once.
+fn resync_keys(
+    vmis: impl Iterator<Item = String>,
+    entries: impl Iterator<Item = String>,
+) -> std::collections::BTreeSet<String> {
+    vmis.chain(entries).collect()
+}
+
 fn vmi_key(v: &VirtualMachineInstance) -> Option<String> {
     Some(key_of(
         v.metadata.namespace.as_deref()?,
@@ -1036,6 +1078,19 @@ pub async fn start(
     });
     for _ in 0..node.cfg.workers.max(1) {
         tasks.spawn(worker(Arc::clone(&node)));
+    }
+    {
+        let node = Arc::clone(&node);
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(node.cfg.resync_period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // The first tick is immediate, and the caches' initial lists queued everything.
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                node.resync();
+            }
+        });
     }
     tracing::info!(node = %node.cfg.node, "caches synced; node loop running");
     let n = Arc::clone(&node);
@@ -1111,6 +1166,18 @@ mod tests {
         assert_eq!(
             pod_view(Some(&pod(json!({"status": {"phase": "Running"}})))),
             PodView::Running { ready: None }
+        );
+    }
+
+    #[test]
+    fn a_resync_queues_every_vmi_and_every_launcher_once() {
+        let keys = resync_keys(
+            ["default/a".to_owned(), "default/b".to_owned()].into_iter(),
+            ["default/b".to_owned(), "gone/c".to_owned()].into_iter(),
+        );
+        assert_eq!(
+            keys.into_iter().collect::<Vec<_>>(),
+            ["default/a", "default/b", "gone/c"]
         );
     }
 

@@ -15,7 +15,7 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::{SinkExt as _, StreamExt as _};
 use http::StatusCode;
 use hyper_util::rt::TokioIo;
@@ -35,6 +35,10 @@ pub const SUBPROTOCOL: &str = "plain.kubevirt.io";
 const CLOSE_REPLACED: u16 = 4000;
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+/// The most read from a console socket at once, sent as one websocket frame. A read returns
+/// what is there, so a typed key still goes out alone and at once; a flood goes out in frames
+/// this large, which costs few frames, flushes and TLS writes per MiB.
+const READ_CHUNK: usize = 256 * 1024;
 
 /// A VMI on this node and where its launcher's sockets are, as the handler sees them (through
 /// the pod's mount root in production).
@@ -61,6 +65,10 @@ pub enum LookupError {
 /// The handler's view of the VMIs on its node (the informer store in production).
 pub trait Vmis: Send + Sync + 'static {
     fn lookup(&self, namespace: &str, name: &str) -> Result<Target, LookupError>;
+
+    /// A freeze (`true`) or thaw (`false`) of the VMI's filesystems succeeded. The node loop
+    /// writes it to `status.fsFreezeStatus`; a view without a status writer has nothing to do.
+    fn froze(&self, _target: &Target, _frozen: bool) {}
 }
 
 /// Settings of the console server.
@@ -191,6 +199,9 @@ pub fn router(vmis: Arc<dyn Vmis>, limits: Limits) -> Router {
                     Action::Freeze => c.freeze().await.map(drop),
                     _ => c.unfreeze().await.map(drop),
                 }?;
+                if matches!(action, Action::Freeze | Action::Unfreeze) {
+                    s.vmis.froze(&t, action == Action::Freeze);
+                }
                 Ok::<_, Reply>(StatusCode::OK)
             },
         )
@@ -346,12 +357,18 @@ async fn splice(ws: WebSocket, unix: UnixStream, cancel: CancellationToken) {
         "client gone".to_owned()
     };
     let from_unix = async {
-        let mut buf = vec![0u8; 32 * 1024];
+        let mut buf = BytesMut::new();
         loop {
-            match unix_rx.read(&mut buf).await {
+            // Frames share one allocation until little of it is left (a typed key takes one
+            // byte of it, not a buffer of its own).
+            if buf.capacity() < READ_CHUNK / 4 {
+                buf.reserve(READ_CHUNK);
+            }
+            match unix_rx.read_buf(&mut buf).await {
                 Ok(0) => return "unix socket closed".to_owned(),
-                Ok(n) => {
-                    let out = Message::Binary(Bytes::copy_from_slice(&buf[..n]));
+                Ok(_) => {
+                    // The frame takes the bytes as read: no copy into a message.
+                    let out = Message::Binary(buf.split().freeze());
                     if let Err(e) = ws_tx.send(out).await {
                         return format!("client write: {e}");
                     }

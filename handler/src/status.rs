@@ -25,6 +25,8 @@ pub const DEFAULT_GRACE_SECONDS: i64 = 180;
 pub const MSG_STARTED: &str = "VirtualMachineInstance started.";
 pub const MSG_SHUTDOWN: &str = "The VirtualMachineInstance was shut down.";
 pub const MSG_CRASHED: &str = "The VirtualMachineInstance crashed.";
+/// `status.fsFreezeStatus` while the guest's filesystems are frozen (KubeVirt's `FSFrozen`).
+pub const FS_FROZEN: &str = "frozen";
 /// The (odd, but KubeVirt's) reason of the `Synchronized=False` condition.
 pub const SYNC_FAILED_REASON: &str = "Synchronizing with the Domain failed.";
 
@@ -70,6 +72,9 @@ pub struct Observed {
     pub guest_interfaces: Option<Vec<AgentInterface>>,
     /// The error of the last sync attempt (KubeVirt's `Synchronized` condition).
     pub sync_error: Option<String>,
+    /// Whether the guest's filesystems are frozen, as far as this handler froze or thawed
+    /// them; `None` when it does not know (after a restart), which keeps the status as it is.
+    pub fs_frozen: Option<bool>,
     pub now: Time,
 }
 
@@ -303,6 +308,17 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
             };
         }
     }
+    if let Some(d) = domain {
+        let (volumes, volume_events) = crate::volumes::compute(vmi, &old.volume_status, &d.disks);
+        status.volume_status = volumes;
+        events.extend(volume_events);
+        // A freeze ends with the agent's connection (the guest rebooted or stopped).
+        match (obs.fs_frozen, d.agent_connected) {
+            (Some(true), true) => status.fs_freeze_status = Some(FS_FROZEN.to_owned()),
+            (Some(false), _) | (_, false) => status.fs_freeze_status = None,
+            (None, true) => {}
+        }
+    }
     if let Some(os) = &obs.guest_os {
         let name_differs =
             status.guest_os_info.as_ref().and_then(|g| g.name.as_ref()) != os.name.as_ref();
@@ -462,6 +478,7 @@ mod tests {
             guest_os: None,
             guest_interfaces: None,
             sync_error: None,
+            fs_frozen: None,
             now: t(10),
         }
     }
@@ -950,5 +967,67 @@ mod tests {
         o.guest_os = Some(VirtualMachineInstanceGuestOsInfo::default());
         let out = compute(&v, &o);
         assert_eq!(out.status.guest_os_info, None, "an empty name is ignored");
+    }
+
+    #[test]
+    fn fs_freeze_status_follows_the_handler_freezes_while_the_agent_is_connected() {
+        let agent = |connected: bool| {
+            LauncherView::Answering(Box::new(Domain {
+                state: DomainState::Running,
+                reason: "Booted".into(),
+                agent_connected: connected,
+                ..Domain::default()
+            }))
+        };
+        let mut v = vmi(Some(Phase::Running), None);
+        let mut o = obs(agent(true), running_pod());
+        o.fs_frozen = Some(true);
+        let out = compute(&v, &o);
+        assert_eq!(out.status.fs_freeze_status.as_deref(), Some(FS_FROZEN));
+        // Not known (a restarted handler): the status keeps what it says.
+        v.status = Some(out.status);
+        o.fs_frozen = None;
+        assert_eq!(
+            compute(&v, &o).status.fs_freeze_status.as_deref(),
+            Some("frozen")
+        );
+        o.fs_frozen = Some(false);
+        assert_eq!(compute(&v, &o).status.fs_freeze_status, None);
+        // The agent went away (the guest rebooted): no freeze survives that.
+        let o = Observed {
+            fs_frozen: Some(true),
+            ..obs(agent(false), running_pod())
+        };
+        assert_eq!(compute(&v, &o).status.fs_freeze_status, None);
+    }
+
+    #[test]
+    fn hotplugged_disks_reach_the_volume_status_with_their_events() {
+        let v = vmi(Some(Phase::Running), None);
+        let d = LauncherView::Answering(Box::new(Domain {
+            state: DomainState::Running,
+            reason: "Booted".into(),
+            disks: vec![launcher::domain::DiskStatus {
+                name: "hot".into(),
+                bus: "scsi".into(),
+                source: "/var/run/kubevirt/hotplug-disks/hot".into(),
+                read_only: false,
+                hotplugged: true,
+            }],
+            ..Domain::default()
+        }));
+        let out = compute(&v, &obs(d, running_pod()));
+        let vs: Vec<_> = out
+            .status
+            .volume_status
+            .iter()
+            .map(|s| (s.name.as_str(), s.target.as_str(), s.phase.as_deref()))
+            .collect();
+        assert_eq!(vs, [("hot", "sda", Some("Ready"))]);
+        assert!(
+            out.events.iter().any(|e| e.reason == "VolumeReady"),
+            "{:?}",
+            out.events
+        );
     }
 }

@@ -15,8 +15,6 @@ use api::VirtualMachineInstancePhase as Phase;
 use api::status::VirtualMachineInstanceConditionType as Cond;
 use bytes::Bytes;
 use futures::StreamExt as _;
-use handler::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
-use handler::deviceplugin::v1beta1::{self as dp, RegisterRequest};
 use handler::server::{self, Limits, LookupError, Target, Vmis};
 use handler::tls::{ReloadingConfig, TlsFiles};
 use http_body_util::{BodyExt as _, Empty};
@@ -331,46 +329,6 @@ async fn bench_rest_pause_unpause_latency() {
     );
 }
 
-/// The kubelet's device-plugin registration endpoint, accepting every plugin: the handler
-/// retries registration until it succeeds, and an idle figure should not include that.
-struct Kubelet;
-
-#[tonic::async_trait]
-impl Registration for Kubelet {
-    async fn register(
-        &self,
-        _: tonic::Request<RegisterRequest>,
-    ) -> Result<tonic::Response<dp::Empty>, tonic::Status> {
-        Ok(tonic::Response::new(dp::Empty {}))
-    }
-}
-
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// A `/proc/<pid>/status` field in KiB (`VmRSS`, `VmHWM`).
-fn status_kib(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-}
-
 #[tokio::test]
 #[ignore = "benchmark: prints figures; runs the virt-handler binary against the local API server"]
 async fn bench_handler_rss_idle() {
@@ -388,70 +346,22 @@ async fn bench_handler_rss_idle() {
         .create(&kube::api::PostParams::default(), &node)
         .await
         .expect("create node");
+    // A kubelet that takes the plugins: the handler retries registration until it succeeds,
+    // and an idle figure should not include that.
     let plugins = dir.path().join("kubelet/device-plugins");
     std::fs::create_dir_all(&plugins).expect("mkdir");
-    let listener = UnixListener::bind(plugins.join("kubelet.sock")).expect("bind kubelet.sock");
-    let incoming = futures::stream::unfold(listener, |l| async move {
-        Some((l.accept().await.map(|(s, _)| s), l))
-    });
     let stop = CancellationToken::new();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(Kubelet))
-            .serve_with_incoming_shutdown(incoming, stop.clone().cancelled_owned()),
+    let _registered = common::fake_kubelet(&plugins, stop.clone());
+    let h = common::HandlerProcess::spawn(
+        "node-a",
+        &kubeconfig,
+        dir.path(),
+        &dir.path().join("pods"),
+        &[],
     );
-
-    let port = free_port();
-    let h = Child(
-        std::process::Command::new(env!("CARGO_BIN_EXE_virt-handler"))
-            .args(["--hostname-override", "node-a", "--kubelet-root"])
-            .arg(dir.path().join("kubelet"))
-            .args(["--listen-address", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--console-server-port", &free_port().to_string()])
-            .arg("--kubelet-pods-dir")
-            .arg(dir.path().join("pods"))
-            .env("KUBECONFIG", &kubeconfig)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn virt-handler"),
-    );
-    let pid = h.0.id();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let healthy = match TcpStream::connect(("127.0.0.1", port)).await {
-            Ok(mut s) => {
-                s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")
-                    .await
-                    .expect("write");
-                let mut out = String::new();
-                s.read_to_string(&mut out).await.expect("read");
-                out.starts_with("HTTP/1.0 200") || out.starts_with("HTTP/1.1 200")
-            }
-            Err(_) => false,
-        };
-        if healthy {
-            break;
-        }
-        assert!(Instant::now() < deadline, "/healthz never 200");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    h.wait_healthy(Duration::from_secs(60)).await;
     // Idle means after the first resyncs and heartbeats: sample over 30 s, report the range.
-    let mut samples = Vec::new();
-    for _ in 0..30 {
-        samples.push(status_kib(pid, "VmRSS"));
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    #[allow(clippy::cast_precision_loss)] // KiB counts far below 2^52
-    let mib = |kib: u64| kib as f64 / 1024.0;
-    println!(
-        "virt-handler binary (pid {pid}), idle, 0 VMIs, 30 samples 1 s apart after /healthz: \
-         VmRSS min {:.1} MiB max {:.1} MiB, VmHWM {:.1} MiB (goal <= 30 MiB)",
-        mib(*samples.iter().min().expect("samples")),
-        mib(*samples.iter().max().expect("samples")),
-        mib(status_kib(pid, "VmHWM"))
-    );
+    common::print_rss(h.child.id(), "idle, 0 VMIs, after /healthz", 30).await;
     drop(h);
     stop.cancel();
 }

@@ -4,85 +4,16 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
-use handler::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
-use handler::deviceplugin::v1beta1::{Empty, RegisterRequest};
 use handler::heartbeat::LABEL_SCHEDULABLE;
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use kube::api::PostParams;
-use tokio::net::UnixListener;
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status};
 
 const WAIT: Duration = Duration::from_secs(60);
-
-struct Kubelet(mpsc::UnboundedSender<String>);
-
-#[tonic::async_trait]
-impl Registration for Kubelet {
-    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
-        let _ = self.0.send(req.into_inner().resource_name);
-        Ok(Response::new(Empty {}))
-    }
-}
-
-fn fake_kubelet(dir: &Path, stop: CancellationToken) -> mpsc::UnboundedReceiver<String> {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let listener = UnixListener::bind(dir.join("kubelet.sock")).expect("bind kubelet.sock");
-    let incoming = futures::stream::unfold(listener, |l| async move {
-        Some((l.accept().await.map(|(s, _)| s), l))
-    });
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RegistrationServer::new(Kubelet(tx)))
-            .serve_with_incoming_shutdown(incoming, stop.cancelled_owned()),
-    );
-    rx
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// Status code and body of a plain HTTP/1.0 GET.
-async fn http_get(port: u16, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return (0, String::new());
-    };
-    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
-        .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (code, body)
-}
-
-struct Handler(Child);
-
-impl Drop for Handler {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 async fn schedulable(nodes: &Api<Node>) -> Option<String> {
     nodes
@@ -123,24 +54,16 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     let plugins = dir.path().join("kubelet/device-plugins");
     std::fs::create_dir_all(&plugins).expect("mkdir");
     let stop = CancellationToken::new();
-    let mut registered = fake_kubelet(&plugins, stop.clone());
+    let mut registered = common::fake_kubelet(&plugins, stop.clone());
 
-    let port = free_port();
-    let mut h = Handler(
-        Command::new(env!("CARGO_BIN_EXE_virt-handler"))
-            .args(["--hostname-override", "node-a", "--kubelet-root"])
-            .arg(dir.path().join("kubelet"))
-            .args(["--max-devices", "2"])
-            .args(["--listen-address", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--console-server-port", &free_port().to_string()])
-            .arg("--kubelet-pods-dir")
-            .arg(dir.path().join("pods"))
-            .env("KUBECONFIG", &kubeconfig)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn virt-handler"),
+    let mut h = common::HandlerProcess::spawn(
+        "node-a",
+        &kubeconfig,
+        dir.path(),
+        &dir.path().join("pods"),
+        &["--max-devices", "2"],
     );
+    let port = h.port;
 
     let mut names = Vec::new();
     for _ in 0..3 {
@@ -162,19 +85,15 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     );
     wait_label(&nodes, "true").await;
 
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while http_get(port, "/healthz").await.0 != 200 {
-        assert!(tokio::time::Instant::now() < deadline, "/healthz never 200");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let (status, metrics) = http_get(port, "/metrics").await;
+    h.wait_healthy(WAIT).await;
+    let (status, metrics) = common::http_get(port, "/metrics").await;
     assert_eq!(status, 200, "{metrics}");
     assert!(
         metrics.contains("# TYPE kubevirt_vmi_phase_count gauge\n"),
         "{metrics}"
     );
 
-    let pid = h.0.id().to_string();
+    let pid = h.child.id().to_string();
     let status = Command::new("kill")
         .args(["-TERM", &pid])
         .status()
@@ -182,7 +101,7 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     assert!(status.success());
     let deadline = std::time::Instant::now() + WAIT;
     let exit = loop {
-        if let Some(s) = h.0.try_wait().expect("wait") {
+        if let Some(s) = h.child.try_wait().expect("wait") {
             break s;
         }
         assert!(

@@ -238,3 +238,105 @@ async fn a_refused_or_missing_kubelet_is_a_clear_error() {
     assert!(e.to_string().contains("devices.kubevirt.io/kvm"), "{e}");
     stop.cancel();
 }
+
+async fn registrations(rx: &mut mpsc::UnboundedReceiver<RegisterRequest>) -> Vec<String> {
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        let r = tokio::time::timeout(WAIT, rx.recv())
+            .await
+            .expect("a registration")
+            .expect("kubelet alive");
+        got.push(r.resource_name);
+    }
+    got.sort();
+    got
+}
+
+#[tokio::test]
+async fn plugins_register_again_when_the_kubelet_restarts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dev_root = tempfile::tempdir().expect("dev root");
+    std::fs::write(dev_root.path().join("kvm"), "").expect("fake node");
+    let cfg = Config {
+        plugins_dir: dir.path().to_owned(),
+        dev_root: dev_root.path().to_owned(),
+        count: 2,
+        health_interval: Duration::from_millis(100),
+    };
+    let devs = vec![
+        GenericDevice::new("kvm", "/kvm"),
+        GenericDevice::new("tun", "/tun"),
+        GenericDevice::new("vhost-net", "/vhost-net"),
+    ];
+    let names = [
+        "devices.kubevirt.io/kvm",
+        "devices.kubevirt.io/tun",
+        "devices.kubevirt.io/vhost-net",
+    ];
+    let stop = CancellationToken::new();
+    let first = CancellationToken::new();
+    let (mut seen, _) = fake_kubelet(dir.path(), first.clone());
+    let (ready_tx, mut ready) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(deviceplugin::run(
+        devs,
+        cfg,
+        Duration::from_millis(200),
+        ready_tx,
+        stop.clone(),
+    ));
+    assert_eq!(registrations(&mut seen).await, names);
+    tokio::time::timeout(WAIT, ready.wait_for(|r| *r))
+        .await
+        .expect("ready after registering")
+        .expect("sender alive");
+
+    // The kubelet restarts: it goes away, and when it starts it removes every socket in the
+    // device-plugins dir and serves a new kubelet.sock.
+    first.cancel();
+    for entry in std::fs::read_dir(dir.path()).expect("read dir") {
+        std::fs::remove_file(entry.expect("entry").path()).expect("remove socket");
+    }
+    tokio::time::timeout(WAIT, ready.wait_for(|r| !*r))
+        .await
+        .expect("not ready once the kubelet is gone")
+        .expect("sender alive");
+    let second = CancellationToken::new();
+    let (mut seen, _) = fake_kubelet(dir.path(), second.clone());
+    assert_eq!(registrations(&mut seen).await, names);
+    tokio::time::timeout(WAIT, ready.wait_for(|r| *r))
+        .await
+        .expect("ready again")
+        .expect("sender alive");
+
+    // The new kubelet reaches the plugin on its new socket.
+    let mut kvm = dial(&dir.path().join("kubevirt-kvm.sock")).await;
+    let list = tokio::time::timeout(WAIT, async {
+        kvm.list_and_watch(Empty {})
+            .await
+            .expect("ListAndWatch")
+            .into_inner()
+            .next()
+            .await
+    })
+    .await
+    .expect("a list")
+    .expect("stream open")
+    .expect("no error");
+    let ids: Vec<_> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert_eq!(ids, ["kvm0", "kvm1"]);
+    assert!(list.devices.iter().all(|d| d.health == HEALTHY));
+
+    stop.cancel();
+    tokio::time::timeout(WAIT, task)
+        .await
+        .expect("stops")
+        .expect("no panic");
+    second.cancel();
+    for name in [
+        "kubevirt-kvm.sock",
+        "kubevirt-tun.sock",
+        "kubevirt-vhost-net.sock",
+    ] {
+        assert!(!dir.path().join(name).exists(), "{name} left behind");
+    }
+}

@@ -54,7 +54,7 @@ where
 
 /// The API server with our CRDs, a pods dir, and the node loop running in-process.
 struct Harness {
-    _server: localcluster::ApiServer,
+    server: localcluster::ApiServer,
     client: Client,
     /// Also the pods dir: short, because a unix socket path has at most 107 bytes.
     root: tempfile::TempDir,
@@ -64,6 +64,13 @@ struct Harness {
 
 impl Harness {
     async fn start() -> Self {
+        let mut h = Harness::without_loop().await;
+        h.start_loop().await;
+        h
+    }
+
+    /// The API server and the pods dir, for a handler that runs elsewhere.
+    async fn without_loop() -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
                 tracing_subscriber::EnvFilter::try_from_default_env()
@@ -81,15 +88,13 @@ impl Harness {
             .tempdir_in("/tmp")
             .expect("tempdir");
         std::fs::create_dir_all(root.path().join("private")).expect("mkdir");
-        let mut h = Harness {
-            _server: server,
+        Harness {
+            server,
             client,
             root,
             stop: CancellationToken::new(),
             running: None,
-        };
-        h.start_loop().await;
-        h
+        }
     }
 
     fn config(&self) -> node::Config {
@@ -426,7 +431,7 @@ async fn scrape(node: Arc<Node>) -> String {
     use tower::ServiceExt as _;
     let slot: metrics::NodeSlot = Arc::default();
     slot.set(node).expect("empty slot");
-    let resp = metrics::router(slot)
+    let resp = metrics::router(slot, metrics::DEFAULT_MAX_REQUESTS)
         .oneshot(
             http::Request::get("/metrics")
                 .body(axum::body::Body::empty())
@@ -437,6 +442,31 @@ async fn scrape(node: Arc<Node>) -> String {
     assert_eq!(resp.status(), 200);
     let body = resp.into_body().collect().await.expect("body").to_bytes();
     String::from_utf8(body.to_vec()).expect("UTF-8")
+}
+
+/// `PUT <what>` on the console server's router until it answers 200: its VMI cache may lag
+/// the status the test waited for by a moment.
+async fn rest_put(console: &axum::Router, vmi: &str, what: &str) {
+    use tower::ServiceExt as _;
+    wait_for(
+        &format!("PUT {what} answered 200"),
+        Duration::from_secs(60),
+        || async {
+            let resp = console
+                .clone()
+                .oneshot(
+                    http::Request::put(format!(
+                        "/v1/namespaces/default/virtualmachineinstances/{vmi}/{what}"
+                    ))
+                    .body(axum::body::Body::empty())
+                    .expect("request"),
+                )
+                .await
+                .expect("response");
+            (resp.status() == 200).then_some(())
+        },
+    )
+    .await;
 }
 
 fn kill(pid: u32) {
@@ -501,6 +531,22 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
         "{}",
         target.serial_socket.display()
     );
+    // A freeze through the console server reaches the status; a thaw clears it.
+    let console = handler::server::router(
+        Arc::new(NodeVmis::new(Arc::clone(&node))),
+        handler::server::Limits::default(),
+    );
+    let frozen =
+        |v: &VirtualMachineInstance| v.status.as_ref().and_then(|s| s.fs_freeze_status.clone());
+    rest_put(&console, "boot", "freeze").await;
+    h.wait_vmi(&vm, "fsFreezeStatus frozen", |v| {
+        frozen(v).as_deref() == Some("frozen")
+    })
+    .await;
+    rest_put(&console, "boot", "unfreeze").await;
+    h.wait_vmi(&vm, "fsFreezeStatus cleared", |v| frozen(v).is_none())
+        .await;
+
     let text = scrape(node).await;
     let labels = r#"namespace="default",name="boot",node="node-a""#;
     assert!(
@@ -676,4 +722,76 @@ async fn reporters(client: &Client, vmi: &str) -> BTreeSet<String> {
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(vmi))
         .filter_map(|e| e.reporting_instance)
         .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: prints figures; boots 10 TCG guests, two at a time"]
+async fn bench_handler_rss_with_10_vmis() {
+    use api::status::VirtualMachineInstanceConditionType as Cond;
+    const VMIS: usize = 10;
+    let h = Harness::without_loop().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let kubeconfig = dir.path().join("kubeconfig");
+    h.server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+    let mut node = k8s_openapi::api::core::v1::Node::default();
+    node.metadata.name = Some(NODE.into());
+    Api::all(h.client.clone())
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create node");
+    let plugins = dir.path().join("kubelet/device-plugins");
+    std::fs::create_dir_all(&plugins).expect("mkdir");
+    let _registered = common::fake_kubelet(&plugins, h.stop.clone());
+    let private = h.root.path().join("private");
+    let handler = common::HandlerProcess::spawn(
+        NODE,
+        &kubeconfig,
+        dir.path(),
+        h.root.path(),
+        &[
+            "--kubevirt-private-dir",
+            private.to_str().expect("UTF-8 path"),
+        ],
+    );
+    handler.wait_healthy(Duration::from_secs(60)).await;
+    let pid = handler.child.id();
+    common::print_rss(pid, "0 VMIs, after /healthz", 10).await;
+
+    // Two guests boot at a time (TCG on two shared cores); a pair is done when both agents
+    // answer, which is after the guests' boot work.
+    let mut vms = Vec::new();
+    for pair in 0..VMIS / 2 {
+        let mut booting = Vec::new();
+        for i in 0..2 {
+            booting.push(
+                h.schedule(&format!("rss-{}", pair * 2 + i), NODE, 0, true)
+                    .await,
+            );
+        }
+        for vm in &booting {
+            h.wait_vmi(vm, "AgentConnected", |v| {
+                condition(v, &Cond::AgentConnected).is_some()
+            })
+            .await;
+        }
+        vms.extend(booting);
+    }
+    let (code, text) = common::http_get(handler.port, "/metrics").await;
+    assert_eq!(code, 200, "{text}");
+    let resident = text
+        .lines()
+        .filter(|l| l.starts_with("kubevirt_vmi_memory_resident_bytes{"))
+        .count();
+    println!(
+        "/metrics: {resident} VMIs with resident memory, {} bytes",
+        text.len()
+    );
+    common::print_rss(
+        pid,
+        &format!("{VMIS} VMIs Running with agents connected"),
+        30,
+    )
+    .await;
+    drop(handler);
+    drop(vms);
 }

@@ -197,3 +197,142 @@ pub async fn install_crds(client: &kube::Client) {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// The kubelet's device-plugin registration endpoint on `<dir>/kubelet.sock`: accepts every
+/// plugin and reports its resource name.
+pub fn fake_kubelet(
+    dir: &Path,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    use handler::deviceplugin::v1beta1::registration_server::{Registration, RegistrationServer};
+    use handler::deviceplugin::v1beta1::{Empty, RegisterRequest};
+
+    struct Kubelet(tokio::sync::mpsc::UnboundedSender<String>);
+
+    #[tonic::async_trait]
+    impl Registration for Kubelet {
+        async fn register(
+            &self,
+            req: tonic::Request<RegisterRequest>,
+        ) -> Result<tonic::Response<Empty>, tonic::Status> {
+            let _ = self.0.send(req.into_inner().resource_name);
+            Ok(tonic::Response::new(Empty {}))
+        }
+    }
+
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let listener =
+        tokio::net::UnixListener::bind(dir.join("kubelet.sock")).expect("bind kubelet.sock");
+    let incoming = futures::stream::unfold(listener, |l| async move {
+        Some((l.accept().await.map(|(s, _)| s), l))
+    });
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(Kubelet(tx)))
+            .serve_with_incoming_shutdown(incoming, stop.cancelled_owned()),
+    );
+    rx
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Status code and body of a plain HTTP/1.0 GET on loopback; 0 when nothing listens.
+pub async fn http_get(port: u16, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return (0, String::new());
+    };
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .await
+        .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// The virt-handler binary as its own process (its log in `<dir>/handler.log`), killed on drop.
+pub struct HandlerProcess {
+    pub child: Child,
+    /// `/metrics` and `/healthz`.
+    pub port: u16,
+}
+
+impl HandlerProcess {
+    /// virt-handler for `node` against `kubeconfig`, with the kubelet root `<dir>/kubelet`,
+    /// the kubelet's pods dir `pods`, and `extra` flags.
+    pub fn spawn(node: &str, kubeconfig: &Path, dir: &Path, pods: &Path, extra: &[&str]) -> Self {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_virt-handler"))
+            .args(["--hostname-override", node, "--kubelet-root"])
+            .arg(dir.join("kubelet"))
+            .args(["--listen-address", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--console-server-port", &free_port().to_string()])
+            .arg("--kubelet-pods-dir")
+            .arg(pods)
+            .args(extra)
+            .env("KUBECONFIG", kubeconfig)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("handler.log")).expect("handler log"))
+            .spawn()
+            .expect("spawn virt-handler");
+        HandlerProcess { child, port }
+    }
+
+    pub async fn wait_healthy(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        while http_get(self.port, "/healthz").await.0 != 200 {
+            assert!(Instant::now() < deadline, "/healthz never 200");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for HandlerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `/proc/<pid>/status` field in KiB (`VmRSS`, `VmHWM`).
+pub fn status_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// `samples` readings of the process's VmRSS, 1 s apart, printed with its VmHWM.
+pub async fn print_rss(pid: u32, what: &str, samples: usize) {
+    let mut kib = Vec::new();
+    for _ in 0..samples {
+        kib.push(status_kib(pid, "VmRSS"));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    #[allow(clippy::cast_precision_loss)] // KiB counts far below 2^52
+    let mib = |k: u64| k as f64 / 1024.0;
+    println!(
+        "virt-handler binary (pid {pid}), {what}, {samples} samples 1 s apart: VmRSS min {:.1} MiB \
+         max {:.1} MiB, VmHWM {:.1} MiB (goal <= 30 MiB)",
+        mib(*kib.iter().min().expect("samples")),
+        mib(*kib.iter().max().expect("samples")),
+        mib(status_kib(pid, "VmHWM"))
+    );
+}

@@ -165,7 +165,13 @@ fn baseline(argv: &[String], qmp: &Path) -> anyhow::Result<Duration> {
 
 fn main() -> anyhow::Result<()> {
     let bin = launcher_bin()?;
-    println!("launcher: {}", bin.display());
+    // Debug builds are several times larger and slower; say which one the figures are for.
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    println!("launcher: {} ({profile} build)", bin.display());
 
     let mut ready = Vec::new();
     let mut idle_rss = 0;

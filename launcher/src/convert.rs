@@ -174,7 +174,8 @@ pub fn convert(
     };
 
     let cpu = cpu(vmi, host.accel);
-    let memory = memory(vmi, host)?;
+    let (memory, hugepages_prep) = memory(vmi, host)?;
+    preps.extend(hugepages_prep);
 
     // QEMU wants a real UUID; Kubernetes uids are, and so must firmware.uuid be.
     let (uuid_field, uuid) = match domain.firmware.as_ref().and_then(|f| f.uuid.clone()) {
@@ -412,7 +413,11 @@ fn cpu(vmi: &VirtualMachineInstance, accel: Accel) -> Cpu {
     }
 }
 
-fn memory(vmi: &VirtualMachineInstance, host: &Host) -> Result<Memory, ConvertError> {
+/// Guest memory, and for hugepages the check that the host's mount can back them.
+fn memory(
+    vmi: &VirtualMachineInstance,
+    host: &Host,
+) -> Result<(Memory, Option<Prep>), ConvertError> {
     let domain = &vmi.spec.domain;
     let (field, q) = if let Some(g) = domain.memory.as_ref().and_then(|m| m.guest.as_ref()) {
         ("spec.domain.memory.guest", g)
@@ -431,6 +436,7 @@ fn memory(vmi: &VirtualMachineInstance, host: &Host) -> Result<Memory, ConvertEr
     if size_mib < 16 {
         return Err(err(field, format!("{} is too little for a guest", q.0)));
     }
+    let mut prep = None;
     let hugepages = match domain.memory.as_ref().and_then(|m| m.hugepages.as_ref()) {
         None => None,
         Some(h) => {
@@ -443,13 +449,21 @@ fn memory(vmi: &VirtualMachineInstance, host: &Host) -> Result<Memory, ConvertEr
                     format!("{} is not a multiple of the hugepage size", q.0),
                 ));
             }
+            prep = Some(Prep::RequireHugetlbfs {
+                path: host.hugepages_dir.clone(),
+                page_size: page,
+                field: "spec.domain.memory.hugepages".into(),
+            });
             Some(host.hugepages_dir.clone())
         }
     };
-    Ok(Memory {
-        size_mib,
-        hugepages,
-    })
+    Ok((
+        Memory {
+            size_mib,
+            hugepages,
+        },
+        prep,
+    ))
 }
 
 fn cache(d: &VmiDisk) -> CacheMode {

@@ -56,6 +56,13 @@ pub enum Prep {
     },
     /// The tap device for an interface must exist in this network namespace.
     RequireTap { name: String, field: String },
+    /// `path` must be a hugetlbfs mount of this page size. Elsewhere QEMU would quietly back
+    /// guest RAM with ordinary pages in a plain file.
+    RequireHugetlbfs {
+        path: PathBuf,
+        page_size: u64,
+        field: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +99,17 @@ pub enum PrepareError {
          (the node's network setup creates it)"
     )]
     NoTap { field: String, name: String },
+    #[error(
+        "{field}: {} is not a hugetlbfs mount of {page_size}-byte pages ({found}); the node \
+         must mount one (--hugepages-dir) and reserve pages",
+        path.display()
+    )]
+    NoHugetlbfs {
+        field: String,
+        path: PathBuf,
+        page_size: u64,
+        found: String,
+    },
 }
 
 fn io(field: &str, path: &Path) -> impl FnOnce(std::io::Error) -> PrepareError {
@@ -284,6 +302,28 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
                 });
             }
         }
+        Prep::RequireHugetlbfs {
+            path,
+            page_size,
+            field,
+        } => {
+            let found = match nix::sys::statfs::statfs(path) {
+                Err(e) => e.desc().to_owned(),
+                Ok(fs) if fs.filesystem_type() != nix::sys::statfs::HUGETLBFS_MAGIC => {
+                    format!("file system type {:#x}", fs.filesystem_type().0)
+                }
+                Ok(fs) if u64::try_from(fs.block_size()).ok() != Some(*page_size) => {
+                    format!("its pages are {} bytes", fs.block_size())
+                }
+                Ok(_) => return Ok(()),
+            };
+            return Err(PrepareError::NoHugetlbfs {
+                field: field.clone(),
+                path: path.clone(),
+                page_size: *page_size,
+                found,
+            });
+        }
     }
     Ok(())
 }
@@ -378,6 +418,25 @@ mod tests {
         .await
         .unwrap_err();
         assert!(e.to_string().contains("tap-nope9"));
+    }
+
+    #[tokio::test]
+    async fn hugepages_need_a_hugetlbfs_mount() {
+        let dir = tempfile::tempdir().unwrap();
+        let check = |path: PathBuf| Prep::RequireHugetlbfs {
+            path,
+            page_size: 2 << 20,
+            field: "spec.domain.memory.hugepages".into(),
+        };
+        for path in [dir.path().to_owned(), dir.path().join("missing")] {
+            let e = run(&qemu_img_bin(), &[check(path.clone())])
+                .await
+                .unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.starts_with("spec.domain.memory.hugepages: "), "{msg}");
+            assert!(msg.contains(&path.display().to_string()), "{msg}");
+            assert!(msg.contains("not a hugetlbfs mount"), "{msg}");
+        }
     }
 
     #[tokio::test]

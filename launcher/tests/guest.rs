@@ -408,7 +408,13 @@ fn guest_q35_pvc_filesystem_and_block_on_hugepages() {
     let hp = hugepages.mount.path().display().to_string();
     let bd = block_dir.display().to_string();
     let l = Launcher::start_with(
-        &["--hugepages-dir", &hp, "--block-device-dir", &bd, "--keep-after-shutdown"],
+        &[
+            "--hugepages-dir",
+            &hp,
+            "--block-device-dir",
+            &bd,
+            "--keep-after-shutdown",
+        ],
         |root| {
             common::place_kernel(root);
             let claim = root.join("private/vmi-disks/fs");

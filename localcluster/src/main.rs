@@ -87,10 +87,11 @@ async fn up(
     advertise: IpAddr,
     node_args: &localcluster::kubelet::cluster::NodeArgs,
 ) -> anyhow::Result<()> {
+    localcluster::kubelet::cluster::preflight(node_args)?;
     let pid_path = pid_file(dir);
     if let Ok(pid) = std::fs::read_to_string(&pid_path)
         && let Ok(pid) = pid.trim().parse::<i32>()
-        && kill(Pid::from_raw(pid), None).is_ok()
+        && running(Pid::from_raw(pid))
     {
         bail!(
             "a localcluster (pid {pid}) is already running with state in {}; run `localcluster down --dir {}` first",
@@ -145,6 +146,19 @@ async fn up(
     Ok(())
 }
 
+/// Whether `pid` is a live process: one that has exited but not been reaped by its parent
+/// (a zombie) has stopped.
+fn running(pid: Pid) -> bool {
+    kill(pid, None).is_ok()
+        && std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses and may hold any
+            // character, so it is read after the last `)`.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state != "Z")
+        })
+}
+
 async fn down(dir: &Path) -> anyhow::Result<()> {
     let pid_path = pid_file(dir);
     let raw = std::fs::read_to_string(&pid_path).with_context(|| {
@@ -160,7 +174,7 @@ async fn down(dir: &Path) -> anyhow::Result<()> {
     let pid = Pid::from_raw(pid);
     kill(pid, Signal::SIGTERM).with_context(|| format!("signalling localcluster pid {pid}"))?;
     for _ in 0..100 {
-        if kill(pid, None).is_err() {
+        if !running(pid) {
             println!("localcluster (pid {pid}) stopped");
             return Ok(());
         }

@@ -56,6 +56,10 @@ fn parse_resource(s: &str) -> Result<(String, String), String> {
 pub enum NodesError {
     #[error("localcluster needs iproute2's `ip` for pod networks")]
     NoIp(#[source] std::io::Error),
+    #[error(
+        "the process kubelet needs root (pod network namespaces, mounts, cgroups): run localcluster as root, or with `--nodes 0` for the API server alone"
+    )]
+    NotRoot,
     #[error("image table")]
     Images(#[from] images::ImageError),
     #[error("preparing the guest kernel image under {dir}")]
@@ -88,6 +92,22 @@ pub fn image_table(args: &NodeArgs) -> Result<ImageTable, NodesError> {
     Ok(table)
 }
 
+/// Whether this process can run `args.nodes` nodes: root, and iproute2's `ip`. `up` asks
+/// before it starts anything, so a refusal leaves nothing behind.
+pub fn preflight(args: &NodeArgs) -> Result<(), NodesError> {
+    if args.nodes == 0 {
+        return Ok(());
+    }
+    if !nix::unistd::geteuid().is_root() {
+        return Err(NodesError::NotRoot);
+    }
+    std::process::Command::new("ip")
+        .arg("-V")
+        .output()
+        .map_err(NodesError::NoIp)?;
+    Ok(())
+}
+
 impl LocalNodes {
     /// Starts the scheduler and `args.nodes` kubelets named `node-1`, `node-2`, ... with pod
     /// CIDRs `10.244.<i>.0/24`; `state_dir` holds their roots unless `--root` says otherwise.
@@ -110,10 +130,10 @@ impl LocalNodes {
         if args.nodes == 0 {
             return Ok(nodes);
         }
-        std::process::Command::new("ip")
-            .arg("-V")
-            .output()
-            .map_err(NodesError::NoIp)?;
+        if let Err(e) = preflight(args) {
+            nodes.stop().await;
+            return Err(e);
+        }
         let table = image_table(args)?;
         let root = args.root.clone().unwrap_or_else(|| state_dir.join("nodes"));
         let bin_dir = args.bin_dir.clone().or_else(|| {

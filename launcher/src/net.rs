@@ -1,6 +1,7 @@
 //! Phase 2 of pod networking (phase 1 is virt-handler's, `network::phase1`): read what phase 1
-//! cached in the private dir, and serve DHCP to the guest on each interface's bridge. The NIC
-//! itself is rendered by `convert` from the same cache (MAC, MTU).
+//! cached in the private dir, and serve DHCP to the guest on each interface's bridge (and,
+//! where phase 1 gave the guest IPv6, DHCPv6 and router advertisements). The NIC itself is
+//! rendered by `convert` from the same cache (MAC, MTU).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -49,14 +50,15 @@ fn with_causes(e: &network::NetworkError) -> String {
     msg
 }
 
-/// The DHCP servers of one domain; dropping this stops them.
+/// The DHCP servers (and router advertisers) of one domain; dropping this stops them.
 #[derive(Debug, Default)]
 pub struct Dhcp(Vec<AbortHandle>);
 
 impl Dhcp {
-    /// Binds one server per NIC that phase 1 set up, answering that NIC's MAC. Binding errors
-    /// (the bridge is gone, no privilege for port 67) fail the start: a guest that would never
-    /// get an address is worse than a clear error.
+    /// Binds one server per NIC that phase 1 set up, answering that NIC's MAC; for a guest
+    /// with IPv6 also a DHCPv6 server and router advertisements. Binding errors (the bridge is
+    /// gone, no privilege for port 67 or 547 or a raw socket) fail the start: a guest that
+    /// would never get an address is worse than a clear error.
     pub fn start(
         vmi: &VirtualMachineInstance,
         nics: &[Nic],
@@ -77,17 +79,24 @@ impl Dhcp {
             let Some(mac) = nic.mac.as_deref().and_then(network::plan::parse_mac) else {
                 continue;
             };
-            let Some(cfg) = network::dhcp::config(cached, mac, &hostname, resolv_conf) else {
-                continue;
+            let failed = |what: &str| {
+                let what = format!("{what} for interface {}", nic.name);
+                move |e: network::NetworkError| {
+                    Error::Network(format!("{what}: {}", with_causes(&e)))
+                }
             };
-            let serve = network::dhcp::serve(cfg).map_err(|e| {
-                Error::Network(format!(
-                    "DHCP for interface {}: {}",
-                    nic.name,
-                    with_causes(&e)
-                ))
-            })?;
-            tasks.0.push(tokio::spawn(serve).abort_handle());
+            if let Some(cfg) = network::dhcp::config(cached, mac, &hostname, resolv_conf) {
+                let serve = network::dhcp::serve(cfg).map_err(failed("DHCP"))?;
+                tasks.0.push(tokio::spawn(serve).abort_handle());
+            }
+            if let Some(cfg) = network::dhcp6::config(cached, mac, resolv_conf) {
+                let serve = network::dhcp6::serve(cfg).map_err(failed("DHCPv6"))?;
+                tasks.0.push(tokio::spawn(serve).abort_handle());
+            }
+            if let Some(cfg) = network::ra::config(cached) {
+                let serve = network::ra::serve(cfg).map_err(failed("router advertisements"))?;
+                tasks.0.push(tokio::spawn(serve).abort_handle());
+            }
         }
         Ok(tasks)
     }

@@ -3,7 +3,7 @@
 //! restarted handler reads it back too: after a bridge binding has taken the pod's address off
 //! its interface, the cache is the only place that still knows it.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -18,14 +18,17 @@ pub enum Binding {
     Bridge,
 }
 
-/// An IPv4 address with its prefix length (`10.0.2.2/24`).
+/// An address with its prefix length (`10.0.2.2/24`, `fd10:0:2::2/120`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Ipv4Cidr {
-    pub address: Ipv4Addr,
+pub struct Cidr<A> {
+    pub address: A,
     pub prefix: u8,
 }
 
-impl std::fmt::Display for Ipv4Cidr {
+pub type Ipv4Cidr = Cidr<Ipv4Addr>;
+pub type Ipv6Cidr = Cidr<Ipv6Addr>;
+
+impl<A: std::fmt::Display> std::fmt::Display for Cidr<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.address, self.prefix)
     }
@@ -68,6 +71,13 @@ pub struct CachedInterface {
     pub gateway_ipv4: Option<Ipv4Addr>,
     /// The DHCP server's address on the bridge (its source address and server identifier).
     pub server_ipv4: Ipv4Addr,
+    /// Masquerade on a pod with IPv6: the address the guest gets by DHCPv6
+    /// (`fd10:0:2::2/120` by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_ipv6: Option<Ipv6Cidr>,
+    /// The bridge's IPv6 address, which router advertisements make the guest's default router.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_ipv6: Option<Ipv6Addr>,
 }
 
 /// `vif-cache-<pod interface>.json`, KubeVirt's file name.

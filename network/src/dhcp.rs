@@ -6,7 +6,7 @@
 //! Packets are parsed and built by `dhcproto`; [`respond`] is pure, [`serve`] is the socket.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::str::FromStr as _;
+use std::str::FromStr;
 
 use dhcproto::v4::{DhcpOption, Message, MessageType, Opcode, OptionCode};
 use dhcproto::{Decodable as _, Decoder, Encodable as _, Encoder, Name};
@@ -39,15 +39,16 @@ pub struct DhcpConfig {
     pub routes: Vec<Route>,
 }
 
-/// `nameserver` (IPv4 only: this is DHCPv4) and `search` / `domain` lines of a resolv.conf.
-pub fn parse_resolv_conf(text: &str) -> (Vec<Ipv4Addr>, Vec<String>) {
+/// `nameserver` lines of the family `A` (DHCPv4 hands out IPv4 servers, DHCPv6 IPv6 ones) and
+/// `search` / `domain` lines of a resolv.conf.
+pub fn parse_resolv_conf<A: FromStr>(text: &str) -> (Vec<A>, Vec<String>) {
     let mut dns = Vec::new();
     let mut search = Vec::new();
     for line in text.lines() {
         let mut words = line.split_whitespace();
         match words.next() {
             Some("nameserver") => {
-                if let Some(Ok(ip)) = words.next().map(Ipv4Addr::from_str) {
+                if let Some(Ok(ip)) = words.next().map(A::from_str) {
                     dns.push(ip);
                 }
             }
@@ -270,6 +271,8 @@ mod tests {
             }),
             gateway_ipv4: Some(Ipv4Addr::new(10, 244, 0, 1)),
             server_ipv4: Ipv4Addr::new(169, 254, 75, 10),
+            guest_ipv6: None,
+            gateway_ipv6: None,
         };
         config(
             &cached,
@@ -295,10 +298,15 @@ mod tests {
 
     #[test]
     fn resolv_conf() {
-        let (dns, search) =
-            parse_resolv_conf("nameserver 1.1.1.1\ndomain a\nsearch b c\nnameserver x\n");
+        let text = "nameserver 1.1.1.1\ndomain a\nsearch b c\nnameserver x\nnameserver fd00::53\n";
+        let (dns, search) = parse_resolv_conf::<Ipv4Addr>(text);
         assert_eq!(dns, vec![Ipv4Addr::new(1, 1, 1, 1)]);
         assert_eq!(search, vec!["b", "c"]);
+        let (dns6, _) = parse_resolv_conf::<std::net::Ipv6Addr>(text);
+        assert_eq!(
+            dns6,
+            vec!["fd00::53".parse::<std::net::Ipv6Addr>().unwrap()]
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessa
 use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage};
 use rtnetlink::{Handle, LinkBridge, LinkUnspec, RouteMessageBuilder};
 
-use crate::cache::{Ipv4Cidr, Route};
+use crate::cache::{Cidr, Ipv4Cidr, Ipv6Cidr, Route};
 use crate::error::{NetworkError, Result};
 
 /// One link as netlink reports it.
@@ -201,15 +201,14 @@ impl Netlink {
             .collect())
     }
 
-    pub async fn ipv4_addresses(&self, l: &Link) -> Result<Vec<Ipv4Cidr>> {
+    /// Every address of the link, both families.
+    pub async fn addresses(&self, l: &Link) -> Result<Vec<Cidr<IpAddr>>> {
         let msgs = self.address_messages(l).await?;
         let mut out = Vec::new();
         for m in msgs {
             for a in &m.attributes {
-                if let AddressAttribute::Local(IpAddr::V4(ip))
-                | AddressAttribute::Address(IpAddr::V4(ip)) = a
-                {
-                    let c = Ipv4Cidr {
+                if let AddressAttribute::Local(ip) | AddressAttribute::Address(ip) = a {
+                    let c = Cidr {
                         address: *ip,
                         prefix: m.header.prefix_len,
                     };
@@ -222,14 +221,54 @@ impl Netlink {
         Ok(out)
     }
 
-    pub async fn ensure_address(&self, l: &Link, addr: Ipv4Cidr) -> Result<()> {
-        if self.ipv4_addresses(l).await?.contains(&addr) {
+    pub async fn ipv4_addresses(&self, l: &Link) -> Result<Vec<Ipv4Cidr>> {
+        Ok(self
+            .addresses(l)
+            .await?
+            .into_iter()
+            .filter_map(|c| match c.address {
+                IpAddr::V4(address) => Some(Cidr {
+                    address,
+                    prefix: c.prefix,
+                }),
+                IpAddr::V6(_) => None,
+            })
+            .collect())
+    }
+
+    /// IPv6 addresses beyond link-local (`fe80::/10`, which every link has).
+    pub async fn ipv6_global_addresses(&self, l: &Link) -> Result<Vec<Ipv6Cidr>> {
+        Ok(self
+            .addresses(l)
+            .await?
+            .into_iter()
+            .filter_map(|c| match c.address {
+                IpAddr::V6(address) if !address.is_unicast_link_local() => Some(Cidr {
+                    address,
+                    prefix: c.prefix,
+                }),
+                _ => None,
+            })
+            .collect())
+    }
+
+    pub async fn ensure_address<A: Into<IpAddr> + std::fmt::Display + Copy>(
+        &self,
+        l: &Link,
+        addr: Cidr<A>,
+    ) -> Result<()> {
+        let ip: IpAddr = addr.address.into();
+        let wanted = Cidr {
+            address: ip,
+            prefix: addr.prefix,
+        };
+        if self.addresses(l).await?.contains(&wanted) {
             return Ok(());
         }
         match self
             .handle
             .address()
-            .add(l.index, IpAddr::V4(addr.address), addr.prefix)
+            .add(l.index, ip, addr.prefix)
             .execute()
             .await
         {

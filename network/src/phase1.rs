@@ -80,7 +80,7 @@ pub fn teardown(vmi: &VirtualMachineInstance, pod: &PodIsolation, cache_dir: &Pa
                     Binding::Masquerade => {
                         nft::apply(
                             &nft::delete_ruleset(&p.pod_interface),
-                            "deleting the masquerade table",
+                            "deleting the masquerade tables",
                         )?;
                         nl.delete(&p.bridge).await
                     }
@@ -142,6 +142,12 @@ async fn masquerade(
                 }
             })?,
         };
+    // The guest gets IPv6 when the pod has it (as in KubeVirt). Once decided it stays: the
+    // cache is the record, so a re-run agrees with the launcher's DHCPv6 server.
+    let ipv6 = match previous {
+        Some(c) => c.guest_ipv6.is_some(),
+        None => !nl.ipv6_global_addresses(&pod).await?.is_empty(),
+    };
     let mtu = pod.mtu;
     let bridge = nl
         .ensure_bridge(&p.bridge, mtu, Some(MASQUERADE_BRIDGE_MAC))
@@ -151,11 +157,19 @@ async fn masquerade(
     // routed out of the bridge.
     link::sysctl(&format!("ipv4/conf/{}/route_localnet", p.bridge), "1")?;
     link::sysctl("ipv4/ip_forward", "1")?;
+    if ipv6 {
+        // No duplicate address detection on a bridge only the guest joins: the address is
+        // usable at once instead of "tentative" for a second, and the bridge's link-local
+        // address (the source of router advertisements) too.
+        link::sysctl(&format!("ipv6/conf/{}/accept_dad", p.bridge), "0")?;
+        nl.ensure_address(&bridge, p.gateway_ipv6()).await?;
+        link::sysctl("ipv6/conf/all/forwarding", "1")?;
+    }
     ensure_tap(nl, p, &bridge, mtu, uid, gid).await?;
     nl.set_up(&bridge).await?;
     nft::apply(
-        &nft::masquerade_ruleset(p),
-        "installing the masquerade table",
+        &nft::masquerade_ruleset(p, ipv6),
+        "installing the masquerade tables",
     )?;
     Ok(CachedInterface {
         name: p.name.clone(),
@@ -170,6 +184,8 @@ async fn masquerade(
         guest_ipv4: Some(p.guest()),
         gateway_ipv4: Some(p.gateway().address),
         server_ipv4: p.gateway().address,
+        guest_ipv6: ipv6.then(|| p.guest_ipv6()),
+        gateway_ipv6: ipv6.then(|| p.gateway_ipv6().address),
     })
 }
 
@@ -254,6 +270,8 @@ async fn bridge(
         guest_ipv4: Some(pod_ipv4),
         gateway_ipv4: gateway,
         server_ipv4: p.bridge_server_address(),
+        guest_ipv6: None,
+        gateway_ipv6: None,
     })
 }
 

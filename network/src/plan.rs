@@ -1,16 +1,19 @@
 //! VMI -> what phase 1 must build for each interface. Pure.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 use api::VirtualMachineInstance;
 use api::vmi::InterfaceBinding;
-use ipnet::Ipv4Net;
+use ipnet::{Ipv4Net, Ipv6Net};
 
-use crate::cache::{Binding, CachedInterface, Ipv4Cidr};
+use crate::cache::{Binding, CachedInterface, Cidr, Ipv4Cidr, Ipv6Cidr};
 use crate::error::{NetworkError, Result};
 
 /// KubeVirt's default guest network behind masquerade.
 pub const DEFAULT_VM_NETWORK: &str = "10.0.2.0/24";
+
+/// KubeVirt's default IPv6 guest network behind masquerade, used when the pod has IPv6.
+pub const DEFAULT_VM_IPV6_NETWORK: &str = "fd10:0:2::/120";
 
 /// The in-pod bridge's MAC under masquerade (KubeVirt's `StaticMasqueradeBridgeMAC`); validation
 /// refuses it as a guest MAC.
@@ -41,6 +44,9 @@ pub struct InterfacePlan {
     pub ports: Vec<ForwardedPort>,
     /// Masquerade: the guest network (`vmNetworkCIDR`, default [`DEFAULT_VM_NETWORK`]).
     pub vm_network: Ipv4Net,
+    /// Masquerade on a pod with IPv6: the guest's IPv6 network (`vmIPv6NetworkCIDR`, default
+    /// [`DEFAULT_VM_IPV6_NETWORK`]).
+    pub vm_ipv6_network: Ipv6Net,
 }
 
 impl InterfacePlan {
@@ -57,6 +63,22 @@ impl InterfacePlan {
         Ipv4Cidr {
             address: nth_host(self.vm_network, 2),
             prefix: self.vm_network.prefix_len(),
+        }
+    }
+
+    /// Masquerade with IPv6: the bridge's (gateway) address, the first host.
+    pub fn gateway_ipv6(&self) -> Ipv6Cidr {
+        Cidr {
+            address: Ipv6Addr::from(u128::from(self.vm_ipv6_network.network()) + 1),
+            prefix: self.vm_ipv6_network.prefix_len(),
+        }
+    }
+
+    /// Masquerade with IPv6: the guest's address, the second host.
+    pub fn guest_ipv6(&self) -> Ipv6Cidr {
+        Cidr {
+            address: Ipv6Addr::from(u128::from(self.vm_ipv6_network.network()) + 2),
+            prefix: self.vm_ipv6_network.prefix_len(),
         }
     }
 
@@ -136,6 +158,25 @@ pub fn plan(vmi: &VirtualMachineInstance) -> Result<Vec<InterfacePlan>> {
                 format!("{cidr:?} is too small: the gateway and the guest need two addresses"),
             ));
         }
+        let cidr6 = pod
+            .vm_ipv6_network_cidr
+            .as_deref()
+            .unwrap_or(DEFAULT_VM_IPV6_NETWORK);
+        let cidr6_field = || {
+            format!(
+                "spec.networks[{}].pod.vmIPv6NetworkCIDR",
+                network_index(vmi, &iface.name)
+            )
+        };
+        let vm_ipv6_network: Ipv6Net = cidr6
+            .parse()
+            .map_err(|_| spec_err(cidr6_field(), format!("{cidr6:?} is not an IPv6 CIDR")))?;
+        if vm_ipv6_network.prefix_len() > 126 {
+            return Err(spec_err(
+                cidr6_field(),
+                format!("{cidr6:?} is too small: the gateway and the guest need two addresses"),
+            ));
+        }
         let mut ports = Vec::new();
         for (j, p) in iface.ports.iter().enumerate() {
             let port = u16::try_from(p.port)
@@ -169,6 +210,7 @@ pub fn plan(vmi: &VirtualMachineInstance) -> Result<Vec<InterfacePlan>> {
             pod_interface,
             ports,
             vm_network,
+            vm_ipv6_network,
         });
     }
     Ok(out)
@@ -291,6 +333,36 @@ mod tests {
         }));
         let e = plan(&v).unwrap_err().to_string();
         assert!(e.starts_with("spec.networks[0].pod.vmNetworkCIDR:"), "{e}");
+    }
+
+    #[test]
+    fn ipv6_guest_network_defaults_and_is_checked() {
+        let v = vmi(&json!({
+            "domain": {"devices": {"interfaces": [{"name": "n", "masquerade": {}}]}},
+            "networks": [{"name": "n", "pod": {}}],
+        }));
+        let p = &plan(&v).unwrap()[0];
+        assert_eq!(p.gateway_ipv6().to_string(), "fd10:0:2::1/120");
+        assert_eq!(p.guest_ipv6().to_string(), "fd10:0:2::2/120");
+        let v = vmi(&json!({
+            "domain": {"devices": {"interfaces": [{"name": "n", "masquerade": {}}]}},
+            "networks": [{"name": "n", "pod": {"vmIPv6NetworkCIDR": "fd00:1::/64"}}],
+        }));
+        assert_eq!(
+            plan(&v).unwrap()[0].guest_ipv6().to_string(),
+            "fd00:1::2/64"
+        );
+        for bad in ["10.0.2.0/24", "fd00::/127"] {
+            let v = vmi(&json!({
+                "domain": {"devices": {"interfaces": [{"name": "n", "masquerade": {}}]}},
+                "networks": [{"name": "n", "pod": {"vmIPv6NetworkCIDR": bad}}],
+            }));
+            let e = plan(&v).unwrap_err().to_string();
+            assert!(
+                e.starts_with("spec.networks[0].pod.vmIPv6NetworkCIDR:"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

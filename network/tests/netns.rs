@@ -5,8 +5,13 @@ mod common;
 
 use std::path::Path;
 
-use common::{PEER_IP, POD_IP, Pod};
-use network::{Binding, CachedInterface, Ipv4Cidr, phase1};
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::Command;
+use std::time::Duration;
+
+use common::{Netns, PEER_IP, PEER_IP6, POD_IP, POD_IP6, Pod, in_netns, wait_until};
+use network::{Binding, CachedInterface, Ipv4Cidr, dhcp6, phase1, ra};
 use serde_json::json;
 
 fn vmi(iface: &serde_json::Value) -> api::VirtualMachineInstance {
@@ -185,4 +190,206 @@ fn errors_name_what_is_missing() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("nonexistent-kvrs-dir"), "{e}");
+}
+
+/// The stand-in guest's MAC (a veth in its own namespace, plugged into the bridge where QEMU's
+/// tap would be).
+const GUEST_MAC: &str = "52:54:00:aa:bb:cc";
+
+/// A namespace standing in for the guest: `eth0` (MAC [`GUEST_MAC`]) whose other end is a
+/// port of the pod's bridge. Its kernel takes router advertisements (forwarding is off there).
+fn stand_in_guest(pod: &Pod) -> Netns {
+    let guest = Netns::new("v6-guest");
+    pod.netns.ip(&[
+        "link",
+        "add",
+        "gport",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        &guest.name,
+    ]);
+    pod.netns
+        .ip(&["link", "set", "gport", "master", "k6t-eth0", "up"]);
+    guest.ip(&["link", "set", "eth0", "address", GUEST_MAC, "up"]);
+    guest
+}
+
+/// The pod's DHCPv6 server and router advertisements, as the launcher runs them: sockets
+/// opened inside the pod's namespace, served on `rt` until it is dropped.
+fn serve_ipv6(pod: &Pod, rt: &tokio::runtime::Runtime, cached: &CachedInterface) {
+    let mac = network::plan::parse_mac(GUEST_MAC).unwrap();
+    let d6 = dhcp6::config(cached, mac, "nameserver fd00::53\nsearch example.test\n").unwrap();
+    let r = ra::config(cached).unwrap();
+    let handle = rt.handle().clone();
+    let (d6, r) = in_netns(&pod.netns, move || {
+        let _in_rt = handle.enter();
+        (dhcp6::serve(d6).unwrap(), ra::serve(r).unwrap())
+    });
+    rt.spawn(d6);
+    rt.spawn(r);
+}
+
+#[test]
+fn masquerade_ipv6_dhcpv6_router_advertisements_and_nat() {
+    let pod = Pod::new("v6");
+    pod.with_ipv6();
+    let iso = pod.isolation();
+    let dir = tempfile::tempdir().unwrap();
+    let v = vmi(&json!({"name": "default", "masquerade": {}, "ports": [{"port": 8080}]}));
+
+    let c = phase1::setup(&v, &iso, dir.path()).unwrap().remove(0);
+    assert_eq!(c.guest_ipv6.unwrap().to_string(), "fd10:0:2::2/120");
+    assert_eq!(c.gateway_ipv6.unwrap().to_string(), "fd10:0:2::1");
+    let bridge = pod.netns.ip(&["-6", "addr", "show", "dev", "k6t-eth0"]);
+    assert!(bridge.contains("inet6 fd10:0:2::1/120"), "{bridge}");
+    let rules = pod
+        .netns
+        .exec(&["nft", "list", "table", "ip6", "kubevirt_nat_eth0"]);
+    let rules = String::from_utf8_lossy(&rules.stdout).into_owned();
+    assert!(rules.contains("ip6 saddr fd10:0:2::2"), "{rules}");
+    assert!(rules.contains("dnat to fd10:0:2::2"), "{rules}");
+    assert_eq!(phase1::setup(&v, &iso, dir.path()).unwrap()[0], c);
+
+    let guest = stand_in_guest(&pod);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    serve_ipv6(&pod, &rt, &c);
+
+    // A real client (ISC dhclient) takes the address; its script only applies it, so nothing
+    // outside the namespace (resolv.conf) is touched.
+    let files = tempfile::tempdir().unwrap();
+    let script = files.path().join("apply");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\ncase \"$reason\" in BOUND6|REBOOT6|RENEW6|REBIND6)\n\
+         ip -6 addr replace \"$new_ip6_address/$new_ip6_prefixlen\" dev \"$interface\" nodad\n\
+         echo \"$new_dhcp6_name_servers\" > \"$(dirname \"$0\")/dns\";;\nesac\n",
+    )
+    .unwrap();
+    let mut perm = std::fs::metadata(&script).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(&script, perm).unwrap();
+    std::fs::write(files.path().join("dhclient.conf"), "").unwrap();
+    let path = |n: &str| files.path().join(n).display().to_string();
+    let mut dhclient = Command::new("dhclient");
+    dhclient.args([
+        "-6",
+        "-d",
+        "-cf",
+        &path("dhclient.conf"),
+        "-lf",
+        &path("leases"),
+        "-pf",
+        &path("pid"),
+        "-sf",
+        &path("apply"),
+        "eth0",
+    ]);
+    dhclient.stdout(std::process::Stdio::null());
+    dhclient.stderr(std::process::Stdio::null());
+    // dhclient binds to the link-local address, which must have passed duplicate address
+    // detection.
+    wait_until(
+        Duration::from_secs(30),
+        "the guest's link-local address",
+        || {
+            let a = guest.ip(&["-6", "addr", "show", "dev", "eth0", "scope", "link"]);
+            (a.contains("inet6 fe80::") && !a.contains("tentative")).then_some(())
+        },
+    );
+    let _client = guest.spawn(dhclient);
+
+    // The script applies the address, then writes the DNS servers: both, or wait.
+    let dns = wait_until(
+        Duration::from_secs(60),
+        "the guest's DHCPv6 address",
+        || {
+            let addr = guest.ip(&["-6", "addr", "show", "dev", "eth0"]);
+            let dns = std::fs::read_to_string(files.path().join("dns")).ok()?;
+            (addr.contains("inet6 fd10:0:2::2/128") && dns.ends_with('\n')).then_some(dns)
+        },
+    );
+    assert_eq!(dns.trim(), "fd00::53");
+    let routes = wait_until(
+        Duration::from_secs(60),
+        "routes from the advertisement",
+        || {
+            let r = guest.ip(&["-6", "route", "show"]);
+            (r.contains("fd10:0:2::/120 dev eth0") && r.contains("default via fe80::")).then_some(r)
+        },
+    );
+    assert!(routes.contains("proto ra"), "{routes}");
+
+    // Guest -> another pod: leaves with the pod's IPv6 address.
+    let listener = in_netns(&pod.peer, || {
+        TcpListener::bind(format!("[{PEER_IP6}]:7000")).unwrap()
+    });
+    let seen = std::thread::spawn(move || listener.accept().unwrap().1);
+    in_netns(&guest, || {
+        TcpStream::connect_timeout(
+            &format!("[{PEER_IP6}]:7000").parse().unwrap(),
+            Duration::from_secs(10),
+        )
+        .unwrap()
+    });
+    assert_eq!(seen.join().unwrap().ip().to_string(), POD_IP6);
+
+    // Another pod -> the pod's IPv6 address on a listed port: the guest; an unlisted one: not.
+    let server = in_netns(&guest, || TcpListener::bind("[::]:8080").unwrap());
+    let echo = std::thread::spawn(move || {
+        let (mut s, from) = server.accept().unwrap();
+        let mut b = [0u8; 5];
+        s.read_exact(&mut b).unwrap();
+        s.write_all(&b).unwrap();
+        from
+    });
+    let to: SocketAddr = format!("[{POD_IP6}]:8080").parse().unwrap();
+    in_netns(&pod.peer, || {
+        let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(10)).unwrap();
+        s.write_all(b"hello").unwrap();
+        let mut b = [0u8; 5];
+        s.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"hello");
+    });
+    assert_eq!(echo.join().unwrap().ip().to_string(), PEER_IP6);
+    let unlisted: SocketAddr = format!("[{POD_IP6}]:8081").parse().unwrap();
+    let refused = in_netns(&pod.peer, || {
+        TcpStream::connect_timeout(&unlisted, Duration::from_secs(10))
+    });
+    assert!(refused.is_err(), "port 8081 is not forwarded");
+
+    drop(rt);
+    pod.netns.ip(&["link", "del", "gport"]);
+    phase1::teardown(&v, &iso, dir.path()).unwrap();
+    assert!(
+        !pod.netns
+            .exec(&["nft", "list", "table", "ip6", "kubevirt_nat_eth0"])
+            .status
+            .success()
+    );
+    assert!(link(&pod.netns, "k6t-eth0").is_none());
+}
+
+#[test]
+fn a_pod_without_ipv6_gets_no_ipv6_guest_network() {
+    let pod = Pod::new("v4only");
+    let iso = pod.isolation();
+    let dir = tempfile::tempdir().unwrap();
+    let v = vmi(&json!({"name": "default", "masquerade": {}}));
+    let c = phase1::setup(&v, &iso, dir.path()).unwrap().remove(0);
+    assert_eq!((c.guest_ipv6, c.gateway_ipv6), (None, None));
+    assert!(dhcp6::config(&c, [2, 0, 0, 0, 0, 1], "").is_none());
+    assert!(ra::config(&c).is_none());
+    let v6 = pod.netns.ip(&["-6", "addr", "show", "dev", "k6t-eth0"]);
+    assert!(!v6.contains("fd10"), "{v6}");
+    assert!(
+        !pod.netns
+            .exec(&["nft", "list", "table", "ip6", "kubevirt_nat_eth0"])
+            .status
+            .success()
+    );
+    phase1::teardown(&v, &iso, dir.path()).unwrap();
 }

@@ -410,6 +410,8 @@ fn interfaces_take_mac_and_mtu_from_phase_one() {
         guest_ipv4: None,
         gateway_ipv4: None,
         server_ipv4: std::net::Ipv4Addr::new(169, 254, 75, 10),
+        guest_ipv6: None,
+        gateway_ipv6: None,
     };
     let mut h = host();
     h.network.insert("default".into(), cached);

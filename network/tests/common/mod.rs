@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 pub const POD_IP: &str = "10.99.0.2";
 pub const PEER_IP: &str = "10.99.0.1";
 pub const PREFIX: u8 = 24;
+/// The same two, for a pod with IPv6 ([`Pod::with_ipv6`]).
+pub const POD_IP6: &str = "fd99::2";
+pub const PEER_IP6: &str = "fd99::1";
 
 /// A named network namespace (`ip netns add`), deleted on drop.
 #[derive(Debug)]
@@ -149,9 +152,46 @@ impl Pod {
         }
     }
 
+    /// Gives the pod and its peer IPv6 addresses (`/64`) and the pod a default IPv6 route via
+    /// the peer, as a dual-stack pod network would. No duplicate address detection, so the
+    /// addresses are usable at once.
+    pub fn with_ipv6(&self) {
+        self.netns.ip(&[
+            "addr",
+            "add",
+            &format!("{POD_IP6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ]);
+        self.netns
+            .ip(&["-6", "route", "add", "default", "via", PEER_IP6]);
+        self.peer.ip(&[
+            "addr",
+            "add",
+            &format!("{PEER_IP6}/64"),
+            "dev",
+            "peer0",
+            "nodad",
+        ]);
+    }
+
     pub fn isolation(&self) -> isolation::PodIsolation {
         isolation::detect_from_pid(self.process.pid()).unwrap()
     }
+}
+
+/// Runs `f` on a thread inside `ns` (sockets it opens stay in that namespace).
+pub fn in_netns<T: Send>(ns: &Netns, f: impl FnOnce() -> T + Send) -> T {
+    let file = ns.file();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            f()
+        })
+        .join()
+        .unwrap()
+    })
 }
 
 /// Polls `f` until it returns `Some`, or panics naming `what` after `limit`.

@@ -151,7 +151,7 @@ pub fn render(node: &str, phases: &BTreeMap<String, usize>, vmis: &[VmiSample]) 
         }
     }
     for (metric, help, value) in NET_METRICS {
-        let _ = write!(out, "# HELP {metric} {help}\n# TYPE {metric} counter\n");
+        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
         for v in vmis {
             for (iface, c) in &v.interfaces {
                 let _ = writeln!(

@@ -53,8 +53,11 @@ pub struct VmiSample {
     pub interfaces: Vec<(String, NetCounters)>,
 }
 
+/// A metric's name, help text and value.
+type NetMetric = (&'static str, &'static str, fn(&NetCounters) -> u64);
+
 /// The network metrics, KubeVirt's names and help texts (`domainstats/network_metrics.go`).
-const NET_METRICS: [(&str, &str, fn(&NetCounters) -> u64); 8] = [
+const NET_METRICS: [NetMetric; 8] = [
     (
         "kubevirt_vmi_network_receive_bytes_total",
         "Total network traffic received in bytes.",

@@ -73,10 +73,13 @@ pub fn targets(old: &[VolumeStatus], disks: &[DiskStatus]) -> BTreeMap<String, S
             continue;
         }
         let p = prefix(&d.bus);
-        let name = (0..)
+        // KubeVirt's bound too: three letters after the prefix.
+        let Some(name) = (0..26 * 26 * 26)
             .map(|i| device_name(p, i))
             .find(|n| !used.contains(n))
-            .expect("an unbounded range has a free name");
+        else {
+            continue;
+        };
         used.insert(name.clone());
         out.insert(d.name.clone(), name);
     }

@@ -74,6 +74,23 @@ pub struct Domain {
     pub sync_error: Option<String>,
 }
 
+/// `GET /v1/domain/blockstats`: one VMI disk's I/O counters since QEMU started, from QMP
+/// `query-blockstats` (what libvirt's block stats give KubeVirt).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DiskStats {
+    /// The VMI's disk name.
+    pub name: String,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub read_ops: u64,
+    pub write_ops: u64,
+    pub flush_ops: u64,
+    pub read_time_ns: u64,
+    pub write_time_ns: u64,
+    pub flush_time_ns: u64,
+}
+
 /// The body of every error response.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApiError {

@@ -46,6 +46,10 @@ pub fn router(launcher: Arc<Launcher>) -> Router {
         .route("/v1/domain", get(domain))
         .route("/v1/domain/watch", get(watch))
         .route(
+            "/v1/domain/blockstats",
+            get(|State(l): State<Arc<Launcher>>| async move { l.blockstats().await.map(axum::Json) }),
+        )
+        .route(
             "/v1/pause",
             post(|State(l): State<Arc<Launcher>>| async move { l.pause().await.map(axum::Json) }),
         )

@@ -20,7 +20,7 @@ use tokio::sync::{Mutex, OnceCell, watch};
 
 use crate::console::Console;
 use crate::convert::{self, Host};
-use crate::domain::{DiskStatus, Domain, DomainState, InterfaceStatus};
+use crate::domain::{DiskStats, DiskStatus, Domain, DomainState, InterfaceStatus};
 use crate::error::Error;
 use crate::paths::Dirs;
 use crate::prepare;
@@ -669,6 +669,17 @@ impl Launcher {
         Ok(png)
     }
 
+    /// Each disk's I/O counters (QMP `query-blockstats`), in the VMI's disk order.
+    pub async fn blockstats(&self) -> Result<Vec<DiskStats>, Error> {
+        let mut ops = self.ops.lock().await;
+        let vm = self.live_vm(&mut ops, "blockstats")?;
+        let stats = vm
+            .qmp
+            .execute(qmp::compat::query_blockstats::default())
+            .await?;
+        Ok(disk_stats(vm.disks.iter().map(|d| d.name.as_str()), &stats))
+    }
+
     async fn agent(&self, action: &'static str) -> Result<qmp::GuestAgent, Error> {
         let mut ops = self.ops.lock().await;
         let vm = self.live_vm(&mut ops, action)?;
@@ -934,5 +945,99 @@ pub fn cleanup_sockets(dirs: &Dirs, uid: &str) {
         dirs.vnc_socket(uid),
     ] {
         let _ = std::fs::remove_file(p);
+    }
+}
+
+/// Maps QEMU's block backends to the VMI's disks. A backend is a disk's when its root node is
+/// the disk's node or its device is the disk's (`qdev` is the device's QOM path, which for
+/// virtio-blk ends in `/virtio-backend`). A disk QEMU does not list (a CD-ROM without medium
+/// once ejected) is left out rather than reported as zeros.
+fn disk_stats<'a>(
+    names: impl IntoIterator<Item = &'a str>,
+    stats: &[qmp::compat::BlockStats],
+) -> Vec<DiskStats> {
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let node = crate::qemu::node_name(name);
+            let qdev = format!("/machine/peripheral/{}", crate::qemu::device_id(name));
+            let s = stats.iter().find(|s| {
+                s.node_name.as_deref() == Some(node.as_str())
+                    || s.qdev.as_deref().is_some_and(|q| {
+                        q.strip_prefix(qdev.as_str())
+                            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+                    })
+            })?;
+            let c = &s.stats;
+            Some(DiskStats {
+                name: name.to_owned(),
+                read_bytes: c.rd_bytes,
+                write_bytes: c.wr_bytes,
+                read_ops: c.rd_operations,
+                write_ops: c.wr_operations,
+                flush_ops: c.flush_operations,
+                read_time_ns: c.rd_total_time_ns,
+                write_time_ns: c.wr_total_time_ns,
+                flush_time_ns: c.flush_total_time_ns,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend(node: Option<&str>, qdev: &str, rd_bytes: u64) -> qmp::compat::BlockStats {
+        serde_json::from_value(json!({
+            "device": "",
+            "qdev": qdev,
+            "node-name": node,
+            "stats": {
+                "rd_bytes": rd_bytes, "wr_bytes": 2, "rd_operations": 3, "wr_operations": 4,
+                "flush_operations": 5, "rd_total_time_ns": 6, "wr_total_time_ns": 7,
+                "flush_total_time_ns": 8, "idle_time_ns": 9
+            }
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn blockstats_map_to_vmi_disks_by_node_or_device() {
+        let stats = [
+            // A device whose node QEMU names: found by node, whatever the qdev says.
+            backend(
+                Some(&crate::qemu::node_name("root")),
+                "/machine/peripheral/ua-root/virtio-backend",
+                100,
+            ),
+            // No node (a CD-ROM's backend): found by its device path.
+            backend(None, "/machine/peripheral/ua-cd", 200),
+            // `ua-c` is a prefix of `ua-cd` but another device.
+            backend(None, "/machine/peripheral/ua-cdx", 300),
+            // Not one of the VMI's disks (QEMU's own pflash, say).
+            backend(Some("pflash0"), "", 400),
+        ];
+        let got = disk_stats(["cd", "root", "c", "gone"], &stats);
+        assert_eq!(
+            got.iter()
+                .map(|d| (d.name.as_str(), d.read_bytes))
+                .collect::<Vec<_>>(),
+            [("cd", 200), ("root", 100)]
+        );
+        assert_eq!(
+            got[1],
+            DiskStats {
+                name: "root".into(),
+                read_bytes: 100,
+                write_bytes: 2,
+                read_ops: 3,
+                write_ops: 4,
+                flush_ops: 5,
+                read_time_ns: 6,
+                write_time_ns: 7,
+                flush_time_ns: 8,
+            }
+        );
     }
 }

@@ -95,6 +95,9 @@ fn bad_vmis_get_clear_errors_and_leave_the_launcher_usable() {
     assert_eq!(e["code"], "NoDomain");
     let (status, e) = l.request("GET", "/v1/guest/osinfo", None);
     assert_eq!(status, 404, "{e}");
+    let (status, e) = l.request("GET", "/v1/domain/blockstats", None);
+    assert_eq!(status, 404, "{e}");
+    assert_eq!(e["code"], "NoDomain");
     let (status, e) = l.request("GET", "/v1/nope", None);
     assert_eq!(status, 400, "{e}");
 

@@ -183,6 +183,18 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     let pid = d["qemuPid"].as_i64().unwrap();
     l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
     assert!(l.serial_log(&id).contains("CONFIGDRIVE-USERDATA-RAN"));
+    // The guest booted from `root` and read its user-data from `ci`: both were read.
+    let stats = l.get("/v1/domain/blockstats");
+    let disks = stats.as_array().unwrap_or_else(|| panic!("{stats}"));
+    assert_eq!(
+        disks.iter().map(|d| d["name"].as_str()).collect::<Vec<_>>(),
+        [Some("root"), Some("ci")],
+        "{stats}"
+    );
+    for d in disks {
+        assert!(d["readBytes"].as_u64() > Some(0), "{stats}");
+        assert!(d["readOps"].as_u64() > Some(0), "{stats}");
+    }
     // The VGA display as a PNG: the signature, then the IHDR chunk with a real size.
     for method in ["GET", "POST"] {
         let (status, png) = common::http_bytes(&l.socket, method, "/v1/screendump", None);
@@ -226,6 +238,9 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     assert!(d["message"].as_str().unwrap().contains("SIGKILL"), "{d}");
     // A crashed domain stays crashed: lifecycle calls say why they cannot act.
     let (status, e) = l.request("POST", "/v1/pause", None);
+    assert_eq!(status, 409, "{e}");
+    assert_eq!(e["code"], "WrongState");
+    let (status, e) = l.request("GET", "/v1/domain/blockstats", None);
     assert_eq!(status, 409, "{e}");
     assert_eq!(e["code"], "WrongState");
 }

@@ -12,7 +12,7 @@ use futures::{Stream, StreamExt as _, TryStreamExt as _};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt as _, BodyStream, Full};
 use hyper_util::rt::TokioIo;
-use launcher::domain::{ApiError, Domain, Info};
+use launcher::domain::{ApiError, DiskStats, Domain, Info};
 use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
 use tokio_util::codec::{FramedRead, LinesCodec};
@@ -235,6 +235,11 @@ impl LauncherClient {
 
     pub async fn domain(&self) -> Result<Domain, ClientError> {
         self.call(Method::GET, "/v1/domain", None).await
+    }
+
+    /// Each disk's I/O counters (QMP `query-blockstats`).
+    pub async fn blockstats(&self) -> Result<Vec<DiskStats>, ClientError> {
+        self.call(Method::GET, "/v1/domain/blockstats", None).await
     }
 
     /// Starts the VMI if it does not run yet, else applies what may change (hotplug).

@@ -1,8 +1,8 @@
 //! `/metrics` (Prometheus text format) and `/healthz` on `--port`, with KubeVirt's metric names
 //! for what we can measure: VMI phase counts from the informer cache, and per VMI the QEMU
 //! process's resident memory, each vCPU thread's CPU time, and each interface's counters from
-//! `/proc`. Disk counters are not reported (they need QMP's `query-blockstats`, which the
-//! launcher does not relay).
+//! `/proc`, and each disk's counters from the launcher's `GET /v1/domain/blockstats` (QMP
+//! `query-blockstats`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -13,7 +13,9 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use http::StatusCode;
+use launcher::domain::DiskStats;
 
+use crate::client::LauncherClient;
 use crate::node::Node;
 
 /// `/proc/<pid>/stat` counts CPU time in USER_HZ ticks, which Linux fixes at 100 for the ABI.
@@ -51,13 +53,18 @@ pub struct VmiSample {
     pub vcpus: Vec<Vcpu>,
     /// The VMI's interface name and its counters.
     pub interfaces: Vec<(String, NetCounters)>,
+    /// Each disk's counters; empty when the launcher did not answer.
+    pub disks: Vec<DiskStats>,
 }
 
-/// A metric's name, help text and value.
-type NetMetric = (&'static str, &'static str, fn(&NetCounters) -> u64);
+/// A counter's name, help text and value.
+type Counter<T, V> = (&'static str, &'static str, fn(&T) -> V);
+
+/// The labelled items of one VMI a counter table is reported for (its interfaces, its drives).
+type Items<T> = for<'v> fn(&'v VmiSample) -> Vec<(&'v str, &'v T)>;
 
 /// The network metrics, KubeVirt's names and help texts (`domainstats/network_metrics.go`).
-const NET_METRICS: [NetMetric; 8] = [
+const NET_METRICS: [Counter<NetCounters, u64>; 8] = [
     (
         "kubevirt_vmi_network_receive_bytes_total",
         "Total network traffic received in bytes.",
@@ -100,11 +107,93 @@ const NET_METRICS: [NetMetric; 8] = [
     ),
 ];
 
+/// Counters as Prometheus floats; they lose precision only beyond 2^53 (bytes: 8 PiB).
+#[allow(clippy::cast_precision_loss)]
+fn count(n: u64) -> f64 {
+    n as f64
+}
+
+fn seconds(ns: u64) -> f64 {
+    count(ns) / 1e9
+}
+
+/// The storage metrics, KubeVirt's names and help texts (`domainstats/block_metrics.go`); times
+/// in seconds, as KubeVirt converts them.
+const DISK_METRICS: [Counter<DiskStats, f64>; 8] = [
+    (
+        "kubevirt_vmi_storage_iops_read_total",
+        "Total number of I/O read operations.",
+        |d| count(d.read_ops),
+    ),
+    (
+        "kubevirt_vmi_storage_iops_write_total",
+        "Total number of I/O write operations.",
+        |d| count(d.write_ops),
+    ),
+    (
+        "kubevirt_vmi_storage_read_traffic_bytes_total",
+        "Total number of bytes read from storage.",
+        |d| count(d.read_bytes),
+    ),
+    (
+        "kubevirt_vmi_storage_write_traffic_bytes_total",
+        "Total number of written bytes.",
+        |d| count(d.write_bytes),
+    ),
+    (
+        "kubevirt_vmi_storage_read_times_seconds_total",
+        "Total time spent on read operations.",
+        |d| seconds(d.read_time_ns),
+    ),
+    (
+        "kubevirt_vmi_storage_write_times_seconds_total",
+        "Total time spent on write operations.",
+        |d| seconds(d.write_time_ns),
+    ),
+    (
+        "kubevirt_vmi_storage_flush_requests_total",
+        "Total storage flush requests.",
+        |d| count(d.flush_ops),
+    ),
+    (
+        "kubevirt_vmi_storage_flush_times_seconds_total",
+        "Total time spent on cache flushing.",
+        |d| seconds(d.flush_time_ns),
+    ),
+];
+
 /// Escapes a label value as the text format wants.
 fn label(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+/// One counter family per table entry, with a line per VMI and per item of it (an interface,
+/// a drive) labelled `key`. `node` is already escaped.
+fn counters<T, V: std::fmt::Display>(
+    out: &mut String,
+    node: &str,
+    vmis: &[VmiSample],
+    table: &[Counter<T, V>],
+    key: &str,
+    items: Items<T>,
+) {
+    for (metric, help, value) in table {
+        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
+        for v in vmis {
+            for (item, c) in items(v) {
+                let _ = writeln!(
+                    out,
+                    "{metric}{{namespace=\"{}\",name=\"{}\",node=\"{node}\",{key}=\"{}\"}} {}",
+                    label(&v.namespace),
+                    label(&v.name),
+                    label(item),
+                    value(c)
+                );
+            }
+        }
+    }
 }
 
 /// The exposition text. `phases`: VMI count per phase (KubeVirt lower-cases the phase).
@@ -153,21 +242,12 @@ pub fn render(node: &str, phases: &BTreeMap<String, usize>, vmis: &[VmiSample]) 
             );
         }
     }
-    for (metric, help, value) in NET_METRICS {
-        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
-        for v in vmis {
-            for (iface, c) in &v.interfaces {
-                let _ = writeln!(
-                    out,
-                    "{metric}{{namespace=\"{}\",name=\"{}\",node=\"{node}\",interface=\"{}\"}} {}",
-                    label(&v.namespace),
-                    label(&v.name),
-                    label(iface),
-                    value(c)
-                );
-            }
-        }
-    }
+    counters(&mut out, &node, vmis, &NET_METRICS, "interface", |v| {
+        v.interfaces.iter().map(|(i, c)| (i.as_str(), c)).collect()
+    });
+    counters(&mut out, &node, vmis, &DISK_METRICS, "drive", |v| {
+        v.disks.iter().map(|d| (d.name.as_str(), d)).collect()
+    });
     out
 }
 
@@ -299,6 +379,7 @@ fn sample(proc: &Path, l: &crate::node::LauncherInfo) -> Option<VmiSample> {
         resident_bytes,
         vcpus,
         interfaces,
+        disks: Vec::new(),
     })
 }
 
@@ -337,14 +418,26 @@ async fn metrics(State(s): State<Shared>) -> (StatusCode, String) {
         }
     }
     let launchers = node.launchers();
-    let samples = tokio::task::spawn_blocking(move || {
+    let sampled = tokio::task::spawn_blocking(move || {
         launchers
-            .iter()
-            .filter_map(|l| sample(Path::new("/proc"), l))
+            .into_iter()
+            .filter_map(|l| Some((sample(Path::new("/proc"), &l)?, l.socket)))
             .collect::<Vec<_>>()
     })
     .await
     .unwrap_or_default();
+    // Disk counters need QMP, so each running VMI's launcher is asked, all at once; one that
+    // does not answer leaves its VMI without disk metrics rather than failing the scrape.
+    let timeout = node.config().call_timeout;
+    let samples =
+        futures::future::join_all(sampled.into_iter().map(|(mut v, socket)| async move {
+            match LauncherClient::new(socket, timeout).blockstats().await {
+                Ok(disks) => v.disks = disks,
+                Err(e) => tracing::debug!(error = %e, vmi = %v.name, "no disk counters"),
+            }
+            v
+        }))
+        .await;
     (
         StatusCode::OK,
         render(&node.config().node, &phases, &samples),
@@ -414,6 +507,17 @@ mod tests {
                     ..NetCounters::default()
                 },
             )],
+            disks: vec![DiskStats {
+                name: "root".into(),
+                read_bytes: 4096,
+                write_bytes: 512,
+                read_ops: 8,
+                write_ops: 1,
+                flush_ops: 2,
+                read_time_ns: 1_500_000_000,
+                write_time_ns: 0,
+                flush_time_ns: 250_000_000,
+            }],
         }];
         let text = render("node-a", &phases, &vmis);
         assert!(
@@ -435,6 +539,20 @@ mod tests {
             "kubevirt_vmi_network_transmit_packets_dropped_total{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\",interface=\"default\"} 3\n"
         ));
         assert!(text.contains("# TYPE kubevirt_vmi_network_transmit_bytes_total counter\n"));
+        let disk = "{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\",drive=\"root\"}";
+        for line in [
+            format!("kubevirt_vmi_storage_read_traffic_bytes_total{disk} 4096\n"),
+            format!("kubevirt_vmi_storage_write_traffic_bytes_total{disk} 512\n"),
+            format!("kubevirt_vmi_storage_iops_read_total{disk} 8\n"),
+            format!("kubevirt_vmi_storage_iops_write_total{disk} 1\n"),
+            format!("kubevirt_vmi_storage_read_times_seconds_total{disk} 1.5\n"),
+            format!("kubevirt_vmi_storage_write_times_seconds_total{disk} 0\n"),
+            format!("kubevirt_vmi_storage_flush_requests_total{disk} 2\n"),
+            format!("kubevirt_vmi_storage_flush_times_seconds_total{disk} 0.25\n"),
+            "# TYPE kubevirt_vmi_storage_flush_times_seconds_total counter\n".to_owned(),
+        ] {
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
     }
 
     #[tokio::test]

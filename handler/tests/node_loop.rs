@@ -132,21 +132,27 @@ impl Harness {
     /// pod (running and ready), the launcher process in the kubelet's layout, then `activePods`.
     async fn schedule(&self, name: &str, node: &str, grace: i64, kernel: bool) -> Vm {
         let vmis = self.vmis();
-        let domain = if kernel {
+        let (domain, volumes) = if kernel {
             // The files are in the kernelBoot image container's /mnt (see `Launcher::start`).
-            json!({
+            // A scratch disk, so /metrics has a drive the guest's kernel has read from.
+            let domain = json!({
                 "resources": {"requests": {"memory": "256Mi"}},
                 "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
                     "image": "guest", "kernelPath": "/mnt/vmlinuz",
                     "initrdPath": "/mnt/initrd.img"}}},
-                "devices": {},
-            })
+                "devices": {"disks": [{"name": "scratch", "disk": {"bus": "virtio"}}]},
+            });
+            (
+                domain,
+                json!([{"name": "scratch", "emptyDisk": {"capacity": "16Mi"}}]),
+            )
         } else {
             // A disk without a volume: the launcher refuses it before starting QEMU.
-            json!({
+            let domain = json!({
                 "resources": {"requests": {"memory": "256Mi"}},
                 "devices": {"disks": [{"name": "root", "disk": {}}]},
-            })
+            });
+            (domain, json!([]))
         };
         let vmi: VirtualMachineInstance = serde_json::from_value(json!({
             "apiVersion": "kubevirt.io/v1",
@@ -156,7 +162,7 @@ impl Harness {
                 "labels": {node::NODE_NAME_LABEL: node},
                 "finalizers": [FINALIZER],
             },
-            "spec": {"terminationGracePeriodSeconds": grace, "domain": domain},
+            "spec": {"terminationGracePeriodSeconds": grace, "domain": domain, "volumes": volumes},
             "status": {"phase": "Scheduled", "nodeName": node},
         }))
         .expect("VMI");
@@ -562,6 +568,17 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     assert!(
         text.contains(r#"kubevirt_vmi_phase_count{node="node-a",phase="running"} 1"#),
         "{text}"
+    );
+    let scratch_reads =
+        format!("kubevirt_vmi_storage_read_traffic_bytes_total{{{labels},drive=\"scratch\"}} ");
+    let read_bytes: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(scratch_reads.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {scratch_reads}in {text}"));
+    assert!(
+        read_bytes > 0,
+        "the guest's kernel reads the scratch disk's partition table"
     );
 
     // The handler goes away; meanwhile the VM is paused behind its back. A new handler takes

@@ -280,20 +280,9 @@ async fn bench_rest_pause_unpause_latency() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let vm_dir = launcher.private_dir().join(uid);
     // The server refuses pause on a VMI whose status says Paused and unpause on one that does
     // not: one server per status, as the handler's status would flip between calls.
-    let target = |conds: &[Cond]| Target {
-        vmi: Arc::new(common::vmi_with_conditions(
-            "bench",
-            uid,
-            Phase::Running,
-            conds,
-        )),
-        launcher_socket: launcher.socket.clone(),
-        serial_socket: vm_dir.join("virt-serial0"),
-        vnc_socket: vm_dir.join("virt-vnc"),
-    };
+    let target = |conds: &[Cond]| common::running_target(&launcher, "bench", uid, conds);
     let running = start(target(&[])).await;
     let paused = start(target(&[Cond::Paused])).await;
 
@@ -332,20 +321,8 @@ async fn bench_rest_pause_unpause_latency() {
 #[tokio::test]
 #[ignore = "benchmark: prints figures; runs the virt-handler binary against the local API server"]
 async fn bench_handler_rss_idle() {
-    let server = localcluster::ApiServer::start(localcluster::Config::default())
-        .await
-        .expect("API server");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let client = server.client().await.expect("client");
-    common::install_crds(&client).await;
-    let mut node = k8s_openapi::api::core::v1::Node::default();
-    node.metadata.name = Some("node-a".into());
-    kube::Api::all(client)
-        .create(&kube::api::PostParams::default(), &node)
-        .await
-        .expect("create node");
+    let cluster = common::HandlerCluster::start("node-a").await;
+    let (dir, kubeconfig) = (&cluster.dir, &cluster.kubeconfig);
     // A kubelet that takes the plugins: the handler retries registration until it succeeds,
     // and an idle figure should not include that.
     let plugins = dir.path().join("kubelet/device-plugins");
@@ -354,7 +331,7 @@ async fn bench_handler_rss_idle() {
     let _registered = common::fake_kubelet(&plugins, stop.clone());
     let h = common::HandlerProcess::spawn(
         "node-a",
-        &kubeconfig,
+        kubeconfig,
         dir.path(),
         &dir.path().join("pods"),
         &[],

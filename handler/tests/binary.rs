@@ -10,7 +10,6 @@ use std::time::Duration;
 use handler::heartbeat::LABEL_SCHEDULABLE;
 use k8s_openapi::api::core::v1::Node;
 use kube::Api;
-use kube::api::PostParams;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -35,21 +34,9 @@ async fn wait_label(nodes: &Api<Node>, want: &str) {
 
 #[tokio::test]
 async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm() {
-    let server = localcluster::ApiServer::start(localcluster::Config::default())
-        .await
-        .expect("API server");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let client = server.client().await.expect("client");
-    common::install_crds(&client).await;
-    let nodes: Api<Node> = Api::all(client);
-    let mut node = Node::default();
-    node.metadata.name = Some("node-a".into());
-    nodes
-        .create(&PostParams::default(), &node)
-        .await
-        .expect("create node");
+    let cluster = common::HandlerCluster::start("node-a").await;
+    let (dir, kubeconfig) = (&cluster.dir, &cluster.kubeconfig);
+    let nodes: Api<Node> = Api::all(cluster.client.clone());
 
     let plugins = dir.path().join("kubelet/device-plugins");
     std::fs::create_dir_all(&plugins).expect("mkdir");
@@ -58,7 +45,7 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
 
     let mut h = common::HandlerProcess::spawn(
         "node-a",
-        &kubeconfig,
+        kubeconfig,
         dir.path(),
         &dir.path().join("pods"),
         &["--max-devices", "2"],

@@ -567,18 +567,7 @@ async fn guest_console_rest_and_agent_through_the_server() {
     c.sync(&common::kernel_vmi("real", uid))
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", launcher.log()));
-    let vm_dir = launcher.private_dir().join(uid);
-    let running = |conds: &[Cond]| Target {
-        vmi: Arc::new(common::vmi_with_conditions(
-            "real",
-            uid,
-            Phase::Running,
-            conds,
-        )),
-        launcher_socket: launcher.socket.clone(),
-        serial_socket: vm_dir.join("virt-serial0"),
-        vnc_socket: vm_dir.join("virt-vnc"),
-    };
+    let running = |conds: &[Cond]| common::running_target(&launcher, "real", uid, conds);
     // The status the handler would have written: tests flip it through separate servers.
     let serve = |conds: &[Cond]| {
         let mut v = StaticVmis::default();

@@ -148,7 +148,6 @@ pub fn kernel_vmi(name: &str, uid: &str) -> api::VirtualMachineInstance {
     .expect("valid VMI")
 }
 
-/// Installs our CRDs (`manifests/crds/`) and waits until VMIs are served.
 /// A VMI in `phase` whose `conds` are True, as the console server's lookup sees it.
 pub fn vmi_with_conditions(
     name: &str,
@@ -177,6 +176,63 @@ pub fn vmi_with_conditions(
     v
 }
 
+/// What the console server looks up for a Running VMI `name` whose domain `launcher` runs, with
+/// `conds` True.
+pub fn running_target(
+    launcher: &Launcher,
+    name: &str,
+    uid: &str,
+    conds: &[api::status::VirtualMachineInstanceConditionType],
+) -> handler::server::Target {
+    let vm_dir = launcher.private_dir().join(uid);
+    handler::server::Target {
+        vmi: std::sync::Arc::new(vmi_with_conditions(
+            name,
+            uid,
+            api::VirtualMachineInstancePhase::Running,
+            conds,
+        )),
+        launcher_socket: launcher.socket.clone(),
+        serial_socket: vm_dir.join("virt-serial0"),
+        vnc_socket: vm_dir.join("virt-vnc"),
+    }
+}
+
+/// A local API server with our CRDs and the Node `node` for a `virt-handler` process: its
+/// kubeconfig is in `dir`, which also roots the handler's host paths.
+pub struct HandlerCluster {
+    pub server: localcluster::ApiServer,
+    pub dir: tempfile::TempDir,
+    pub kubeconfig: PathBuf,
+    pub client: kube::Client,
+}
+
+impl HandlerCluster {
+    pub async fn start(node: &str) -> Self {
+        let server = localcluster::ApiServer::start(localcluster::Config::default())
+            .await
+            .expect("API server");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let kubeconfig = dir.path().join("kubeconfig");
+        server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
+        let client = server.client().await.expect("client");
+        install_crds(&client).await;
+        let mut n = k8s_openapi::api::core::v1::Node::default();
+        n.metadata.name = Some(node.into());
+        kube::Api::all(client.clone())
+            .create(&kube::api::PostParams::default(), &n)
+            .await
+            .expect("create node");
+        Self {
+            server,
+            dir,
+            kubeconfig,
+            client,
+        }
+    }
+}
+
+/// Installs our CRDs (`manifests/crds/`) and waits until VMIs are served.
 pub async fn install_crds(client: &kube::Client) {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kube::api::{Api, ListParams, PostParams};

@@ -14,7 +14,7 @@ use ipnet::Ipv4Net;
 use tracing::{debug, info, warn};
 
 use crate::cache::{CachedInterface, Ipv4Cidr, Route};
-use crate::error::{NetworkError, Result};
+use crate::error::Result;
 
 /// 999 days, KubeVirt's "infinite" lease.
 pub const LEASE_SECONDS: u32 = 999 * 24 * 3600;
@@ -166,74 +166,37 @@ pub fn respond(cfg: &DhcpConfig, req: &Message) -> Option<Message> {
     Some(m)
 }
 
-fn socket(interface: &str) -> Result<std::net::UdpSocket> {
-    use nix::sys::socket::{
-        AddressFamily, SockFlag, SockType, SockaddrIn, bind, setsockopt, socket, sockopt,
-    };
-    let err = |what: &str| {
-        let action = format!("DHCP socket on {interface}: {what}");
-        move |e: nix::Error| NetworkError::io(action)(e.into())
-    };
-    let fd = socket(
-        AddressFamily::Inet,
-        SockType::Datagram,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        None,
-    )
-    .map_err(err("socket"))?;
-    // One server per bridge, all on port 67: each bound to its own device.
-    setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(err("SO_REUSEADDR"))?;
-    setsockopt(&fd, sockopt::Broadcast, &true).map_err(err("SO_BROADCAST"))?;
-    setsockopt(&fd, sockopt::BindToDevice, &interface.into()).map_err(err("SO_BINDTODEVICE"))?;
-    bind(
-        std::os::fd::AsRawFd::as_raw_fd(&fd),
-        &SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 67)),
-    )
-    .map_err(err("bind to port 67"))?;
-    Ok(std::net::UdpSocket::from(fd))
-}
-
 /// Serves DHCP on the configured bridge until the task is dropped. The socket is bound before
 /// this returns the serving future, so errors in binding (no bridge, no privilege for port 67)
 /// come back at once.
 pub fn serve(cfg: DhcpConfig) -> Result<impl Future<Output = ()>> {
-    let sock = tokio::net::UdpSocket::from_std(socket(&cfg.interface)?).map_err(
-        NetworkError::io(format!("DHCP socket on {}", cfg.interface)),
+    let sock = crate::udp::bridge_socket(
+        "DHCP",
+        &cfg.interface,
+        SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 67).into(),
     )?;
     info!(interface = %cfg.interface, address = %cfg.address, "DHCP server listening");
-    Ok(async move {
-        let mut buf = vec![0u8; 1500];
-        loop {
-            let n = match sock.recv_from(&mut buf).await {
-                Ok((n, _)) => n,
-                Err(e) => {
-                    warn!(interface = %cfg.interface, error = %e, "DHCP receive failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            let Ok(req) = Message::decode(&mut Decoder::new(&buf[..n])) else {
+    let interface = cfg.interface.clone();
+    Ok(crate::udp::answer_forever(
+        "DHCP",
+        interface,
+        sock,
+        move |packet, _| {
+            let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
                 debug!(interface = %cfg.interface, "undecodable DHCP packet ignored");
-                continue;
+                return None;
             };
-            let Some(reply) = respond(&cfg, &req) else {
-                continue;
-            };
+            let reply = respond(&cfg, &req)?;
             let mut out = Vec::new();
             if reply.encode(&mut Encoder::new(&mut out)).is_err() {
                 warn!(interface = %cfg.interface, "DHCP reply could not be encoded");
-                continue;
+                return None;
             }
+            debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply");
             // The client has no address yet: broadcast on the bridge (the socket is bound to it).
-            let to = SocketAddrV4::new(Ipv4Addr::BROADCAST, 68);
-            match sock.send_to(&out, to).await {
-                Ok(_) => {
-                    debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply sent");
-                }
-                Err(e) => warn!(interface = %cfg.interface, error = %e, "DHCP send failed"),
-            }
-        }
-    })
+            Some((out, SocketAddrV4::new(Ipv4Addr::BROADCAST, 68).into()))
+        },
+    ))
 }
 
 #[cfg(test)]

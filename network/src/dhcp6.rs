@@ -199,79 +199,50 @@ fn requested_addresses(req: &Message) -> Vec<Ipv6Addr> {
         .collect()
 }
 
-fn socket(interface: &str) -> Result<std::net::UdpSocket> {
-    use nix::sys::socket::{
-        AddressFamily, SockFlag, SockType, SockaddrIn6, bind, setsockopt, socket, sockopt,
-    };
-    let err = |what: &str| {
-        let action = format!("DHCPv6 socket on {interface}: {what}");
-        move |e: nix::Error| NetworkError::io(action)(e.into())
-    };
-    let fd = socket(
-        AddressFamily::Inet6,
-        SockType::Datagram,
-        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
-        None,
-    )
-    .map_err(err("socket"))?;
-    // One server per bridge, all on port 547: each bound to its own device.
-    setsockopt(&fd, sockopt::ReuseAddr, &true).map_err(err("SO_REUSEADDR"))?;
-    setsockopt(&fd, sockopt::Ipv6V6Only, &true).map_err(err("IPV6_V6ONLY"))?;
-    setsockopt(&fd, sockopt::BindToDevice, &interface.into()).map_err(err("SO_BINDTODEVICE"))?;
-    bind(
-        std::os::fd::AsRawFd::as_raw_fd(&fd),
-        &SockaddrIn6::from(SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, 547, 0, 0)),
-    )
-    .map_err(err("bind to port 547"))?;
-    let ifindex = nix::net::if_::if_nametoindex(interface).map_err(err("interface index"))?;
-    let sock = std::net::UdpSocket::from(fd);
-    sock.join_multicast_v6(&ALL_SERVERS, ifindex)
-        .map_err(NetworkError::io(format!(
-            "DHCPv6 socket on {interface}: joining {ALL_SERVERS}"
-        )))?;
-    Ok(sock)
-}
-
 /// Serves DHCPv6 on the configured bridge until the task is dropped. The socket is bound
 /// before this returns the serving future, so binding errors come back at once.
 pub fn serve(cfg: Dhcp6Config) -> Result<impl Future<Output = ()>> {
-    let sock = tokio::net::UdpSocket::from_std(socket(&cfg.interface)?).map_err(
-        NetworkError::io(format!("DHCPv6 socket on {}", cfg.interface)),
+    let sock = crate::udp::bridge_socket(
+        "DHCPv6",
+        &cfg.interface,
+        SocketAddrV6::new(Ipv6Addr::UNSPECIFIED, 547, 0, 0).into(),
     )?;
+    let ifindex = nix::net::if_::if_nametoindex(cfg.interface.as_str()).map_err(|e| {
+        NetworkError::io(format!(
+            "DHCPv6 socket on {}: interface index",
+            cfg.interface
+        ))(e.into())
+    })?;
+    sock.join_multicast_v6(&ALL_SERVERS, ifindex)
+        .map_err(NetworkError::io(format!(
+            "DHCPv6 socket on {}: joining {ALL_SERVERS}",
+            cfg.interface
+        )))?;
     info!(interface = %cfg.interface, address = %cfg.address, "DHCPv6 server listening");
-    Ok(async move {
-        let mut buf = vec![0u8; 1500];
-        loop {
-            let (n, from) = match sock.recv_from(&mut buf).await {
-                Ok((n, std::net::SocketAddr::V6(from))) => (n, from),
-                Ok(_) => continue,
-                Err(e) => {
-                    warn!(interface = %cfg.interface, error = %e, "DHCPv6 receive failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
+    let interface = cfg.interface.clone();
+    Ok(crate::udp::answer_forever(
+        "DHCPv6",
+        interface,
+        sock,
+        move |packet, from| {
+            let std::net::SocketAddr::V6(from) = from else {
+                return None;
             };
-            let Ok(req) = Message::decode(&mut Decoder::new(&buf[..n])) else {
+            let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
                 debug!(interface = %cfg.interface, "undecodable DHCPv6 packet ignored");
-                continue;
+                return None;
             };
-            let Some(reply) = respond(&cfg, *from.ip(), &req) else {
-                continue;
-            };
+            let reply = respond(&cfg, *from.ip(), &req)?;
             let mut out = Vec::new();
             if reply.encode(&mut Encoder::new(&mut out)).is_err() {
                 warn!(interface = %cfg.interface, "DHCPv6 reply could not be encoded");
-                continue;
+                return None;
             }
+            debug!(interface = %cfg.interface, kind = ?reply.msg_type(), "DHCPv6 reply");
             // Back to the client's link-local address and port, on the bridge.
-            match sock.send_to(&out, from).await {
-                Ok(_) => {
-                    debug!(interface = %cfg.interface, kind = ?reply.msg_type(), "DHCPv6 reply sent");
-                }
-                Err(e) => warn!(interface = %cfg.interface, error = %e, "DHCPv6 send failed"),
-            }
-        }
-    })
+            Some((out, from.into()))
+        },
+    ))
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod phase1;
 pub mod plan;
 pub mod ra;
 pub mod status;
+mod udp;
 
 pub use cache::{Binding, CachedInterface, Cidr, Ipv4Cidr, Ipv6Cidr, Route};
 pub use error::{NetworkError, Result};

@@ -302,6 +302,18 @@ impl Stack {
         self.run_kubectl(args, None)
     }
 
+    /// The launcher pods in the default namespace, one `pod/<name>` per line.
+    pub fn launcher_pods(&self) -> Result<String, StackError> {
+        self.kubectl(&[
+            "get",
+            "pods",
+            "-l",
+            "kubevirt.io=virt-launcher",
+            "-o",
+            "name",
+        ])
+    }
+
     /// Runs kubectl with `input` on its stdin.
     pub fn kubectl_with_input(&self, args: &[&str], input: &str) -> Result<String, StackError> {
         self.run_kubectl(args, Some(input))

@@ -442,16 +442,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
                 left.push(format!("vmi {}", vm.name));
             }
         }
-        let pods = stack
-            .kubectl(&[
-                "get",
-                "pods",
-                "-l",
-                "kubevirt.io=virt-launcher",
-                "-o",
-                "name",
-            ])
-            .map_err(|e| e.to_string())?;
+        let pods = stack.launcher_pods().map_err(|e| e.to_string())?;
         left.extend(pods.lines().map(str::to_owned));
         if left.is_empty() {
             Ok(Some(()))

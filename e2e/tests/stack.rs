@@ -129,16 +129,7 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         let vmi = stack
             .get_json("default", "vmi", "demo")
             .map_err(|e| e.to_string())?;
-        let pods = stack
-            .kubectl(&[
-                "get",
-                "pods",
-                "-l",
-                "kubevirt.io=virt-launcher",
-                "-o",
-                "name",
-            ])
-            .map_err(|e| e.to_string())?;
+        let pods = stack.launcher_pods().map_err(|e| e.to_string())?;
         if vmi.is_none() && pods.trim().is_empty() {
             Ok(Some(()))
         } else {

@@ -158,8 +158,9 @@ struct Entry {
     signalled_at: Option<Instant>,
     /// When shutdown of a domain whose VMI is gone began.
     orphaned_at: Option<Instant>,
-    /// Whether the console server last froze (true) or thawed (false) the guest's filesystems.
-    fs_frozen: Option<bool>,
+    /// The VMI as `prepare` last set up the pod for it (mounts, network phase 1), so that it
+    /// can be undone after the VMI itself is gone.
+    prepared: Option<Arc<VirtualMachineInstance>>,
 }
 
 /// A VMI's launcher as the console server and metrics see it.
@@ -322,14 +323,6 @@ impl Node {
             .get(&key_of(namespace, name))
             .filter(|e| e.uid == uid)
             .and_then(|e| e.pid)
-    }
-
-    /// The console server froze or thawed the guest's filesystems: the status says so on the
-    /// next reconcile, which this queues.
-    pub fn note_freeze(&self, namespace: &str, name: &str, uid: &str, frozen: bool) {
-        let key = key_of(namespace, name);
-        self.with_entry(&key, uid, |e| e.fs_frozen = Some(frozen));
-        self.queue.add(&key);
     }
 
     /// Queues every VMI of the cache and every launcher the loop knows (one whose VMI is gone
@@ -599,12 +592,13 @@ impl Node {
     async fn prepare(
         &self,
         key: &str,
-        vmi: &VirtualMachineInstance,
+        vmi: &Arc<VirtualMachineInstance>,
         socket: &Path,
     ) -> Result<Option<String>, ReconcileError> {
         let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
+        self.with_entry(key, uid, |e| e.prepared = Some(Arc::clone(vmi)));
         let path = socket.to_owned();
-        let v = vmi.clone();
+        let v = VirtualMachineInstance::clone(vmi);
         let cfg = self.cfg.mounts.clone();
         let setup = self.cgroups.clone();
         let private_dir = self.cfg.launcher_private_dir.clone();
@@ -781,9 +775,6 @@ impl Node {
             guest_os,
             guest_interfaces,
             sync_error: sync_error.clone(),
-            fs_frozen: self.with_entry(key, vmi.metadata.uid.as_deref().unwrap_or_default(), |e| {
-                e.fs_frozen
-            }),
             now: now(),
         };
         self.write_status(&vmi, &obs).await?;
@@ -872,32 +863,59 @@ impl Node {
                 Err(e) => return Err(e.into()),
             }
         }
-        self.unmount(key, vmi).await;
+        // The loop's own record, else (after a handler restart) the VMI's active pod here.
+        let socket = self
+            .lock()
+            .get(key)
+            .filter(|e| e.uid == uid)
+            .map(|e| e.socket.clone())
+            .or_else(|| {
+                active_pod_on(vmi, &self.cfg.node).map(|pod| pod_socket(&self.cfg.pods_dir, pod))
+            });
+        if let Some(socket) = socket {
+            self.release(key, vmi, socket).await;
+        }
         self.forget_entry(key);
         Ok(Next::Done)
     }
 
-    /// Takes the image files off a launcher that still runs (its pod may linger); one that is
-    /// gone took its mounts with its mount namespace.
-    async fn unmount(&self, key: &str, vmi: &VirtualMachineInstance) {
-        let Some(socket) = self.lock().get(key).map(|e| e.socket.clone()) else {
-            return;
-        };
+    /// Undoes in a pod that outlives its VMI what `prepare` did there, as KubeVirt's
+    /// `processVmCleanup` does: the image files' mounts and network phase 1 (tap, bridge, NAT
+    /// tables and the interface cache go; a bridged pod interface gets its address back). It
+    /// goes through the launcher, which must still run; one that is gone took its mounts
+    /// along, and its pod's network namespace goes with the pod.
+    async fn release(&self, key: &str, vmi: &VirtualMachineInstance, socket: PathBuf) {
         let v = vmi.clone();
         let cfg = self.cfg.mounts.clone();
+        let private_dir = self.cfg.launcher_private_dir.clone();
         let done = tokio::task::spawn_blocking(move || {
             let iso = isolation::detect_from_socket(&socket)?;
-            Ok::<_, ReconcileError>(mounts::cleanup(&v, &iso, &cfg)?)
+            Ok::<_, isolation::IsolationError>((
+                mounts::cleanup(&v, &iso, &cfg),
+                network::phase1::teardown(&v, &iso, &private_dir),
+            ))
         })
         .await;
-        match done {
-            Ok(Ok(n)) if n > 0 => tracing::info!(key, unmounted = n, "image files unmounted"),
-            Ok(Ok(_)) => {}
-            Ok(Err(ReconcileError::Isolation(e))) => {
-                tracing::debug!(key, error = %e, "no launcher left to unmount from");
+        let (unmounted, network) = match done {
+            Ok(Ok(results)) => results,
+            Ok(Err(e)) => {
+                tracing::debug!(key, error = %e, "no launcher left to clean up in");
+                return;
             }
-            Ok(Err(e)) => tracing::warn!(key, error = %error_chain(&e), "unmounting image files"),
-            Err(e) => tracing::warn!(key, error = %e, "the unmount task panicked"),
+            Err(e) => {
+                tracing::warn!(key, error = %e, "the clean-up task panicked");
+                return;
+            }
+        };
+        match unmounted {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(key, unmounted = n, "image files unmounted"),
+            Err(e) => tracing::warn!(key, error = %error_chain(&e), "unmounting image files"),
+        }
+        match network {
+            Ok(()) if vmi.spec.domain.devices.interfaces.is_empty() => {}
+            Ok(()) => tracing::info!(key, "pod network torn down"),
+            Err(e) => tracing::warn!(key, error = %error_chain(&e), "tearing down the pod network"),
         }
     }
 
@@ -922,6 +940,10 @@ impl Node {
         let action = shutdown::decide(None, elapsed, last, presence);
         if let Some(d) = self.act(key, &uid, &socket, action, None).await? {
             return Ok(Next::After(d));
+        }
+        let prepared = self.lock().get(key).and_then(|e| e.prepared.clone());
+        if let Some(vmi) = prepared {
+            self.release(key, &vmi, socket).await;
         }
         self.forget_entry(key);
         Ok(Next::Done)

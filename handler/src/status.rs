@@ -12,7 +12,7 @@ use api::status::{
 };
 use api::{ConditionStatus, VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use launcher::domain::{Domain, DomainState};
+use launcher::domain::{Domain, DomainState, FsFreeze};
 use network::status::{AgentInterface, DomainInterface};
 
 use crate::events::{Event, EventType};
@@ -72,9 +72,6 @@ pub struct Observed {
     pub guest_interfaces: Option<Vec<AgentInterface>>,
     /// The error of the last sync attempt (KubeVirt's `Synchronized` condition).
     pub sync_error: Option<String>,
-    /// Whether the guest's filesystems are frozen, as far as this handler froze or thawed
-    /// them; `None` when it does not know (after a restart), which keeps the status as it is.
-    pub fs_frozen: Option<bool>,
     pub now: Time,
 }
 
@@ -312,11 +309,13 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
         let (volumes, volume_events) = crate::volumes::compute(vmi, &old.volume_status, &d.disks);
         status.volume_status = volumes;
         events.extend(volume_events);
-        // A freeze ends with the agent's connection (the guest rebooted or stopped).
-        match (obs.fs_frozen, d.agent_connected) {
-            (Some(true), true) => status.fs_freeze_status = Some(FS_FROZEN.to_owned()),
-            (Some(false), _) | (_, false) => status.fs_freeze_status = None,
-            (None, true) => {}
+        // KubeVirt's `updateFSFreezeStatus`: the agent's answer as the launcher relays it, kept
+        // while there is none yet. A freeze ends with the agent's connection (the guest
+        // rebooted or stopped).
+        match (d.agent_connected, d.fs_freeze_status) {
+            (true, Some(FsFreeze::Frozen)) => status.fs_freeze_status = Some(FS_FROZEN.to_owned()),
+            (true, Some(FsFreeze::Thawed)) | (false, _) => status.fs_freeze_status = None,
+            (true, None) => {}
         }
     }
     if let Some(os) = &obs.guest_os {
@@ -478,7 +477,6 @@ mod tests {
             guest_os: None,
             guest_interfaces: None,
             sync_error: None,
-            fs_frozen: None,
             now: t(10),
         }
     }
@@ -970,34 +968,30 @@ mod tests {
     }
 
     #[test]
-    fn fs_freeze_status_follows_the_handler_freezes_while_the_agent_is_connected() {
-        let agent = |connected: bool| {
+    fn fs_freeze_status_follows_the_agent_as_the_launcher_relays_it() {
+        let agent = |connected: bool, fs: Option<FsFreeze>| {
             LauncherView::Answering(Box::new(Domain {
                 state: DomainState::Running,
                 reason: "Booted".into(),
                 agent_connected: connected,
+                fs_freeze_status: fs,
                 ..Domain::default()
             }))
         };
         let mut v = vmi(Some(Phase::Running), None);
-        let mut o = obs(agent(true), running_pod());
-        o.fs_frozen = Some(true);
-        let out = compute(&v, &o);
+        let out = compute(&v, &obs(agent(true, Some(FsFreeze::Frozen)), running_pod()));
         assert_eq!(out.status.fs_freeze_status.as_deref(), Some(FS_FROZEN));
-        // Not known (a restarted handler): the status keeps what it says.
+        // No answer yet (a launcher that just connected to the agent): the status keeps it.
         v.status = Some(out.status);
-        o.fs_frozen = None;
+        let o = obs(agent(true, None), running_pod());
         assert_eq!(
             compute(&v, &o).status.fs_freeze_status.as_deref(),
             Some("frozen")
         );
-        o.fs_frozen = Some(false);
+        let o = obs(agent(true, Some(FsFreeze::Thawed)), running_pod());
         assert_eq!(compute(&v, &o).status.fs_freeze_status, None);
         // The agent went away (the guest rebooted): no freeze survives that.
-        let o = Observed {
-            fs_frozen: Some(true),
-            ..obs(agent(false), running_pod())
-        };
+        let o = obs(agent(false, Some(FsFreeze::Frozen)), running_pod());
         assert_eq!(compute(&v, &o).status.fs_freeze_status, None);
     }
 

@@ -33,16 +33,6 @@ pub fn in_launcher(pid: i32, private_dir: &Path, uid: &str, file: &str) -> PathB
 }
 
 impl Vmis for NodeVmis {
-    fn froze(&self, target: &Target, frozen: bool) {
-        let m = &target.vmi.metadata;
-        self.node.note_freeze(
-            m.namespace.as_deref().unwrap_or_default(),
-            m.name.as_deref().unwrap_or_default(),
-            m.uid.as_deref().unwrap_or_default(),
-            frozen,
-        );
-    }
-
     fn lookup(&self, namespace: &str, name: &str) -> Result<Target, LookupError> {
         let cfg = self.node.config();
         let vmi = self

@@ -6,6 +6,8 @@
 //! guest under TCG.
 
 mod common;
+#[path = "../../network/tests/common/mod.rs"]
+mod netfix;
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -25,7 +27,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
-use launcher::domain::{Domain, DomainState};
+use launcher::domain::{Domain, DomainState, FsFreeze};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -131,8 +133,20 @@ impl Harness {
     /// The controller's part for one VMI: the VMI (Scheduled, labelled for `node`), its launcher
     /// pod (running and ready), the launcher process in the kubelet's layout, then `activePods`.
     async fn schedule(&self, name: &str, node: &str, grace: i64, kernel: bool) -> Vm {
+        self.schedule_in(name, node, grace, kernel, &PodSetup::default())
+            .await
+    }
+
+    async fn schedule_in(
+        &self,
+        name: &str,
+        node: &str,
+        grace: i64,
+        kernel: bool,
+        pod_setup: &PodSetup<'_>,
+    ) -> Vm {
         let vmis = self.vmis();
-        let (domain, volumes) = if kernel {
+        let (mut domain, volumes) = if kernel {
             // The files are in the kernelBoot image container's /mnt (see `Launcher::start`).
             // A scratch disk, so /metrics has a drive the guest's kernel has read from.
             let domain = json!({
@@ -154,6 +168,12 @@ impl Harness {
             });
             (domain, json!([]))
         };
+        let networks = if pod_setup.netns.is_some() {
+            domain["devices"]["interfaces"] = json!([{"name": "default", "masquerade": {}}]);
+            json!([{"name": "default", "pod": {}}])
+        } else {
+            json!([])
+        };
         let vmi: VirtualMachineInstance = serde_json::from_value(json!({
             "apiVersion": "kubevirt.io/v1",
             "kind": "VirtualMachineInstance",
@@ -162,7 +182,8 @@ impl Harness {
                 "labels": {node::NODE_NAME_LABEL: node},
                 "finalizers": [FINALIZER],
             },
-            "spec": {"terminationGracePeriodSeconds": grace, "domain": domain, "volumes": volumes},
+            "spec": {"terminationGracePeriodSeconds": grace, "domain": domain, "volumes": volumes,
+                "networks": networks},
             "status": {"phase": "Scheduled", "nodeName": node},
         }))
         .expect("VMI");
@@ -197,7 +218,15 @@ impl Harness {
         .await
         .expect("pod status");
 
-        let launcher = Launcher::start(self.root.path(), name, &uid, &pod_uid, grace, kernel);
+        let launcher = Launcher::start(
+            self.root.path(),
+            name,
+            &uid,
+            &pod_uid,
+            grace,
+            kernel,
+            pod_setup,
+        );
         vmis.patch(
             name,
             &PatchParams::default(),
@@ -282,6 +311,17 @@ impl Drop for Harness {
     }
 }
 
+/// How a scheduled VMI's stand-in pod differs from the plain one.
+#[derive(Default)]
+struct PodSetup<'a> {
+    /// The pod's network namespace: the launcher runs in it and the VMI gets a masquerade
+    /// interface on the pod network.
+    netns: Option<&'a netfix::Netns>,
+    /// The launcher keeps running after its domain ended (`--keep-after-shutdown`), as a pod
+    /// that lingers after its VMI.
+    keep_after_shutdown: bool,
+}
+
 /// The launcher's container-disk dir inside its "pod", where the handler mounts image files.
 const CD_DIR: &str = "/var/run/kubevirt/container-disks";
 
@@ -299,7 +339,15 @@ struct Launcher {
 }
 
 impl Launcher {
-    fn start(root: &Path, name: &str, uid: &str, pod_uid: &str, grace: i64, kernel: bool) -> Self {
+    fn start(
+        root: &Path,
+        name: &str,
+        uid: &str,
+        pod_uid: &str,
+        grace: i64,
+        kernel: bool,
+        pod_setup: &PodSetup<'_>,
+    ) -> Self {
         // The launcher binds `<share>/sockets/launcher-sock.tmp-<pid>` first: too long a path
         // under the pod dir, so its sockets dir lives here and the pod's emptyDir links to it,
         // as the kubelet's emptyDir and the launcher's mount of it are one directory.
@@ -332,7 +380,11 @@ impl Launcher {
                 .expect("spawn the image container")
         });
         let arg = |p: PathBuf| p.display().to_string();
-        let child = Command::new("unshare")
+        let mut launcher = Command::new("unshare");
+        if let Some(netns) = pod_setup.netns {
+            netns.enter(&mut launcher);
+        }
+        let child = launcher
             .args(["-m", "--propagation", "private", "sh", "-c"])
             .arg(r#"mkdir -p "$2" && mount --bind "$1" "$2" && shift 2 && exec "$@""#)
             .arg("sh")
@@ -347,6 +399,11 @@ impl Launcher {
             .args(["--hotplug-disk-dir", &arg(share.join("hotplug"))])
             .args(["--allow-emulation", "--qemu-timeout", "120s"])
             .args(["--grace-period-seconds", &(grace + 15).to_string()])
+            .args(
+                pod_setup
+                    .keep_after_shutdown
+                    .then_some("--keep-after-shutdown"),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log"))
@@ -537,7 +594,9 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
         "{}",
         target.serial_socket.display()
     );
-    // A freeze through the console server reaches the status; a thaw clears it.
+    // A freeze through the console server: the status says what the agent then says (the
+    // launcher relays guest-fsfreeze-status). The test guest has no file system that can be
+    // frozen, so its agent freezes none and stays thawed; a thaw leaves no status either.
     let console = handler::server::router(
         Arc::new(NodeVmis::new(Arc::clone(&node))),
         handler::server::Limits::default(),
@@ -545,13 +604,14 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     let frozen =
         |v: &VirtualMachineInstance| v.status.as_ref().and_then(|s| s.fs_freeze_status.clone());
     rest_put(&console, "boot", "freeze").await;
-    h.wait_vmi(&vm, "fsFreezeStatus frozen", |v| {
-        frozen(v).as_deref() == Some("frozen")
-    })
-    .await;
+    let answer = vm.launcher.domain().await.fs_freeze_status;
+    assert_eq!(answer, Some(FsFreeze::Thawed), "the agent's answer");
     rest_put(&console, "boot", "unfreeze").await;
-    h.wait_vmi(&vm, "fsFreezeStatus cleared", |v| frozen(v).is_none())
-        .await;
+    assert_eq!(
+        vm.launcher.domain().await.fs_freeze_status,
+        Some(FsFreeze::Thawed)
+    );
+    assert_eq!(frozen(&h.vmi("boot").await.expect("VMI")), None);
 
     let text = scrape(node).await;
     let labels = r#"namespace="default",name="boot",node="node-a""#;
@@ -581,15 +641,87 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
         "the guest's kernel reads the scratch disk's partition table"
     );
 
-    // The handler goes away; meanwhile the VM is paused behind its back. A new handler takes
-    // over the running VM as it is and reconverges the status.
+    // A disk hotplugged into the running VM (the spec changed, as virt-api's addvolume does):
+    // the loop syncs the new generation, the launcher plugs it, and the volume status says
+    // Ready with the guest device; removed again, its entry goes.
+    let hot = |disks: serde_json::Value, volumes: serde_json::Value| json!({"spec": {"domain": {"devices": {"disks": disks}}, "volumes": volumes}});
+    let scratch_disk = json!({"name": "scratch", "disk": {"bus": "virtio"}});
+    let scratch_volume = json!({"name": "scratch", "emptyDisk": {"capacity": "16Mi"}});
+    let volume = |v: &VirtualMachineInstance, name: &str| {
+        v.status
+            .as_ref()
+            .and_then(|s| s.volume_status.iter().find(|e| e.name == name).cloned())
+    };
+    h.vmis()
+        .patch(
+            "boot",
+            &PatchParams::default(),
+            &Patch::Merge(hot(
+                json!([scratch_disk, {"name": "hot", "disk": {"bus": "virtio"}}]),
+                json!([scratch_volume, {"name": "hot", "emptyDisk": {"capacity": "8Mi"}}]),
+            )),
+        )
+        .await
+        .expect("hotplug a disk");
+    let v = h
+        .wait_vmi(&vm, "the hotplugged volume Ready", |v| {
+            volume(v, "hot").is_some_and(|e| e.phase.as_deref() == Some("Ready"))
+        })
+        .await;
+    let entry = volume(&v, "hot").expect("entry");
+    // `scratch` is vda.
+    assert_eq!(
+        (entry.target.as_str(), entry.reason.as_deref()),
+        ("vdb", Some("VolumeReady")),
+        "{entry:?}"
+    );
+    assert!(entry.hotplug_volume.is_some(), "{entry:?}");
+    let (_, _, msg) = h.wait_event("boot", "VolumeReady").await;
+    assert_eq!(msg, "Successfully attach hotplugged volume hot to VM");
+    assert!(
+        vm.launcher
+            .domain()
+            .await
+            .disks
+            .iter()
+            .any(|d| d.name == "hot" && d.hotplugged)
+    );
+    h.vmis()
+        .patch(
+            "boot",
+            &PatchParams::default(),
+            &Patch::Merge(hot(json!([scratch_disk]), json!([scratch_volume]))),
+        )
+        .await
+        .expect("unplug the disk");
+    h.wait_vmi(&vm, "the unplugged volume's entry gone", |v| {
+        volume(v, "hot").is_none()
+    })
+    .await;
+    h.wait_event("boot", "VolumeUnplugged").await;
+
+    // The handler goes away; meanwhile the VM is paused behind its back, and the status says
+    // `frozen`, which the agent does not (what a handler that wrote its own freeze calls into
+    // the status would have left after a freeze of nothing, or a thaw it did not see). A new
+    // handler takes over the running VM as it is and reconverges the status from the
+    // launcher's domain: Paused, and no freeze, since the agent reported the guest thawed.
     h.stop_loop().await;
+    h.vmis()
+        .patch(
+            "boot",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"fsFreezeStatus": "frozen"}})),
+        )
+        .await
+        .expect("a stale fsFreezeStatus");
     vm.launcher.client().pause().await.expect("pause");
     h.start_loop().await;
     let v = h
-        .wait_vmi(&vm, "the Paused condition", |v| {
-            condition(v, &Cond::Paused).is_some()
-        })
+        .wait_vmi(
+            &vm,
+            "the Paused condition and fsFreezeStatus cleared",
+            |v| condition(v, &Cond::Paused).is_some() && frozen(v).is_none(),
+        )
         .await;
     assert_eq!(
         condition(&v, &Cond::Paused).and_then(|c| c.reason.as_deref()),
@@ -640,6 +772,76 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     })
     .await;
     h.stop_loop().await;
+}
+
+/// A VMI that ends while its launcher pod stays (deleted with no grace, so killed at once; the
+/// launcher kept after its domain, as a pod lingers until the controller deletes it): the
+/// handler undoes network phase 1 in the pod, as KubeVirt's VMI cleanup does, and leaves the
+/// pod's own interface as it found it.
+#[tokio::test]
+async fn guest_network_is_torn_down_when_the_vmi_ends_but_its_pod_stays() {
+    use api::VirtualMachineInstancePhase as Ph;
+    let pod = netfix::Pod::new("hnd");
+    let h = Harness::start().await;
+    let setup = PodSetup {
+        netns: Some(&pod.netns),
+        keep_after_shutdown: true,
+    };
+    let mut vm = h.schedule_in("net", NODE, 0, true, &setup).await;
+    h.wait_vmi(&vm, "Running", is(Ph::Running)).await;
+
+    let links = || {
+        pod.netns
+            .ip(&["-o", "link", "show"])
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .map(|n| n.split('@').next().unwrap_or(n).to_owned())
+            .collect::<Vec<_>>()
+    };
+    let tables = || {
+        let out = pod.netns.exec(&["nft", "list", "tables"]);
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let cache = h.root.path().join("private/vif-cache-eth0.json");
+    let wired = links();
+    assert!(
+        wired.iter().any(|l| l == "tap0") && wired.iter().any(|l| l == "k6t-eth0"),
+        "{wired:?}"
+    );
+    assert!(!tables().is_empty(), "the masquerade NAT tables");
+    assert!(cache.exists(), "{}", cache.display());
+
+    h.vmis()
+        .delete("net", &DeleteParams::default())
+        .await
+        .expect("delete");
+    h.wait_vmi(&vm, "Succeeded", is(Ph::Succeeded)).await;
+    wait_for(
+        "the pod network torn down",
+        Duration::from_secs(60),
+        || async {
+            (links() == ["lo", "eth0"] && tables().is_empty() && !cache.exists()).then_some(())
+        },
+    )
+    .await;
+    let eth0 = pod.netns.ip(&["-o", "addr", "show", "eth0"]);
+    assert!(
+        eth0.contains(netfix::POD_IP),
+        "the pod keeps its address: {eth0}"
+    );
+    assert!(
+        vm.launcher.child.try_wait().expect("wait").is_none(),
+        "the launcher, and so its pod, still runs"
+    );
+
+    h.vmis()
+        .patch(
+            "net",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .expect("release finalizer");
 }
 
 #[tokio::test]

@@ -42,6 +42,14 @@ pub struct InterfaceStatus {
     pub model: String,
 }
 
+/// `guest-fsfreeze-status`: whether the guest agent holds the guest's filesystems frozen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FsFreeze {
+    Thawed,
+    Frozen,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct Domain {
@@ -68,6 +76,11 @@ pub struct Domain {
     pub disks: Vec<DiskStatus>,
     pub interfaces: Vec<InterfaceStatus>,
     pub agent_connected: bool,
+    /// What the agent last answered to `guest-fsfreeze-status` (asked every
+    /// `--qemu-fsfreeze-status-interval` and after each freeze or thaw, as KubeVirt's agent
+    /// poller does); `None` while no agent is connected or before its first answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fs_freeze_status: Option<FsFreeze>,
     /// The last error from applying a sync (e.g. a hotplug that was rolled back). The domain
     /// keeps running; this says what was not applied and why.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -55,6 +55,9 @@ struct Flags {
     /// hugetlbfs mount for guests that ask for hugepages.
     #[arg(long, default_value = "/dev/hugepages")]
     hugepages_dir: PathBuf,
+    /// How often the guest agent is asked `guest-fsfreeze-status` (KubeVirt's flag and default).
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    qemu_fsfreeze_status_interval: Duration,
     /// Keep serving the API after QEMU has ended (until SIGTERM), instead of exiting.
     #[arg(long)]
     keep_after_shutdown: bool,
@@ -104,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
         allow_emulation: f.allow_emulation,
         qemu_timeout: f.qemu_timeout,
         grace_period: Duration::from_secs(f.grace_period_seconds),
+        fsfreeze_status_interval: f.qemu_fsfreeze_status_interval,
         uid: f.uid,
     });
     launcher.warm_up();

@@ -20,7 +20,7 @@ use tokio::sync::{Mutex, OnceCell, watch};
 
 use crate::console::Console;
 use crate::convert::{self, Host};
-use crate::domain::{DiskStats, DiskStatus, Domain, DomainState, InterfaceStatus};
+use crate::domain::{DiskStats, DiskStatus, Domain, DomainState, FsFreeze, InterfaceStatus};
 use crate::error::Error;
 use crate::paths::Dirs;
 use crate::prepare;
@@ -40,6 +40,8 @@ pub struct Config {
     pub qemu_timeout: Duration,
     /// How long the guest gets to power off after the ACPI button before `quit`.
     pub grace_period: Duration,
+    /// How often the guest agent is asked `guest-fsfreeze-status` while it is connected.
+    pub fsfreeze_status_interval: Duration,
     /// When set (`--uid`), the only VMI uid this launcher accepts.
     pub uid: Option<String>,
 }
@@ -189,9 +191,21 @@ impl Launcher {
     }
 
     fn update(&self, f: impl FnOnce(&mut Domain)) {
-        self.state.send_modify(|d| {
+        self.update_if(|d| {
             f(d);
-            d.generation += 1;
+            true
+        });
+    }
+
+    /// Like `update`, for a change `f` may find already made (it returns whether it changed
+    /// anything), so watchers are not woken for nothing.
+    fn update_if(&self, f: impl FnOnce(&mut Domain) -> bool) {
+        self.state.send_if_modified(|d| {
+            let changed = f(d);
+            if changed {
+                d.generation += 1;
+            }
+            changed
         });
     }
 
@@ -473,12 +487,15 @@ impl Launcher {
                 d.reason = reason;
                 d.message = message;
                 d.agent_connected = false;
+                d.fs_freeze_status = None;
                 d.vcpu_threads.clear();
             });
         });
 
+        let agent = qmp::GuestAgent::new(dirs.agent_socket(&uid), qmp::AgentOptions::default());
+        self.poll_fsfreeze(agent.clone(), exit_rx.clone());
         Ok(Vm {
-            agent: qmp::GuestAgent::new(dirs.agent_socket(&uid), qmp::AgentOptions::default()),
+            agent,
             qmp,
             pid,
             kind: config.machine.kind,
@@ -576,7 +593,12 @@ impl Launcher {
                     "GUEST_PANICKED" => words.lock().expect("poisoned").panicked = true,
                     "VSERPORT_CHANGE" if ev.data_str("id") == Some("channel0") => {
                         let open = ev.data.get("open").and_then(Json::as_bool) == Some(true);
-                        me.update(|d| d.agent_connected = open);
+                        me.update(|d| {
+                            d.agent_connected = open;
+                            if !open {
+                                d.fs_freeze_status = None;
+                            }
+                        });
                     }
                     _ => {}
                 }
@@ -698,24 +720,69 @@ impl Launcher {
         Ok(self.domain())
     }
 
+    /// Asks the agent again afterwards, whatever the answer: a freeze that timed out may still
+    /// have frozen the guest, and the domain must say so.
     pub async fn freeze(&self) -> Result<Json, Error> {
-        let n = self
-            .agent("freeze")
-            .await?
-            .fsfreeze_freeze()
-            .await
-            .map_err(Error::Agent)?;
-        Ok(json!({ "frozenFilesystems": n }))
+        let agent = self.agent("freeze").await?;
+        let n = agent.fsfreeze_freeze().await;
+        self.refresh_fsfreeze(&agent).await;
+        Ok(json!({ "frozenFilesystems": n.map_err(Error::Agent)? }))
     }
 
     pub async fn unfreeze(&self) -> Result<Json, Error> {
-        let n = self
-            .agent("unfreeze")
-            .await?
-            .fsfreeze_thaw()
-            .await
-            .map_err(Error::Agent)?;
-        Ok(json!({ "thawedFilesystems": n }))
+        let agent = self.agent("unfreeze").await?;
+        let n = agent.fsfreeze_thaw().await;
+        self.refresh_fsfreeze(&agent).await;
+        Ok(json!({ "thawedFilesystems": n.map_err(Error::Agent)? }))
+    }
+
+    /// KubeVirt's agent poller for `guest-fsfreeze-status`: while the agent is connected, the
+    /// domain carries its answer, so the VMI status follows the guest even after a freeze the
+    /// handler did not see end (a handler restarted meanwhile, a timed-out call).
+    fn poll_fsfreeze(
+        self: &Arc<Self>,
+        agent: qmp::GuestAgent,
+        mut exit: watch::Receiver<Option<ExitStatus>>,
+    ) {
+        let me = self.clone();
+        let every = self.cfg.fsfreeze_status_interval;
+        tokio::spawn(async move {
+            let mut domain = me.subscribe();
+            loop {
+                tokio::select! {
+                    r = domain.wait_for(|d| d.agent_connected) => {
+                        if r.is_err() {
+                            return;
+                        }
+                    }
+                    _ = exit.wait_for(Option::is_some) => return,
+                }
+                me.refresh_fsfreeze(&agent).await;
+                tokio::select! {
+                    () = tokio::time::sleep(every) => {}
+                    _ = exit.wait_for(Option::is_some) => return,
+                }
+            }
+        });
+    }
+
+    async fn refresh_fsfreeze(&self, agent: &qmp::GuestAgent) {
+        let status = match agent.fsfreeze_status().await {
+            Ok(qmp::qapi::qga::GuestFsfreezeStatus::thawed) => FsFreeze::Thawed,
+            Ok(qmp::qapi::qga::GuestFsfreezeStatus::frozen) => FsFreeze::Frozen,
+            Err(e) => {
+                tracing::debug!(error = %e, "guest-fsfreeze-status");
+                return;
+            }
+        };
+        // An answer that arrives after the agent went away says nothing about the next one.
+        self.update_if(|d| {
+            let changed = d.agent_connected && d.fs_freeze_status != Some(status);
+            if changed {
+                d.fs_freeze_status = Some(status);
+            }
+            changed
+        });
     }
 
     pub async fn guest_info(&self) -> Result<Json, Error> {

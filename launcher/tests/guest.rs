@@ -217,10 +217,26 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
             .run("cat /proc/cmdline", BOOT)
             .contains("console=ttyS0")
     );
+    // The agent poller reports the guest thawed before anyone froze it; a freeze and a thaw
+    // show in the domain as soon as they return.
+    wait_until(Duration::from_secs(60), "fsFreezeStatus thawed", || {
+        (l.domain()["fsFreezeStatus"] == "thawed").then_some(())
+    });
     let f = l.post("/v1/freeze");
-    assert!(f["frozenFilesystems"].is_i64(), "{f}");
+    let n = f["frozenFilesystems"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{f}"));
+    // qemu-ga holds the guest frozen only when it froze something. The test guest's file
+    // systems (initramfs, vfat, iso9660) cannot be frozen: it freezes none and says thawed.
+    let want = if n > 0 { "frozen" } else { "thawed" };
+    assert_eq!(
+        l.domain()["fsFreezeStatus"],
+        want,
+        "{n} file systems frozen"
+    );
     let f = l.post("/v1/unfreeze");
     assert!(f["thawedFilesystems"].is_i64(), "{f}");
+    assert_eq!(l.domain()["fsFreezeStatus"], "thawed");
 
     // Soft reboot through the agent: the guest kernel restarts the machine, in the same QEMU
     // (a second full boot is not waited for; it would double this test's time).
@@ -236,6 +252,10 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     .unwrap();
     let d = l.wait_state("Crashed", Duration::from_secs(30));
     assert!(d["message"].as_str().unwrap().contains("SIGKILL"), "{d}");
+    assert!(
+        d.get("fsFreezeStatus").is_none(),
+        "no agent, no freeze status: {d}"
+    );
     // A crashed domain stays crashed: lifecycle calls say why they cannot act.
     let (status, e) = l.request("POST", "/v1/pause", None);
     assert_eq!(status, 409, "{e}");

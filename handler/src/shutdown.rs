@@ -55,7 +55,10 @@ pub fn decide(
     let DomainPresence::Alive(state) = domain else {
         return Action::Done;
     };
-    if state.is_final() {
+    // NoState: the launcher never started QEMU (no sync yet, or a refused one). There is
+    // nothing to power down, and the launcher would refuse the call; KubeVirt likewise deletes
+    // rather than shuts down a domain that does not exist.
+    if state.is_final() || state == DomainState::NoState {
         return Action::Done;
     }
     let grace = Duration::from_secs(grace.unwrap_or(DEFAULT_GRACE_SECONDS).max(0).unsigned_abs());
@@ -155,6 +158,13 @@ mod tests {
                 Action::Done,
             ),
             (Some(0), secs(0), never, DomainPresence::Gone, Action::Done),
+            (
+                Some(30),
+                secs(0),
+                never,
+                DomainPresence::Alive(DomainState::NoState),
+                Action::Done,
+            ),
         ];
         for (i, (grace, elapsed, last, dom, want)) in cases.into_iter().enumerate() {
             assert_eq!(decide(grace, elapsed, last, dom), want, "case {i}");

@@ -11,7 +11,6 @@ pub mod heartbeat;
 pub mod metrics;
 pub mod mounts;
 pub mod node;
-pub mod queue;
 pub mod rest;
 pub mod server;
 pub mod shutdown;

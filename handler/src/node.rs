@@ -29,13 +29,13 @@ use launcher::domain::Domain;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use workqueue::Queue;
 
 use crate::client::{ClientError, LauncherClient, pod_socket};
 use crate::devices::{self, DeviceError};
 use crate::events::{Event, EventType};
 use crate::guestinfo;
 use crate::mounts::{self, MountConfig, MountError, Prepared};
-use crate::queue::Queue;
 use crate::shutdown::{self, Action, DomainPresence};
 use crate::status::{self, LauncherView, Observed, PodReady, PodView};
 

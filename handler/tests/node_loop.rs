@@ -241,6 +241,14 @@ impl Harness {
         }
     }
 
+    /// A JSON merge patch of the VMI named `name` (`what` names it in a failure).
+    async fn merge_patch(&self, name: &str, patch: serde_json::Value, what: &str) {
+        self.vmis()
+            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+    }
+
     async fn vmi(&self, name: &str) -> Option<VirtualMachineInstance> {
         self.vmis().get_opt(name).await.expect("get VMI")
     }
@@ -532,6 +540,11 @@ async fn rest_put(console: &axum::Router, vmi: &str, what: &str) {
     .await;
 }
 
+/// A merge patch setting the VMI's disks and volumes.
+fn with_disks(disks: &serde_json::Value, volumes: &serde_json::Value) -> serde_json::Value {
+    json!({"spec": {"domain": {"devices": {"disks": disks}}, "volumes": volumes}})
+}
+
 fn kill(pid: u32) {
     let ok = Command::new("kill")
         .args(["-KILL", &pid.to_string()])
@@ -644,7 +657,6 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     // A disk hotplugged into the running VM (the spec changed, as virt-api's addvolume does):
     // the loop syncs the new generation, the launcher plugs it, and the volume status says
     // Ready with the guest device; removed again, its entry goes.
-    let hot = |disks: serde_json::Value, volumes: serde_json::Value| json!({"spec": {"domain": {"devices": {"disks": disks}}, "volumes": volumes}});
     let scratch_disk = json!({"name": "scratch", "disk": {"bus": "virtio"}});
     let scratch_volume = json!({"name": "scratch", "emptyDisk": {"capacity": "16Mi"}});
     let volume = |v: &VirtualMachineInstance, name: &str| {
@@ -652,17 +664,15 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
             .as_ref()
             .and_then(|s| s.volume_status.iter().find(|e| e.name == name).cloned())
     };
-    h.vmis()
-        .patch(
-            "boot",
-            &PatchParams::default(),
-            &Patch::Merge(hot(
-                json!([scratch_disk, {"name": "hot", "disk": {"bus": "virtio"}}]),
-                json!([scratch_volume, {"name": "hot", "emptyDisk": {"capacity": "8Mi"}}]),
-            )),
-        )
-        .await
-        .expect("hotplug a disk");
+    h.merge_patch(
+        "boot",
+        with_disks(
+            &json!([scratch_disk, {"name": "hot", "disk": {"bus": "virtio"}}]),
+            &json!([scratch_volume, {"name": "hot", "emptyDisk": {"capacity": "8Mi"}}]),
+        ),
+        "hotplug a disk",
+    )
+    .await;
     let v = h
         .wait_vmi(&vm, "the hotplugged volume Ready", |v| {
             volume(v, "hot").is_some_and(|e| e.phase.as_deref() == Some("Ready"))
@@ -686,14 +696,12 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
             .iter()
             .any(|d| d.name == "hot" && d.hotplugged)
     );
-    h.vmis()
-        .patch(
-            "boot",
-            &PatchParams::default(),
-            &Patch::Merge(hot(json!([scratch_disk]), json!([scratch_volume]))),
-        )
-        .await
-        .expect("unplug the disk");
+    h.merge_patch(
+        "boot",
+        with_disks(&json!([scratch_disk]), &json!([scratch_volume])),
+        "unplug the disk",
+    )
+    .await;
     h.wait_vmi(&vm, "the unplugged volume's entry gone", |v| {
         volume(v, "hot").is_none()
     })
@@ -706,14 +714,12 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     // handler takes over the running VM as it is and reconverges the status from the
     // launcher's domain: Paused, and no freeze, since the agent reported the guest thawed.
     h.stop_loop().await;
-    h.vmis()
-        .patch(
-            "boot",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"fsFreezeStatus": "frozen"}})),
-        )
-        .await
-        .expect("a stale fsFreezeStatus");
+    h.merge_patch(
+        "boot",
+        json!({"status": {"fsFreezeStatus": "frozen"}}),
+        "a stale fsFreezeStatus",
+    )
+    .await;
     vm.launcher.client().pause().await.expect("pause");
     h.start_loop().await;
     let v = h
@@ -759,14 +765,12 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     assert!(exit.success(), "the launcher ends after the guest: {exit}");
 
     // Playing the controller: its pod is gone, so it releases the finalizer; the VMI goes.
-    h.vmis()
-        .patch(
-            "boot",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-        )
-        .await
-        .expect("release finalizer");
+    h.merge_patch(
+        "boot",
+        json!({"metadata": {"finalizers": null}}),
+        "release finalizer",
+    )
+    .await;
     wait_for("the VMI to be gone", Duration::from_secs(30), || async {
         h.vmi("boot").await.is_none().then_some(())
     })
@@ -834,14 +838,12 @@ async fn guest_network_is_torn_down_when_the_vmi_ends_but_its_pod_stays() {
         "the launcher, and so its pod, still runs"
     );
 
-    h.vmis()
-        .patch(
-            "net",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-        )
-        .await
-        .expect("release finalizer");
+    h.merge_patch(
+        "net",
+        json!({"metadata": {"finalizers": null}}),
+        "release finalizer",
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -781,10 +781,12 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
 /// A VMI that ends while its launcher pod stays (deleted with no grace, so killed at once; the
 /// launcher kept after its domain, as a pod lingers until the controller deletes it): the
 /// handler undoes network phase 1 in the pod, as KubeVirt's VMI cleanup does, and leaves the
-/// pod's own interface as it found it.
+/// pod's own interface as it found it. Then the same for a VMI that vanishes (its finalizer
+/// forced off) while its guest runs: the guest is powered down first.
 #[tokio::test]
 async fn guest_network_is_torn_down_when_the_vmi_ends_but_its_pod_stays() {
     use api::VirtualMachineInstancePhase as Ph;
+    use api::status::VirtualMachineInstanceConditionType as Cond;
     let pod = netfix::Pod::new("hnd");
     let h = Harness::start().await;
     let setup = PodSetup {
@@ -807,27 +809,28 @@ async fn guest_network_is_torn_down_when_the_vmi_ends_but_its_pod_stays() {
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     };
     let cache = h.root.path().join("private/vif-cache-eth0.json");
-    let wired = links();
-    assert!(
-        wired.iter().any(|l| l == "tap0") && wired.iter().any(|l| l == "k6t-eth0"),
-        "{wired:?}"
-    );
-    assert!(!tables().is_empty(), "the masquerade NAT tables");
-    assert!(cache.exists(), "{}", cache.display());
+    let assert_wired = || {
+        let wired = links();
+        assert!(
+            wired.iter().any(|l| l == "tap0") && wired.iter().any(|l| l == "k6t-eth0"),
+            "{wired:?}"
+        );
+        assert!(!tables().is_empty(), "the masquerade NAT tables");
+        assert!(cache.exists(), "{}", cache.display());
+    };
+    let torn_down = |what: &'static str| {
+        wait_for(what, common::BOOT, || async {
+            (links() == ["lo", "eth0"] && tables().is_empty() && !cache.exists()).then_some(())
+        })
+    };
+    assert_wired();
 
     h.vmis()
         .delete("net", &DeleteParams::default())
         .await
         .expect("delete");
     h.wait_vmi(&vm, "Succeeded", is(Ph::Succeeded)).await;
-    wait_for(
-        "the pod network torn down",
-        Duration::from_secs(60),
-        || async {
-            (links() == ["lo", "eth0"] && tables().is_empty() && !cache.exists()).then_some(())
-        },
-    )
-    .await;
+    torn_down("the pod network torn down").await;
     let eth0 = pod.netns.ip(&["-o", "addr", "show", "eth0"]);
     assert!(
         eth0.contains(netfix::POD_IP),
@@ -837,13 +840,38 @@ async fn guest_network_is_torn_down_when_the_vmi_ends_but_its_pod_stays() {
         vm.launcher.child.try_wait().expect("wait").is_none(),
         "the launcher, and so its pod, still runs"
     );
-
     h.merge_patch(
         "net",
         json!({"metadata": {"finalizers": null}}),
         "release finalizer",
     )
     .await;
+    drop(vm);
+
+    // A second VMI in the pod, booted so that it honours the power button, vanishes.
+    let vm = h.schedule_in("gone", NODE, 30, true, &setup).await;
+    h.wait_vmi(&vm, "AgentConnected", |v| {
+        condition(v, &Cond::AgentConnected).is_some()
+    })
+    .await;
+    assert_wired();
+    h.merge_patch(
+        "gone",
+        json!({"metadata": {"finalizers": null}}),
+        "force the finalizer off",
+    )
+    .await;
+    h.vmis()
+        .delete("gone", &DeleteParams::default())
+        .await
+        .expect("delete");
+    torn_down("the pod network torn down after the VMI vanished").await;
+    let d = vm.launcher.domain().await;
+    assert_eq!(
+        (d.state, d.reason.as_str()),
+        (DomainState::Shutoff, "Shutdown"),
+        "powered down, not killed"
+    );
 }
 
 #[tokio::test]

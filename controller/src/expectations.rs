@@ -71,12 +71,18 @@ impl Expectations {
     }
 
     /// Whether the controller may act on `key`: nothing pending, all observed, or expired.
+    /// A satisfied entry is dropped (it means no more than no entry), so the map holds only
+    /// keys with writes in flight rather than one entry per object ever synced.
     pub fn satisfied(&self, key: &str) -> bool {
         let now = (self.clock)();
-        match self.lock().get(key) {
-            None => true,
-            Some(p) => p.fulfilled() || now.duration_since(p.since) > self.ttl,
+        let mut map = self.lock();
+        let ok = map
+            .get(key)
+            .is_none_or(|p| p.fulfilled() || now.duration_since(p.since) > self.ttl);
+        if ok {
+            map.remove(key);
         }
+        ok
     }
 
     /// Replace the expectations of `key` (KubeVirt's `SetExpectations`).
@@ -247,6 +253,31 @@ mod tests {
     }
 
     #[test]
+    fn satisfied_expectations_leave_no_entry_behind() {
+        let (clock, now) = manual_clock();
+        let e = Expectations::with_clock(EXPECTATION_TTL, clock);
+        e.expect_creations("ns/a", 1);
+        e.expect_deletions("ns/b", 1);
+        assert!(!e.satisfied("ns/a"));
+        assert_eq!(
+            e.pending("ns/a"),
+            Some((1, 0)),
+            "kept while a write is in flight"
+        );
+        e.creation_observed("ns/a");
+        assert!(e.satisfied("ns/a"));
+        assert_eq!(e.pending("ns/a"), None);
+        // A late observation of a dropped key is ignored; new expectations start afresh.
+        e.creation_observed("ns/a");
+        e.expect_creations("ns/a", 1);
+        assert!(!e.satisfied("ns/a"));
+        *now.lock().unwrap() += EXPECTATION_TTL + Duration::from_secs(1);
+        assert!(e.satisfied("ns/b"), "expired");
+        assert_eq!(e.pending("ns/b"), None);
+        assert!(e.lock().keys().eq(["ns/a"]));
+    }
+
+    #[test]
     fn expectations_expire_after_the_ttl() {
         let (clock, now) = manual_clock();
         let e = Expectations::with_clock(EXPECTATION_TTL, clock);
@@ -291,8 +322,10 @@ mod tests {
         e.expect_deletions("k", &["ns/a".into()]);
         *now.lock().unwrap() += Duration::from_secs(11);
         assert!(e.satisfied("k"));
-        // The remembered deletion was dropped with the satisfied expectation.
+        // The remembered deletion was dropped with the satisfied expectation: a late
+        // observation counts for nothing and brings no entry back.
         e.deletion_observed("k", "ns/a");
-        assert_eq!(e.counters().pending("k"), Some((0, 1)));
+        assert_eq!(e.counters().pending("k"), None);
+        assert!(e.lock().is_empty());
     }
 }

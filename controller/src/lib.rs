@@ -1,7 +1,8 @@
 //! virt-controller: the cluster-wide controllers of kubevirt-rs (VM, VMI, ReplicaSet, Node),
 //! as pure decision functions ([`vm`], [`vmi`], [`replicaset`], [`node`], [`template`],
-//! [`expectations`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
+//! [`expectations`], [`cache`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
 
+pub mod cache;
 pub mod events;
 pub mod expectations;
 pub mod metrics;

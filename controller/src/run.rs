@@ -28,6 +28,7 @@ use serde_json::json;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
+use crate::cache::{self, OwnerIndex};
 use crate::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 use crate::metrics::{Health, QueueStat, Snapshot};
 use crate::template::{TemplateConfig, render_launcher_pod};
@@ -114,9 +115,7 @@ struct QueueState {
 
 impl Queue {
     fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.state)
     }
 
     fn add(&self, key: String) {
@@ -184,6 +183,11 @@ const VM_WORKERS: usize = 3;
 const RS_WORKERS: usize = 3;
 const NODE_WORKERS: usize = 3;
 
+/// A lock whose data stays meaningful after a panic elsewhere (plain maps and counters).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn key_of(ns: Option<&str>, name: &str) -> String {
     match ns {
         Some(ns) => format!("{ns}/{name}"),
@@ -197,6 +201,11 @@ fn obj_key<K: Resource>(o: &K) -> String {
 
 fn split_key(key: &str) -> (&str, &str) {
     key.split_once('/').unwrap_or(("", key))
+}
+
+/// The trim of every cached kind but pods: metadata the controllers never read.
+fn trim_meta<K: Resource>(o: &mut K) {
+    cache::trim_meta(o.meta_mut());
 }
 
 fn controller_owner<'a, K: Resource>(o: &'a K, kind: &str) -> Option<&'a str> {
@@ -215,11 +224,13 @@ enum Seen<'a, K> {
     Changed(&'a K),
 }
 
-/// Runs a reflector for `api`; `on` sees each object after the cache holds it.
+/// Runs a reflector for `api`, caching objects as `trim` leaves them; `on` sees each object
+/// after the cache holds it.
 fn reflect<K>(
     tasks: &mut JoinSet<()>,
     api: Api<K>,
     wc: watcher::Config,
+    trim: fn(&mut K),
     on: impl Fn(Seen<'_, K>) + Send + 'static,
 ) -> Store<K>
 where
@@ -233,17 +244,14 @@ where
 {
     let (reader, writer) = reflector::store();
     let seen: Mutex<HashSet<String>> = Mutex::new(HashSet::new());
-    // The controllers never read managedFields, which are often the largest part of an object:
-    // kept out of the caches, as kube-runtime suggests for reflectors.
-    let objects = watcher(api, wc).modify(|o| o.managed_fields_mut().clear());
+    // What the controllers never read is kept out of the caches, as kube-runtime suggests.
+    let objects = watcher(api, wc).modify(trim);
     let stream = reflector::reflector(writer, objects).default_backoff();
     tasks.spawn(async move {
         futures::pin_mut!(stream);
         while let Some(ev) = stream.next().await {
             let Ok(ev) = ev else { continue };
-            let mut seen = seen
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut seen = lock(&seen);
             match &ev {
                 watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
                     let uid = o.uid().unwrap_or_default();
@@ -271,6 +279,7 @@ struct Shared {
     vms: Store<VirtualMachine>,
     vmis: Store<VirtualMachineInstance>,
     pods: Store<Pod>,
+    pod_index: Arc<Mutex<OwnerIndex>>,
     replicasets: Store<VirtualMachineInstanceReplicaSet>,
     nodes: Store<Node>,
     kubevirts: Store<KubeVirt>,
@@ -302,22 +311,25 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         &mut tasks,
         Api::all(client.clone()),
         wc(),
+        trim_meta,
         move |s| match s {
             Seen::Added(o) | Seen::Changed(o) | Seen::Deleted(o) => q.add(obj_key(o)),
         },
     );
 
-    let (q_vm, q_vmi, q_rs, e_vm, e_rs) = (
+    let (q_vm, q_vmi, q_rs, e_vm, e_rs, vm_cache) = (
         vm_q.clone(),
         vmi_q.clone(),
         rs_q.clone(),
         vm_exp.clone(),
         rs_exp.clone(),
+        vms.clone(),
     );
     let vmis = reflect(
         &mut tasks,
         Api::<VirtualMachineInstance>::all(client.clone()),
         wc(),
+        trim_meta,
         move |s| {
             let (o, added, deleted) = match s {
                 Seen::Added(o) => (o, true, false),
@@ -336,8 +348,12 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
                     e_vm.deletion_observed(&vm_key, &key);
                 }
                 q_vm.add(vm_key);
-            } else {
-                // An orphan may be adopted by the VM of the same name.
+            } else if vm_cache
+                .get(&ObjectRef::new(&o.name_any()).within(ns.as_deref().unwrap_or_default()))
+                .is_some()
+            {
+                // An orphan may be adopted by the VM of the same name (KubeVirt too queues only
+                // the VMs an orphan matches).
                 q_vm.add(key.clone());
             }
             if let Some(rs) = controller_owner(o, "VirtualMachineInstanceReplicaSet") {
@@ -354,25 +370,40 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     );
 
     let (q_vmi, e_pod) = (vmi_q.clone(), pod_exp.clone());
+    let pod_index: Arc<Mutex<OwnerIndex>> = Arc::default();
+    let index = pod_index.clone();
     let pods = reflect(
         &mut tasks,
         Api::<Pod>::all(client.clone()),
         watcher::Config::default().labels("kubevirt.io=virt-launcher"),
+        cache::trim_pod,
         move |s| {
             let (o, added, deleted) = match s {
                 Seen::Added(o) => (o, true, false),
                 Seen::Changed(o) => (o, false, false),
                 Seen::Deleted(o) => (o, false, true),
             };
-            let Some(owner) = controller_owner(o, "VirtualMachineInstance") else {
+            let pod_key = obj_key(o);
+            let owner = controller_owner(o, "VirtualMachineInstance");
+            let vmi_key = owner.map(|owner| key_of(o.namespace().as_deref(), owner));
+            // Indexed before the expectation is marked observed: a sync that finds its
+            // expectation satisfied finds the pod too.
+            {
+                let mut index = lock(&index);
+                if deleted {
+                    index.remove(&pod_key);
+                } else {
+                    index.set(&pod_key, vmi_key.as_deref());
+                }
+            }
+            let Some(vmi_key) = vmi_key else {
                 return;
             };
-            let vmi_key = key_of(o.namespace().as_deref(), owner);
             if added {
                 e_pod.creation_observed(&vmi_key);
             }
             if deleted {
-                e_pod.deletion_observed(&vmi_key, &obj_key(o));
+                e_pod.deletion_observed(&vmi_key, &pod_key);
             }
             q_vmi.add(vmi_key);
         },
@@ -383,6 +414,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         &mut tasks,
         Api::all(client.clone()),
         wc(),
+        trim_meta,
         move |s| match s {
             Seen::Added(o) | Seen::Changed(o) | Seen::Deleted(o) => q.add(obj_key(o)),
         },
@@ -392,12 +424,19 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         &mut tasks,
         Api::all(client.clone()),
         wc(),
+        trim_meta,
         move |s| match s {
             Seen::Added(o) | Seen::Changed(o) => q.add(obj_key(o)),
             Seen::Deleted(_) => {}
         },
     );
-    let kubevirts = reflect(&mut tasks, Api::all(client.clone()), wc(), |_| {});
+    let kubevirts = reflect(
+        &mut tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        |_| {},
+    );
 
     for (name, ready) in [
         ("VirtualMachine", vms.wait_until_ready().await.is_ok()),
@@ -433,6 +472,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         vms,
         vmis,
         pods,
+        pod_index,
         replicasets,
         nodes,
         kubevirts,
@@ -621,15 +661,14 @@ async fn sync_vmi(s: &Shared, key: &str) {
     let (ns, name) = split_key(key);
     let pods_api: Api<Pod> = Api::namespaced(s.client.clone(), ns);
     let vmi_api: Api<VirtualMachineInstance> = Api::namespaced(s.client.clone(), ns);
-    let pods: Vec<Pod> = s
-        .pods
-        .state()
+    let pod_keys = lock(&s.pod_index).children(key);
+    let pods: Vec<Pod> = pod_keys
         .iter()
-        .filter(|p| {
-            p.namespace().as_deref() == Some(ns)
-                && controller_owner(p.as_ref(), "VirtualMachineInstance") == Some(name)
+        .filter_map(|k| {
+            let (ns, name) = split_key(k);
+            s.pods.get(&ObjectRef::new(name).within(ns))
         })
-        .map(|p| (**p).clone())
+        .map(|p| (*p).clone())
         .collect();
     let Some(vmi) = s.vmis.get(&ObjectRef::new(name).within(ns)) else {
         // The garbage collector's job on a real cluster; localcluster has none.
@@ -771,26 +810,28 @@ async fn sync_vmi(s: &Shared, key: &str) {
         }
     }
 
+    // KubeVirt's VMI CRD has no status subresource: the status is part of the object, so the
+    // node label handing the VMI to its node goes in the same patch.
+    let mut patch = serde_json::Map::new();
     if status != old_status {
-        // KubeVirt's VMI CRD has no status subresource: the status is part of the object.
+        patch.insert("status".into(), status_patch(&old_status, &status));
+    }
+    if let Some(node) = out.node_label {
+        patch.insert(
+            "metadata".into(),
+            json!({"labels": {vmi::NODE_NAME_LABEL: node}}),
+        );
+    }
+    if !patch.is_empty() {
         if let Err(e) = vmi_api
             .patch(
                 name,
                 &PatchParams::default(),
-                &Patch::Merge(json!({ "status": status_patch(&old_status, &status) })),
+                &Patch::Merge(serde_json::Value::Object(patch)),
             )
             .await
         {
             retry_later(&s.vmi_q, key, "updating the VMI status", &e);
-        }
-    }
-    if let Some(node) = out.node_label {
-        let patch = json!({"metadata": {"labels": {vmi::NODE_NAME_LABEL: node}}});
-        if let Err(e) = vmi_api
-            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
-            .await
-        {
-            retry_later(&s.vmi_q, key, "labelling the VMI with its node", &e);
         }
     }
     if out.release_finalizer {

@@ -1195,6 +1195,16 @@ fn rss_mib(pid: u32) -> f64 {
     f64::from(kib) / 1024.0
 }
 
+/// CPU seconds (user + system) process `pid` has used.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The fields after the command name, which is in parentheses and may hold spaces.
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // USER_HZ is 100 on Linux.
+    Duration::from_millis(ticks * 10).as_secs_f64()
+}
+
 /// Control-plane benchmark (prints, asserts nothing about speed). `BENCH_VMIS` VMIs (default
 /// 1,000; the issue's second figure is `BENCH_VMIS=10000`) are created 10 ms apart, each create
 /// its own request with at most `BENCH_IN_FLIGHT` (32) outstanding, against 10 simulated nodes: Node objects whose
@@ -1321,14 +1331,26 @@ async fn bench_create_to_scheduled() {
                 .await;
         }))
     });
-    let controller = tokio::process::Command::new(env!("CARGO_BIN_EXE_virt-controller"))
+    let mut controller = tokio::process::Command::new(env!("CARGO_BIN_EXE_virt-controller"));
+    // `BENCH_CONTROLLER_PRELOAD=/usr/lib/heaptrack/libheaptrack_preload.so` (with heaptrack's
+    // `DUMP_HEAPTRACK_OUTPUT`) profiles the controller's heap, and only the controller's.
+    if let Ok(preload) = std::env::var("BENCH_CONTROLLER_PRELOAD") {
+        controller.env("LD_PRELOAD", preload);
+    }
+    let controller = controller
         .args(["--port", "0", "--identity", "bench"])
         .env("KUBECONFIG", &kubeconfig)
-        .env("RUST_LOG", "warn")
+        // `BENCH_CONTROLLER_LOG=kube_client=debug` logs every request the controller makes.
+        .env(
+            "RUST_LOG",
+            std::env::var("BENCH_CONTROLLER_LOG").unwrap_or_else(|_| "warn".into()),
+        )
         .kill_on_drop(true)
         .spawn()
         .unwrap();
     let pid = controller.id().unwrap();
+    // For attaching a profiler (`heaptrack -p <pid>`) while it runs.
+    eprintln!("virt-controller pid {pid}");
 
     // Latencies as this process's watch sees them (late when the machine is overloaded; a
     // watch that falls behind may skip a phase), so completion is decided by listing.
@@ -1419,6 +1441,7 @@ async fn bench_create_to_scheduled() {
     }
     let total = begin.elapsed();
     let rss_scheduled = full.then(|| rss_mib(pid));
+    let cpu = (cpu_secs(pid), cpu_secs(std::process::id()));
     let per_node = {
         let pods: Api<Pod> = Api::default_namespaced(client.clone());
         let mut count: HashMap<String, usize> = HashMap::new();
@@ -1460,7 +1483,9 @@ async fn bench_create_to_scheduled() {
          create -> Scheduling {}\n  create -> pod bound  {}\n  create -> Scheduled  {}\n  \
          {:.1} VMIs/s reached {} overall; launcher pods per node {per_node:?}\n  \
          virt-controller RSS with {n} VMIs and pods cached: {} once all were Scheduling, \
-         {} once all were Scheduled",
+         {} once all were Scheduled\n  \
+         CPU used: virt-controller {:.1} s, this test process (API server, scheduler, kubelet \
+         stand-in, the bench's own clients) {:.1} s",
         rate(created_in),
         summary(&scheduling),
         summary(&bound),
@@ -1469,6 +1494,8 @@ async fn bench_create_to_scheduled() {
         if full { "Scheduled" } else { "Scheduling" },
         mib(rss_scheduling),
         mib(rss_scheduled),
+        cpu.0,
+        cpu.1,
     );
     drop((kubelet, scheduler, heartbeat, controller));
 }

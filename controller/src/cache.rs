@@ -1,0 +1,183 @@
+//! What the controllers' caches hold: objects trimmed to what the controllers read, and an
+//! index of launcher pods by their VMI.
+//!
+//! kube-runtime's `Store` has no indexes (client-go's informers do), and a VMI sync that walked
+//! every cached launcher pod to find its own cost O(pods) per sync: with 10,000 VMIs that walk,
+//! repeated for every sync of every VMI, was most of the controller's work.
+
+use std::collections::{BTreeSet, HashMap};
+
+use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+/// kubectl's copy of the whole applied object, which `kubectl apply` keeps on every object it
+/// writes. No controller reads it, and it can double an object's size.
+pub const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// Drops what no controller reads from any cached object: `managedFields` (often the largest
+/// part of an object) and kubectl's last-applied copy.
+pub fn trim_meta(meta: &mut ObjectMeta) {
+    meta.managed_fields = None;
+    if let Some(a) = meta.annotations.as_mut() {
+        a.remove(LAST_APPLIED);
+    }
+}
+
+/// A launcher pod as the controllers read it: metadata, status and, of the spec, only
+/// `nodeName`. The containers, volumes and the rest of the spec, most of a launcher pod's
+/// size, are written by the VMI controller and never read back.
+pub fn trim_pod(pod: &mut Pod) {
+    trim_meta(&mut pod.metadata);
+    if let Some(spec) = pod.spec.as_mut() {
+        *spec = PodSpec {
+            node_name: spec.node_name.take(),
+            ..PodSpec::default()
+        };
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct OwnerIndex {
+    children: HashMap<String, BTreeSet<String>>,
+    owner: HashMap<String, String>,
+}
+
+impl OwnerIndex {
+    /// `child` is in the cache, controlled by `owner` (or by nothing we index).
+    pub fn set(&mut self, child: &str, owner: Option<&str>) {
+        match owner {
+            Some(o) if self.owner.get(child).map(String::as_str) == Some(o) => {}
+            Some(o) => {
+                self.remove(child);
+                self.owner.insert(child.to_owned(), o.to_owned());
+                self.children
+                    .entry(o.to_owned())
+                    .or_default()
+                    .insert(child.to_owned());
+            }
+            None => self.remove(child),
+        }
+    }
+
+    /// `child` left the cache.
+    pub fn remove(&mut self, child: &str) {
+        let Some(o) = self.owner.remove(child) else {
+            return;
+        };
+        if let Some(set) = self.children.get_mut(&o) {
+            set.remove(child);
+            if set.is_empty() {
+                self.children.remove(&o);
+            }
+        }
+    }
+
+    /// The children `owner` controls, in key order.
+    pub fn children(&self, owner: &str) -> Vec<String> {
+        self.children
+            .get(owner)
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// How many owners and children are indexed.
+    pub fn len(&self) -> (usize, usize) {
+        (self.children.len(), self.owner.len())
+    }
+
+    /// Whether nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.owner.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{Container, PodStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+
+    #[test]
+    fn trimmed_pod_keeps_what_the_controllers_read() {
+        let mut pod = Pod {
+            metadata: ObjectMeta {
+                name: Some("virt-launcher-a-x".into()),
+                annotations: Some(
+                    [
+                        (LAST_APPLIED.to_owned(), "{...}".to_owned()),
+                        ("kubevirt.io/domain".to_owned(), "a".to_owned()),
+                    ]
+                    .into(),
+                ),
+                managed_fields: Some(vec![ManagedFieldsEntry::default()]),
+                ..ObjectMeta::default()
+            },
+            spec: Some(PodSpec {
+                node_name: Some("node-1".into()),
+                containers: vec![Container {
+                    name: "compute".into(),
+                    ..Container::default()
+                }],
+                ..PodSpec::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some("Running".into()),
+                ..PodStatus::default()
+            }),
+        };
+        let status = pod.status.clone();
+        trim_pod(&mut pod);
+        assert_eq!(pod.metadata.managed_fields, None);
+        assert_eq!(
+            pod.metadata.annotations,
+            Some([("kubevirt.io/domain".to_owned(), "a".to_owned())].into())
+        );
+        assert_eq!(
+            pod.spec,
+            Some(PodSpec {
+                node_name: Some("node-1".into()),
+                ..PodSpec::default()
+            })
+        );
+        assert_eq!(pod.status, status);
+    }
+
+    #[test]
+    fn children_are_listed_by_owner() {
+        let mut i = OwnerIndex::default();
+        i.set("ns/pod-b", Some("ns/vmi"));
+        i.set("ns/pod-a", Some("ns/vmi"));
+        i.set("ns/pod-c", Some("ns/other"));
+        i.set("ns/pod-a", Some("ns/vmi"));
+        assert_eq!(i.children("ns/vmi"), ["ns/pod-a", "ns/pod-b"]);
+        assert_eq!(i.children("ns/other"), ["ns/pod-c"]);
+        assert!(i.children("ns/none").is_empty());
+        assert_eq!(i.len(), (2, 3));
+    }
+
+    #[test]
+    fn deleted_children_and_their_emptied_owners_are_pruned() {
+        let mut i = OwnerIndex::default();
+        i.set("ns/pod-a", Some("ns/vmi"));
+        i.set("ns/pod-b", Some("ns/vmi"));
+        i.remove("ns/pod-a");
+        assert_eq!(i.children("ns/vmi"), ["ns/pod-b"]);
+        i.remove("ns/pod-b");
+        i.remove("ns/pod-b");
+        i.remove("ns/never-seen");
+        assert!(i.is_empty());
+        assert_eq!(i.len(), (0, 0), "no owner entry outlives its last child");
+    }
+
+    #[test]
+    fn a_child_that_changes_or_loses_its_owner_moves() {
+        let mut i = OwnerIndex::default();
+        i.set("ns/pod", Some("ns/old"));
+        i.set("ns/pod", Some("ns/new"));
+        assert!(i.children("ns/old").is_empty());
+        assert_eq!(i.children("ns/new"), ["ns/pod"]);
+        i.set("ns/pod", None);
+        assert!(i.children("ns/new").is_empty());
+        assert_eq!(i.len(), (0, 0));
+    }
+}

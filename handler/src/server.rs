@@ -39,6 +39,13 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// what is there, so a typed key still goes out alone and at once; a flood goes out in frames
 /// this large, which costs few frames, flushes and TLS writes per MiB.
 const READ_CHUNK: usize = 256 * 1024;
+/// The websocket's read buffer. Clients send keystrokes and VNC input events, so this need
+/// not be large: a bigger client message is read in several calls. It stays small because
+/// tungstenite zero-fills it on every read attempt, and the read half is woken (and tries a
+/// read) on every readiness event of the connection, writes included: at its default of
+/// 128 KiB that was a 128 KiB memset per console frame sent. 16 KiB is one TLS record, the
+/// most rustls hands out per read anyway.
+const WS_READ_BUFFER: usize = 16 * 1024;
 
 /// A VMI on this node and where its launcher's sockets are, as the handler sees them (through
 /// the pod's mount root in production).
@@ -329,6 +336,7 @@ async fn stream(
         .protocols([SUBPROTOCOL])
         .max_message_size(max)
         .max_frame_size(max)
+        .read_buffer_size(WS_READ_BUFFER)
         .on_upgrade(move |socket| async move {
             let (id, cancel) = s.sessions.begin(&uid, which);
             splice(socket, unix, cancel).await;
@@ -411,6 +419,12 @@ pub async fn serve(
                 }
             },
         };
+        // A console is interactive: a typed key's echo is a small write that must not wait for
+        // the ACK of the previous one (Nagle), which with delayed ACKs costs up to 40 ms. Bulk
+        // output goes in frames of up to READ_CHUNK, full segments either way.
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
+        }
         let acceptor = tokio_rustls::TlsAcceptor::from(tls.get());
         let app = app.clone();
         tokio::spawn(async move {

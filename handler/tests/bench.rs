@@ -25,6 +25,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_util::sync::CancellationToken;
 
 const MIB: usize = 1024 * 1024;
@@ -178,6 +179,47 @@ fn mib_per_s(bytes: usize, took: Duration) -> f64 {
     mib / took.as_secs_f64()
 }
 
+/// CPU time (user + system) of this whole process so far: the peer, the console server and
+/// the client all run in it, so a round's share is the CPU its path costs, whatever else the
+/// machine is doing (which the wall-clock rates are not).
+fn cpu_time() -> Duration {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let u = getrusage(UsageWho::RUSAGE_SELF).expect("getrusage");
+    let tv = |t: nix::sys::time::TimeVal| {
+        Duration::new(
+            u64::try_from(t.tv_sec()).expect("non-negative"),
+            u32::try_from(t.tv_usec()).expect("microseconds") * 1000,
+        )
+    };
+    tv(u.user_time()) + tv(u.system_time())
+}
+
+/// Wall-clock and CPU time since a start.
+struct Clock {
+    wall: Instant,
+    cpu: Duration,
+}
+
+impl Clock {
+    fn start() -> Self {
+        Clock {
+            wall: Instant::now(),
+            cpu: cpu_time(),
+        }
+    }
+
+    /// MiB/s, and CPU milliseconds per GiB, for `bytes` moved since the start.
+    fn rates(&self, bytes: usize) -> (f64, f64) {
+        #[allow(clippy::cast_precision_loss)] // byte counts far below 2^52
+        let gib = bytes as f64 / (1024.0 * MIB as f64);
+        let cpu = cpu_time().saturating_sub(self.cpu);
+        (
+            mib_per_s(bytes, self.wall.elapsed()),
+            cpu.as_secs_f64() * 1e3 / gib,
+        )
+    }
+}
+
 fn best(v: &[f64]) -> f64 {
     v.iter().copied().fold(0.0, f64::max)
 }
@@ -188,7 +230,7 @@ async fn bench_console_throughput_proxied_vs_direct() {
     let dir = tempfile::tempdir().expect("tempdir");
     let serial = dir.path().join("virt-serial0");
     let _peer = streaming_peer(&serial);
-    let s = start(Target {
+    let server = start(Target {
         vmi: Arc::new(common::vmi_with_conditions(
             "flood",
             "uid-flood",
@@ -202,8 +244,10 @@ async fn bench_console_throughput_proxied_vs_direct() {
     .await;
     let total = STREAM_MIB * MIB;
     let (mut direct, mut proxied) = (Vec::new(), Vec::new());
+    let (mut direct_cpu, mut proxied_cpu) = (Vec::new(), Vec::new());
+    let mut suite = None;
     for _ in 0..ROUNDS {
-        let t = Instant::now();
+        let clock = Clock::start();
         let mut u = UnixStream::connect(&serial).await.expect("serial socket");
         let mut buf = vec![0u8; 64 * 1024];
         let mut got = 0;
@@ -212,10 +256,12 @@ async fn bench_console_throughput_proxied_vs_direct() {
             assert_ne!(n, 0, "serial socket closed after {got} bytes");
             got += n;
         }
-        direct.push(mib_per_s(got, t.elapsed()));
+        let (rate, cpu) = clock.rates(got);
+        direct.push(rate);
+        direct_cpu.push(cpu);
 
         // Timed from before the TLS handshake: what a `virtctl console` user waits for.
-        let t = Instant::now();
+        let clock = Clock::start();
         let mut req = format!("wss://localhost{}", url("flood", "console"))
             .into_client_request()
             .expect("ws request");
@@ -223,7 +269,13 @@ async fn bench_console_throughput_proxied_vs_direct() {
             "Sec-WebSocket-Protocol",
             server::SUBPROTOCOL.parse().expect("header"),
         );
-        let (mut ws, _) = tokio_tungstenite::client_async(req, s.connect().await)
+        let tls = server.connect().await;
+        suite = tls.get_ref().1.negotiated_cipher_suite();
+        // tungstenite zero-fills its read buffer before each read: a read buffer of one TLS
+        // record's plaintext (what a read of the TLS stream returns at most) rather than its
+        // 128 KiB default.
+        let config = WebSocketConfig::default().read_buffer_size(16 * 1024);
+        let (mut ws, _) = tokio_tungstenite::client_async_with_config(req, tls, Some(config))
             .await
             .expect("websocket upgrade");
         let mut got = 0;
@@ -234,14 +286,25 @@ async fn bench_console_throughput_proxied_vs_direct() {
                 other => panic!("after {got} bytes: {other:?}"),
             }
         }
-        proxied.push(mib_per_s(got, t.elapsed()));
+        let (rate, cpu) = clock.rates(got);
+        proxied.push(rate);
+        proxied_cpu.push(cpu);
     }
     let (d, p) = (best(&direct), best(&proxied));
     println!(
         "console throughput, {STREAM_MIB} MiB x {ROUNDS}, best round: direct unix socket \
          {d:.0} MiB/s, through mTLS websocket {p:.0} MiB/s, ratio {:.2} (goal >= 0.8); \
-         all rounds direct {direct:.0?} proxied {proxied:.0?}",
-        p / d
+         all rounds direct {direct:.0?} proxied {proxied:.0?}; cipher suite {:?}",
+        p / d,
+        suite.map(|s| s.suite())
+    );
+    let least = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    let (dc, pc) = (least(&direct_cpu), least(&proxied_cpu));
+    println!(
+        "console CPU per GiB (peer + server + client, user + system), least round: direct \
+         {dc:.0} ms, proxied {pc:.0} ms, {:.1}x; all rounds direct {direct_cpu:.0?} proxied \
+         {proxied_cpu:.0?}",
+        pc / dc
     );
 }
 

@@ -200,10 +200,18 @@ async fn connect(
     trust: &CertificateDer<'static>,
     me: Option<&Leaf>,
 ) -> std::io::Result<Tls> {
+    connect_with(addr, trust, me, rustls::crypto::ring::default_provider()).await
+}
+
+async fn connect_with(
+    addr: SocketAddr,
+    trust: &CertificateDer<'static>,
+    me: Option<&Leaf>,
+    provider: rustls::crypto::CryptoProvider,
+) -> std::io::Result<Tls> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(trust.clone()).expect("root");
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let b = rustls::ClientConfig::builder_with_provider(provider)
+    let b = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
         .with_safe_default_protocol_versions()
         .expect("versions")
         .with_root_certificates(roots);
@@ -380,6 +388,36 @@ async fn mtls_refuses_clients_without_a_valid_certificate() {
     // A valid one gets an answer (a 404 for this unknown VMI).
     let (status, body) = s.call("GET", "nothere", "guestosinfo").await;
     assert_eq!(status, 404, "{body}");
+}
+
+#[tokio::test]
+async fn the_server_picks_aes_128_gcm_and_still_serves_chacha_only_clients() {
+    use rustls::crypto::ring::cipher_suite as cs;
+    let f = fixture(Limits::default()).await;
+    let s = &f.server;
+    let suite = |tls: &Tls| tls.get_ref().1.negotiated_cipher_suite().map(|c| c.suite());
+    // rustls's own client puts AES-256-GCM first; the server's order wins.
+    let tls = connect(s.addr, &s.ca.der(), Some(&s.client))
+        .await
+        .expect("connect");
+    assert_eq!(suite(&tls), Some(cs::TLS13_AES_128_GCM_SHA256.suite()));
+    let only = |c: rustls::SupportedCipherSuite| rustls::crypto::CryptoProvider {
+        cipher_suites: vec![c],
+        ..rustls::crypto::ring::default_provider()
+    };
+    for offered in [
+        cs::TLS13_AES_256_GCM_SHA384,
+        cs::TLS13_CHACHA20_POLY1305_SHA256,
+    ] {
+        let tls = connect_with(s.addr, &s.ca.der(), Some(&s.client), only(offered))
+            .await
+            .expect("connect");
+        assert_eq!(suite(&tls), Some(offered.suite()));
+        let (status, body) = request(tls, "GET", &url("nothere", "guestosinfo"))
+            .await
+            .expect("request");
+        assert_eq!(status, 404, "{body}");
+    }
 }
 
 #[tokio::test]

@@ -5,7 +5,7 @@
 //! every cached launcher pod to find its own cost O(pods) per sync: with 10,000 VMIs that walk,
 //! repeated for every sync of every VMI, was most of the controller's work.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
 use k8s_openapi::api::core::v1::{Pod, PodSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -36,9 +36,14 @@ pub fn trim_pod(pod: &mut Pod) {
     }
 }
 
+/// Which children (`namespace/name` keys) each owner key controls. A child has at most one
+/// controlling owner; an owner with no children left has no entry, so the index holds exactly
+/// the children in the cache and nothing of deleted ones. An owner has one child or two (a
+/// launcher pod and, briefly, its replacement), so a sorted `Vec` is the set: measured, a
+/// `BTreeSet` of one made the index about 1 KB per pod.
 #[derive(Debug, Default)]
 pub struct OwnerIndex {
-    children: HashMap<String, BTreeSet<String>>,
+    children: HashMap<String, Vec<String>>,
     owner: HashMap<String, String>,
 }
 
@@ -50,10 +55,10 @@ impl OwnerIndex {
             Some(o) => {
                 self.remove(child);
                 self.owner.insert(child.to_owned(), o.to_owned());
-                self.children
-                    .entry(o.to_owned())
-                    .or_default()
-                    .insert(child.to_owned());
+                let set = self.children.entry(o.to_owned()).or_default();
+                if let Err(at) = set.binary_search_by(|c| c.as_str().cmp(child)) {
+                    set.insert(at, child.to_owned());
+                }
             }
             None => self.remove(child),
         }
@@ -65,7 +70,7 @@ impl OwnerIndex {
             return;
         };
         if let Some(set) = self.children.get_mut(&o) {
-            set.remove(child);
+            set.retain(|c| c != child);
             if set.is_empty() {
                 self.children.remove(&o);
             }
@@ -74,10 +79,7 @@ impl OwnerIndex {
 
     /// The children `owner` controls, in key order.
     pub fn children(&self, owner: &str) -> Vec<String> {
-        self.children
-            .get(owner)
-            .map(|s| s.iter().cloned().collect())
-            .unwrap_or_default()
+        self.children.get(owner).cloned().unwrap_or_default()
     }
 
     /// How many owners and children are indexed.

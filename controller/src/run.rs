@@ -6,7 +6,7 @@
 //! `Controller` needs kube's unstable stream features. A reflector per kind and a client-go
 //! style work queue per controller is all the machinery this needs.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -111,6 +111,9 @@ struct QueueState {
     order: VecDeque<String>,
     dirty: HashSet<String>,
     processing: HashSet<String>,
+    /// When each key with a delayed add is due: one timer per key, the earliest (client-go's
+    /// delaying queue), not one sleeping task per request.
+    waiting: HashMap<String, tokio::time::Instant>,
 }
 
 impl Queue {
@@ -130,9 +133,25 @@ impl Queue {
     }
 
     fn add_after(self: &Arc<Self>, key: String, after: Duration) {
+        let due = tokio::time::Instant::now() + after;
+        {
+            let mut s = self.lock();
+            if s.waiting.get(&key).is_some_and(|d| *d <= due) {
+                return;
+            }
+            s.waiting.insert(key.clone(), due);
+        }
         let q = self.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(after).await;
+            tokio::time::sleep_until(due).await;
+            {
+                let mut s = q.lock();
+                // A timer superseded by an earlier one still adds (harmless), but leaves the
+                // earlier one's entry alone.
+                if s.waiting.get(&key) == Some(&due) {
+                    s.waiting.remove(&key);
+                }
+            }
             q.add(key);
         });
     }
@@ -1278,6 +1297,23 @@ mod tests {
         assert!(q.lock().order.is_empty());
         q.done("a");
         assert_eq!(q.pop().await, "a");
+    }
+
+    #[tokio::test]
+    async fn delayed_adds_of_a_key_keep_one_timer_the_earliest() {
+        let q = Arc::new(Queue::default());
+        q.add_after("k".into(), Duration::from_secs(300));
+        q.add_after("k".into(), Duration::from_secs(600));
+        let first = q.lock().waiting["k"];
+        q.add_after("k".into(), Duration::from_millis(10));
+        let earlier = q.lock().waiting["k"];
+        assert!(earlier < first, "an earlier deadline replaces a later one");
+        assert_eq!(q.lock().waiting.len(), 1);
+        assert_eq!(q.pop().await, "k");
+        assert!(
+            q.lock().waiting.is_empty(),
+            "a fired timer leaves nothing behind"
+        );
     }
 
     #[tokio::test]

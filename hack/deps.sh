@@ -13,6 +13,7 @@ packages=(
   cpio              # packing the test guest's initramfs
   xz-utils zstd     # unpacking kernel modules from Debian packages
   mtools dosfstools syslinux syslinux-common binutils  # the test guest: bootable disk (FAT + syslinux), readelf
+  e2fsprogs         # mkfs.ext4: the test guest's freezable data disk (label kvrs-data)
   ca-certificates curl jq yq socat openssl
 )
 

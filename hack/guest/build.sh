@@ -21,11 +21,16 @@ debs=${KUBEVIRT_RS_GUEST_DEBS:-$repo/.cache/guest-debs}
 # the cloud one (14 MB, LZ4).
 kernel_meta=linux-image-amd64
 # Loaded in this order (their dependencies first, resolved from modules.dep); arguments follow.
+# ext4 is there so the guest has a file system qemu-ga can freeze (a disk labelled kvrs-data);
+# crc32c_generic comes first because ext4 and jbd2 only name it as a softdep, which
+# modules.dep does not list and busybox insmod does not resolve, and the metadata checksums
+# mkfs.ext4 turns on by default need it.
 modules=(
   "scsi_mod scan=sync"
   virtio_pci virtio_console virtio_blk virtio_net virtio_scsi virtio_rng virtio_balloon
   sd_mod sr_mod ahci ata_piix
   isofs vfat nls_cp437 nls_iso8859-1 nls_utf8
+  crc32c_generic ext4
   button evdev
 )
 # qemu-ga and the libraries it links (checked below against its ELF NEEDED entries); the

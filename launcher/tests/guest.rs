@@ -153,12 +153,16 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
 }
 
 /// pc (i440fx), BIOS boot from a containerDisk, ConfigDrive user-data, the agent, the
-/// console; then QEMU is killed behind the launcher's back and the domain is Crashed.
+/// console, freeze and thaw of an ext4 data disk; then QEMU is killed behind the launcher's
+/// back and the domain is Crashed.
 #[test]
 fn guest_pc_bios_disk_boot_configdrive_crash() {
     let l = Launcher::start_with(&["--keep-after-shutdown"], |root| {
         common::place_container_disk(root, 0);
+        std::fs::create_dir(root.join("hostdisks")).unwrap();
+        common::freezable_disk(&root.join("hostdisks/data.img"));
     });
+    let data_img = l.dir("hostdisks/data.img");
     let id = uid();
     let v = vmi(
         "pc",
@@ -170,11 +174,13 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
                 "devices": {"disks": [
                     {"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1},
                     {"name": "ci", "disk": {"bus": "sata"}},
+                    {"name": "data", "disk": {"bus": "virtio"}},
                 ]},
             },
             "volumes": [
                 {"name": "root", "containerDisk": {"image": "guest"}},
                 {"name": "ci", "cloudInitConfigDrive": {"userData": "#!/bin/sh\necho CONFIGDRIVE-''USERDATA-RAN > /dev/ttyS0\n"}},
+                {"name": "data", "hostDisk": {"path": data_img, "type": "Disk"}},
             ],
         }),
     );
@@ -183,12 +189,13 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     let pid = d["qemuPid"].as_i64().unwrap();
     l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
     assert!(l.serial_log(&id).contains("CONFIGDRIVE-USERDATA-RAN"));
-    // The guest booted from `root` and read its user-data from `ci`: both were read.
+    // The guest booted from `root`, read its user-data from `ci` and mounted `data`: all
+    // three were read.
     let stats = l.get("/v1/domain/blockstats");
     let disks = stats.as_array().unwrap_or_else(|| panic!("{stats}"));
     assert_eq!(
         disks.iter().map(|d| d["name"].as_str()).collect::<Vec<_>>(),
-        [Some("root"), Some("ci")],
+        [Some("root"), Some("ci"), Some("data")],
         "{stats}"
     );
     for d in disks {
@@ -217,26 +224,36 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
             .run("cat /proc/cmdline", BOOT)
             .contains("console=ttyS0")
     );
+    assert!(
+        console
+            .run("grep ' /mnt/data ext4 ' /proc/mounts", BOOT)
+            .starts_with("/dev/vd"),
+        "the guest mounted its ext4 data disk"
+    );
     // The agent poller reports the guest thawed before anyone froze it; a freeze and a thaw
-    // show in the domain as soon as they return.
+    // show in the domain as soon as they return (polled all the same: TCG is slow).
     wait_until(Duration::from_secs(60), "fsFreezeStatus thawed", || {
         (l.domain()["fsFreezeStatus"] == "thawed").then_some(())
     });
     let f = l.post("/v1/freeze");
-    let n = f["frozenFilesystems"]
-        .as_i64()
-        .unwrap_or_else(|| panic!("{f}"));
-    // qemu-ga holds the guest frozen only when it froze something. The test guest's file
-    // systems (initramfs, vfat, iso9660) cannot be frozen: it freezes none and says thawed.
-    let want = if n > 0 { "frozen" } else { "thawed" };
-    assert_eq!(
-        l.domain()["fsFreezeStatus"],
-        want,
-        "{n} file systems frozen"
-    );
+    // The ext4 data disk is the guest's one file system that can be frozen.
+    assert_eq!(f["frozenFilesystems"], 1, "{f}");
+    wait_until(BOOT, "fsFreezeStatus frozen", || {
+        (l.domain()["fsFreezeStatus"] == "frozen").then_some(())
+    });
     let f = l.post("/v1/unfreeze");
-    assert!(f["thawedFilesystems"].is_i64(), "{f}");
-    assert_eq!(l.domain()["fsFreezeStatus"], "thawed");
+    assert_eq!(f["thawedFilesystems"], 1, "{f}");
+    wait_until(BOOT, "fsFreezeStatus thawed after the thaw", || {
+        (l.domain()["fsFreezeStatus"] == "thawed").then_some(())
+    });
+    // Thawed for real: the guest writes to the disk again.
+    assert_eq!(
+        console.run(
+            "echo written > /mnt/data/f && sync && cat /mnt/data/f",
+            BOOT
+        ),
+        "written"
+    );
 
     // Soft reboot through the agent: the guest kernel restarts the machine, in the same QEMU
     // (a second full boot is not waited for; it would double this test's time).

@@ -467,6 +467,20 @@ fn run_tool(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// The guest's freezable disk (docs/test-guest.md): a 16 MiB ext4 image labelled `kvrs-data`,
+/// which the guest mounts at `/mnt/data`; its other file systems cannot be frozen.
+pub fn freezable_disk(path: &Path) {
+    std::fs::File::create(path)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    run_tool(
+        Command::new("mkfs.ext4")
+            .args(["-q", "-L", "kvrs-data"])
+            .arg(path),
+    );
+}
+
 /// A loop device over a file: a real block device for a block-mode PVC. Detached on drop
 /// (deferred by the kernel until QEMU has closed it).
 #[derive(Debug)]

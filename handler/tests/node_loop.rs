@@ -149,17 +149,23 @@ impl Harness {
         let (mut domain, volumes) = if kernel {
             // The files are in the kernelBoot image container's /mnt (see `Launcher::start`).
             // A scratch disk, so /metrics has a drive the guest's kernel has read from.
-            let domain = json!({
+            let mut domain = json!({
                 "resources": {"requests": {"memory": "256Mi"}},
                 "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
                     "image": "guest", "kernelPath": "/mnt/vmlinuz",
                     "initrdPath": "/mnt/initrd.img"}}},
                 "devices": {"disks": [{"name": "scratch", "disk": {"bus": "virtio"}}]},
             });
-            (
-                domain,
-                json!([{"name": "scratch", "emptyDisk": {"capacity": "16Mi"}}]),
-            )
+            let mut volumes = json!([{"name": "scratch", "emptyDisk": {"capacity": "16Mi"}}]);
+            if let Some(path) = pod_setup.data_disk {
+                let (disk, volume) = data_disk(path);
+                domain["devices"]["disks"]
+                    .as_array_mut()
+                    .expect("disks")
+                    .push(disk);
+                volumes.as_array_mut().expect("volumes").push(volume);
+            }
+            (domain, volumes)
         } else {
             // A disk without a volume: the launcher refuses it before starting QEMU.
             let domain = json!({
@@ -328,6 +334,8 @@ struct PodSetup<'a> {
     /// The launcher keeps running after its domain ended (`--keep-after-shutdown`), as a pod
     /// that lingers after its VMI.
     keep_after_shutdown: bool,
+    /// A kernel-boot VMI also gets this file as the hostDisk `data` (virtio, after `scratch`).
+    data_disk: Option<&'a Path>,
 }
 
 /// The launcher's container-disk dir inside its "pod", where the handler mounts image files.
@@ -540,6 +548,32 @@ async fn rest_put(console: &axum::Router, vmi: &str, what: &str) {
     .await;
 }
 
+/// The test guest's freezable disk (docs/test-guest.md): a 16 MiB ext4 image labelled
+/// `kvrs-data` at `path`, which the guest mounts at `/mnt/data`, and the disk and hostDisk
+/// volume `data` that attach it.
+fn data_disk(path: &Path) -> (serde_json::Value, serde_json::Value) {
+    if !path.exists() {
+        std::fs::File::create(path)
+            .and_then(|f| f.set_len(16 << 20))
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let out = Command::new("mkfs.ext4")
+            .args(["-q", "-L", "kvrs-data"])
+            .arg(path)
+            .output()
+            .expect("mkfs.ext4 (e2fsprogs)");
+        assert!(
+            out.status.success(),
+            "mkfs.ext4 {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    (
+        json!({"name": "data", "disk": {"bus": "virtio"}}),
+        json!({"name": "data", "hostDisk": {"path": path, "type": "Disk"}}),
+    )
+}
+
 /// A merge patch setting the VMI's disks and volumes.
 fn with_disks(disks: &serde_json::Value, volumes: &serde_json::Value) -> serde_json::Value {
     json!({"spec": {"domain": {"devices": {"disks": disks}}, "volumes": volumes}})
@@ -559,7 +593,12 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     use api::VirtualMachineInstancePhase as Ph;
     use api::status::VirtualMachineInstanceConditionType as Cond;
     let mut h = Harness::start().await;
-    let mut vm = h.schedule("boot", NODE, 120, true).await;
+    let data_img = h.root.path().join("data-boot.img");
+    let setup = PodSetup {
+        data_disk: Some(&data_img),
+        ..PodSetup::default()
+    };
+    let mut vm = h.schedule_in("boot", NODE, 120, true, &setup).await;
 
     let v = h.wait_vmi(&vm, "Running", is(Ph::Running)).await;
     let st = v.status.as_ref().expect("status");
@@ -607,26 +646,7 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
         "{}",
         target.serial_socket.display()
     );
-    // A freeze through the console server: the status says what the agent then says (the
-    // launcher relays guest-fsfreeze-status). The test guest has no file system that can be
-    // frozen, so its agent freezes none and stays thawed; a thaw leaves no status either.
-    let console = handler::server::router(
-        Arc::new(NodeVmis::new(Arc::clone(&node))),
-        handler::server::Limits::default(),
-    );
-    let frozen =
-        |v: &VirtualMachineInstance| v.status.as_ref().and_then(|s| s.fs_freeze_status.clone());
-    rest_put(&console, "boot", "freeze").await;
-    let answer = vm.launcher.domain().await.fs_freeze_status;
-    assert_eq!(answer, Some(FsFreeze::Thawed), "the agent's answer");
-    rest_put(&console, "boot", "unfreeze").await;
-    assert_eq!(
-        vm.launcher.domain().await.fs_freeze_status,
-        Some(FsFreeze::Thawed)
-    );
-    assert_eq!(frozen(&h.vmi("boot").await.expect("VMI")), None);
-
-    let text = scrape(node).await;
+    let text = scrape(Arc::clone(&node)).await;
     let labels = r#"namespace="default",name="boot",node="node-a""#;
     assert!(
         text.contains(&format!("kubevirt_vmi_memory_resident_bytes{{{labels}}} ")),
@@ -659,6 +679,7 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     // Ready with the guest device; removed again, its entry goes.
     let scratch_disk = json!({"name": "scratch", "disk": {"bus": "virtio"}});
     let scratch_volume = json!({"name": "scratch", "emptyDisk": {"capacity": "16Mi"}});
+    let (data, data_volume) = data_disk(&data_img);
     let volume = |v: &VirtualMachineInstance, name: &str| {
         v.status
             .as_ref()
@@ -667,8 +688,8 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     h.merge_patch(
         "boot",
         with_disks(
-            &json!([scratch_disk, {"name": "hot", "disk": {"bus": "virtio"}}]),
-            &json!([scratch_volume, {"name": "hot", "emptyDisk": {"capacity": "8Mi"}}]),
+            &json!([scratch_disk, data, {"name": "hot", "disk": {"bus": "virtio"}}]),
+            &json!([scratch_volume, data_volume, {"name": "hot", "emptyDisk": {"capacity": "8Mi"}}]),
         ),
         "hotplug a disk",
     )
@@ -679,10 +700,10 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
         })
         .await;
     let entry = volume(&v, "hot").expect("entry");
-    // `scratch` is vda.
+    // `scratch` is vda, `data` vdb.
     assert_eq!(
         (entry.target.as_str(), entry.reason.as_deref()),
-        ("vdb", Some("VolumeReady")),
+        ("vdc", Some("VolumeReady")),
         "{entry:?}"
     );
     assert!(entry.hotplug_volume.is_some(), "{entry:?}");
@@ -698,7 +719,10 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     );
     h.merge_patch(
         "boot",
-        with_disks(&json!([scratch_disk]), &json!([scratch_volume])),
+        with_disks(
+            &json!([scratch_disk, data]),
+            &json!([scratch_volume, data_volume]),
+        ),
         "unplug the disk",
     )
     .await;
@@ -708,27 +732,40 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     .await;
     h.wait_event("boot", "VolumeUnplugged").await;
 
-    // The handler goes away; meanwhile the VM is paused behind its back, and the status says
-    // `frozen`, which the agent does not (what a handler that wrote its own freeze calls into
-    // the status would have left after a freeze of nothing, or a thaw it did not see). A new
-    // handler takes over the running VM as it is and reconverges the status from the
-    // launcher's domain: Paused, and no freeze, since the agent reported the guest thawed.
-    h.stop_loop().await;
-    h.merge_patch(
-        "boot",
-        json!({"status": {"fsFreezeStatus": "frozen"}}),
-        "a stale fsFreezeStatus",
-    )
+    // A freeze through the console server: qemu-ga freezes the guest's ext4 data disk (its
+    // one file system that can be frozen), the launcher relays guest-fsfreeze-status, and the
+    // status says frozen.
+    let frozen =
+        |v: &VirtualMachineInstance| v.status.as_ref().and_then(|s| s.fs_freeze_status.clone());
+    let console = handler::server::router(
+        Arc::new(NodeVmis::new(node)),
+        handler::server::Limits::default(),
+    );
+    rest_put(&console, "boot", "freeze").await;
+    assert_eq!(
+        vm.launcher.domain().await.fs_freeze_status,
+        Some(FsFreeze::Frozen),
+        "the agent's answer"
+    );
+    h.wait_vmi(&vm, "fsFreezeStatus frozen", |v| {
+        frozen(v).as_deref() == Some("frozen")
+    })
     .await;
+
+    // The handler goes away; meanwhile the VM is paused behind its back. A new handler takes
+    // over the running VM as it is and reconverges the status from the launcher's domain:
+    // Paused, and still frozen (the guest is).
+    h.stop_loop().await;
     vm.launcher.client().pause().await.expect("pause");
     h.start_loop().await;
     let v = h
         .wait_vmi(
             &vm,
-            "the Paused condition and fsFreezeStatus cleared",
-            |v| condition(v, &Cond::Paused).is_some() && frozen(v).is_none(),
+            "the Paused condition, fsFreezeStatus still frozen",
+            |v| condition(v, &Cond::Paused).is_some(),
         )
         .await;
+    assert_eq!(frozen(&v).as_deref(), Some("frozen"), "after the restart");
     assert_eq!(
         condition(&v, &Cond::Paused).and_then(|c| c.reason.as_deref()),
         Some("PausedByUser")
@@ -742,6 +779,22 @@ async fn guest_vmi_runs_survives_a_handler_restart_and_shuts_down_on_delete() {
     })
     .await;
     h.wait_event("boot", "Resumed").await;
+
+    // A thaw through the new loop's console server: the agent says thawed, the entry goes.
+    let node = Arc::clone(&h.running.as_ref().expect("loop").0);
+    let console = handler::server::router(
+        Arc::new(NodeVmis::new(node)),
+        handler::server::Limits::default(),
+    );
+    rest_put(&console, "boot", "unfreeze").await;
+    h.wait_vmi(&vm, "fsFreezeStatus cleared by the thaw", |v| {
+        frozen(v).is_none()
+    })
+    .await;
+    assert_eq!(
+        vm.launcher.domain().await.fs_freeze_status,
+        Some(FsFreeze::Thawed)
+    );
 
     // Deletion: ACPI power-down, the guest powers off, Succeeded.
     h.vmis()
@@ -792,6 +845,7 @@ async fn guest_network_is_torn_down_when_the_vmi_ends_but_its_pod_stays() {
     let setup = PodSetup {
         netns: Some(&pod.netns),
         keep_after_shutdown: true,
+        data_disk: None,
     };
     let mut vm = h.schedule_in("net", NODE, 0, true, &setup).await;
     h.wait_vmi(&vm, "Running", is(Ph::Running)).await;

@@ -43,8 +43,8 @@ const READ_CHUNK: usize = 256 * 1024;
 /// not be large: a bigger client message is read in several calls. It stays small because
 /// tungstenite zero-fills it on every read attempt, and the read half is woken (and tries a
 /// read) on every readiness event of the connection, writes included: at its default of
-/// 128 KiB that was a 128 KiB memset per console frame sent. 16 KiB is one TLS record, the
-/// most rustls hands out per read anyway.
+/// 128 KiB that was up to a 128 KiB memset per console frame sent. 16 KiB is one TLS record,
+/// about the most a read of the TLS stream returns anyway (rustls decrypts a record at a time).
 const WS_READ_BUFFER: usize = 16 * 1024;
 
 /// A VMI on this node and where its launcher's sockets are, as the handler sees them (through

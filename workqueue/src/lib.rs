@@ -40,6 +40,9 @@ struct State {
     dirty: HashSet<String>,
     processing: HashSet<String>,
     failures: HashMap<String, u32>,
+    /// When each key with a delayed add is due: one timer per key, the earliest (client-go's
+    /// delaying queue), not one sleeping task per request.
+    waiting: HashMap<String, tokio::time::Instant>,
     shut_down: bool,
 }
 
@@ -76,18 +79,39 @@ impl Queue {
         self.notify.notify_one();
     }
 
-    /// Queues `key` after `delay`.
+    /// Queues `key` after `delay`, unless it is already due as early from an earlier call.
     pub fn add_after(self: &Arc<Self>, key: &str, delay: Duration) {
         if delay.is_zero() {
             self.add(key);
             return;
         }
+        let due = tokio::time::Instant::now() + delay;
+        {
+            let mut s = self.lock();
+            if s.shut_down || s.waiting.get(key).is_some_and(|d| *d <= due) {
+                return;
+            }
+            s.waiting.insert(key.to_owned(), due);
+        }
         let q = Arc::clone(self);
         let key = key.to_owned();
         tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
+            tokio::time::sleep_until(due).await;
+            {
+                let mut s = q.lock();
+                // A timer superseded by an earlier one still adds (harmless), but leaves the
+                // earlier one's entry alone.
+                if s.waiting.get(&key) == Some(&due) {
+                    s.waiting.remove(&key);
+                }
+            }
             q.add(&key);
         });
+    }
+
+    /// Keys with a delayed add still to come.
+    pub fn delayed(&self) -> usize {
+        self.lock().waiting.len()
     }
 
     /// Queues `key` after its next backoff delay, and counts the failure. Returns the delay.
@@ -248,6 +272,25 @@ mod tests {
         assert_eq!(q.failures("bad"), 2);
         q.forget("bad");
         assert_eq!(q.add_rate_limited("bad"), ms(200));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delayed_adds_of_a_key_share_the_earliest_timer() {
+        let q = Arc::new(Queue::default());
+        let s = Duration::from_secs;
+        for delay in [s(300), s(2), s(300), s(5)] {
+            q.add_after("k", delay);
+        }
+        assert_eq!(q.delayed(), 1);
+        let start = tokio::time::Instant::now();
+        assert_eq!(q.pop().await.as_deref(), Some("k"));
+        assert_eq!(start.elapsed(), s(2));
+        q.done("k");
+        assert_eq!(q.delayed(), 0);
+        // The superseded 300 s timer still fires; it only adds the key once more.
+        let next = tokio::time::timeout(s(1000), q.pop()).await;
+        assert_eq!(next.ok().flatten().as_deref(), Some("k"));
+        assert_eq!(q.delayed(), 0);
     }
 
     #[tokio::test]

@@ -6,8 +6,7 @@
 //! `Controller` needs kube's unstable stream features. A reflector per kind and a client-go
 //! style work queue per controller is all the machinery this needs.
 
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -25,7 +24,6 @@ use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, Resource, ResourceExt as _};
 use serde_json::json;
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
 use crate::cache::{self, OwnerIndex};
@@ -35,6 +33,7 @@ use crate::template::{TemplateConfig, render_launcher_pod};
 use crate::vm::{StatusInputs, VM_CONTROLLER_FINALIZER, VmAction};
 use crate::vmi::PodAction;
 use crate::{events, node, replicaset, vm, vmi};
+use workqueue::Queue;
 
 /// Why the controllers stopped.
 #[derive(Debug, thiserror::Error)]
@@ -97,110 +96,19 @@ pub const LEASE_DURATION_SECS: u64 = 15;
 /// Seconds before expiry the holder renews.
 pub const LEASE_GRACE_SECS: u64 = 5;
 
-/// A work queue with client-go's semantics: a key is queued at most once, and a key being
-/// processed is not handed to another worker; re-added meanwhile, it is queued again when done.
-#[derive(Debug, Default)]
-struct Queue {
-    state: Mutex<QueueState>,
-    notify: Notify,
-    adds: AtomicU64,
-}
-
-#[derive(Debug, Default)]
-struct QueueState {
-    order: VecDeque<String>,
-    dirty: HashSet<String>,
-    processing: HashSet<String>,
-    /// When each key with a delayed add is due: one timer per key, the earliest (client-go's
-    /// delaying queue), not one sleeping task per request.
-    waiting: HashMap<String, tokio::time::Instant>,
-}
-
-impl Queue {
-    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        lock(&self.state)
-    }
-
-    fn add(&self, key: String) {
-        self.adds.fetch_add(1, Ordering::Relaxed);
-        let mut s = self.lock();
-        if !s.dirty.insert(key.clone()) || s.processing.contains(&key) {
-            return;
-        }
-        s.order.push_back(key);
-        drop(s);
-        self.notify.notify_one();
-    }
-
-    fn add_after(self: &Arc<Self>, key: String, after: Duration) {
-        let due = tokio::time::Instant::now() + after;
-        {
-            let mut s = self.lock();
-            if s.waiting.get(&key).is_some_and(|d| *d <= due) {
-                return;
-            }
-            s.waiting.insert(key.clone(), due);
-        }
-        let q = self.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep_until(due).await;
-            {
-                let mut s = q.lock();
-                // A timer superseded by an earlier one still adds (harmless), but leaves the
-                // earlier one's entry alone.
-                if s.waiting.get(&key) == Some(&due) {
-                    s.waiting.remove(&key);
-                }
-            }
-            q.add(key);
-        });
-    }
-
-    async fn pop(&self) -> String {
-        loop {
-            let notified = self.notify.notified();
-            {
-                let mut s = self.lock();
-                if let Some(k) = s.order.pop_front() {
-                    s.dirty.remove(&k);
-                    s.processing.insert(k.clone());
-                    let more = !s.order.is_empty();
-                    drop(s);
-                    if more {
-                        // Pass the wake-up on: several workers may be waiting.
-                        self.notify.notify_one();
-                    }
-                    return k;
-                }
-            }
-            notified.await;
-        }
-    }
-
-    fn stat(&self, name: &'static str) -> QueueStat {
-        QueueStat {
-            name,
-            depth: self.lock().order.len(),
-            adds: self.adds.load(Ordering::Relaxed),
-        }
-    }
-
-    fn done(&self, key: &str) {
-        let mut s = self.lock();
-        s.processing.remove(key);
-        if s.dirty.contains(key) {
-            s.order.push_back(key.to_owned());
-            drop(s);
-            self.notify.notify_one();
-        }
-    }
-}
-
 /// Workers per controller, as KubeVirt's defaults (`--vmi-controller-threads` ...).
 const VMI_WORKERS: usize = 10;
 const VM_WORKERS: usize = 3;
 const RS_WORKERS: usize = 3;
 const NODE_WORKERS: usize = 3;
+
+fn queue_stat(name: &'static str, q: &Queue) -> QueueStat {
+    QueueStat {
+        name,
+        depth: q.depth(),
+        adds: q.adds(),
+    }
+}
 
 /// A lock whose data stays meaningful after a panic elsewhere (plain maps and counters).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -332,7 +240,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         wc(),
         trim_meta,
         move |s| match s {
-            Seen::Added(o) | Seen::Changed(o) | Seen::Deleted(o) => q.add(obj_key(o)),
+            Seen::Added(o) | Seen::Changed(o) | Seen::Deleted(o) => q.add(&obj_key(o)),
         },
     );
 
@@ -357,7 +265,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
             };
             let ns = o.namespace();
             let key = obj_key(o);
-            q_vmi.add(key.clone());
+            q_vmi.add(&key);
             if let Some(vm) = controller_owner(o, "VirtualMachine") {
                 let vm_key = key_of(ns.as_deref(), vm);
                 if added {
@@ -366,14 +274,14 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
                 if deleted {
                     e_vm.deletion_observed(&vm_key, &key);
                 }
-                q_vm.add(vm_key);
+                q_vm.add(&vm_key);
             } else if vm_cache
                 .get(&ObjectRef::new(&o.name_any()).within(ns.as_deref().unwrap_or_default()))
                 .is_some()
             {
                 // An orphan may be adopted by the VM of the same name (KubeVirt too queues only
                 // the VMs an orphan matches).
-                q_vm.add(key.clone());
+                q_vm.add(&key);
             }
             if let Some(rs) = controller_owner(o, "VirtualMachineInstanceReplicaSet") {
                 let rs_key = key_of(ns.as_deref(), rs);
@@ -383,7 +291,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
                 if deleted {
                     e_rs.deletion_observed(&rs_key, &key);
                 }
-                q_rs.add(rs_key);
+                q_rs.add(&rs_key);
             }
         },
     );
@@ -424,7 +332,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
             if deleted {
                 e_pod.deletion_observed(&vmi_key, &pod_key);
             }
-            q_vmi.add(vmi_key);
+            q_vmi.add(&vmi_key);
         },
     );
 
@@ -435,7 +343,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         wc(),
         trim_meta,
         move |s| match s {
-            Seen::Added(o) | Seen::Changed(o) | Seen::Deleted(o) => q.add(obj_key(o)),
+            Seen::Added(o) | Seen::Changed(o) | Seen::Deleted(o) => q.add(&obj_key(o)),
         },
     );
     let q = node_q.clone();
@@ -445,7 +353,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         wc(),
         trim_meta,
         move |s| match s {
-            Seen::Added(o) | Seen::Changed(o) => q.add(obj_key(o)),
+            Seen::Added(o) | Seen::Changed(o) => q.add(&obj_key(o)),
             Seen::Deleted(_) => {}
         },
     );
@@ -513,8 +421,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     for _ in 0..VMI_WORKERS {
         let s = shared.clone();
         tasks.spawn(async move {
-            loop {
-                let key = s.vmi_q.pop().await;
+            while let Some(key) = s.vmi_q.pop().await {
                 Box::pin(sync_vmi(&s, &key)).await;
                 s.vmi_q.done(&key);
             }
@@ -523,8 +430,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     for _ in 0..VM_WORKERS {
         let s = shared.clone();
         tasks.spawn(async move {
-            loop {
-                let key = s.vm_q.pop().await;
+            while let Some(key) = s.vm_q.pop().await {
                 Box::pin(sync_vm(&s, &key)).await;
                 s.vm_q.done(&key);
             }
@@ -533,8 +439,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     for _ in 0..RS_WORKERS {
         let s = shared.clone();
         tasks.spawn(async move {
-            loop {
-                let key = s.rs_q.pop().await;
+            while let Some(key) = s.rs_q.pop().await {
                 Box::pin(sync_rs(&s, &key)).await;
                 s.rs_q.done(&key);
             }
@@ -543,8 +448,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     for _ in 0..NODE_WORKERS {
         let s = shared.clone();
         tasks.spawn(async move {
-            loop {
-                let key = s.node_q.pop().await;
+            while let Some(key) = s.node_q.pop().await {
                 sync_node(&s, &key).await;
                 s.node_q.done(&key);
             }
@@ -556,7 +460,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
         loop {
             tick.tick().await;
             for n in s.nodes.state() {
-                s.node_q.add(n.name_any());
+                s.node_q.add(&n.name_any());
             }
         }
     });
@@ -579,10 +483,10 @@ fn snapshot(s: &Shared) -> Snapshot {
     Snapshot {
         vmi_phases,
         queues: vec![
-            s.vm_q.stat("virt-controller-vm"),
-            s.vmi_q.stat("virt-controller-vmi"),
-            s.rs_q.stat("virt-controller-replicaset"),
-            s.node_q.stat("virt-controller-node"),
+            queue_stat("virt-controller-vm", &s.vm_q),
+            queue_stat("virt-controller-vmi", &s.vmi_q),
+            queue_stat("virt-controller-replicaset", &s.rs_q),
+            queue_stat("virt-controller-node", &s.node_q),
         ],
     }
 }
@@ -673,7 +577,7 @@ async fn event<K: Resource<DynamicType = ()>>(
 
 fn retry_later(q: &Arc<Queue>, key: &str, what: &str, e: &kube::Error) {
     tracing::warn!(key, error = %e, "{what}; retrying");
-    q.add_after(key.to_owned(), Duration::from_secs(2));
+    q.add_after(key, Duration::from_secs(2));
 }
 
 async fn sync_vmi(s: &Shared, key: &str) {
@@ -706,7 +610,7 @@ async fn sync_vmi(s: &Shared, key: &str) {
         return;
     };
     if !s.pod_exp.satisfied(key) {
-        s.vmi_q.add_after(key.to_owned(), EXPECTATION_TTL);
+        s.vmi_q.add_after(key, EXPECTATION_TTL);
         return;
     }
     let cfg = cluster_config(s);
@@ -1012,7 +916,7 @@ async fn sync_vm(s: &Shared, key: &str) {
                     retry_later(&s.vm_q, key, "switching the VM to Always", &e);
                 }
             }
-            Ok(VmAction::WaitBackoff(d)) => s.vm_q.add_after(key.to_owned(), d),
+            Ok(VmAction::WaitBackoff(d)) => s.vm_q.add_after(key, d),
         }
     }
 
@@ -1065,7 +969,7 @@ async fn sync_rs(s: &Shared, key: &str) {
         return;
     };
     if !s.rs_exp.satisfied(key) {
-        s.rs_q.add_after(key.to_owned(), EXPECTATION_TTL);
+        s.rs_q.add_after(key, EXPECTATION_TTL);
         return;
     }
     let rs_api: Api<VirtualMachineInstanceReplicaSet> = Api::namespaced(s.client.clone(), ns);
@@ -1282,49 +1186,5 @@ mod tests {
             status_patch(&old, &new),
             json!({"created": false, "startFailure": null, "stateChangeRequests": null})
         );
-    }
-
-    #[tokio::test]
-    async fn queue_deduplicates_and_keeps_order() {
-        let q = Queue::default();
-        q.add("a".into());
-        q.add("b".into());
-        q.add("a".into());
-        assert_eq!(q.pop().await, "a");
-        // Re-added while a worker holds it: not handed out until that worker is done.
-        q.add("a".into());
-        assert_eq!(q.pop().await, "b");
-        assert!(q.lock().order.is_empty());
-        q.done("a");
-        assert_eq!(q.pop().await, "a");
-    }
-
-    #[tokio::test]
-    async fn delayed_adds_of_a_key_keep_one_timer_the_earliest() {
-        let q = Arc::new(Queue::default());
-        q.add_after("k".into(), Duration::from_secs(300));
-        q.add_after("k".into(), Duration::from_secs(600));
-        let first = q.lock().waiting["k"];
-        q.add_after("k".into(), Duration::from_millis(10));
-        let earlier = q.lock().waiting["k"];
-        assert!(earlier < first, "an earlier deadline replaces a later one");
-        assert_eq!(q.lock().waiting.len(), 1);
-        assert_eq!(q.pop().await, "k");
-        assert!(
-            q.lock().waiting.is_empty(),
-            "a fired timer leaves nothing behind"
-        );
-    }
-
-    #[tokio::test]
-    async fn queue_wakes_a_waiting_worker() {
-        let q = Arc::new(Queue::default());
-        let waiter = tokio::spawn({
-            let q = q.clone();
-            async move { q.pop().await }
-        });
-        tokio::task::yield_now().await;
-        q.add_after("later".into(), Duration::from_millis(10));
-        assert_eq!(waiter.await.unwrap(), "later");
     }
 }

@@ -21,7 +21,7 @@ use http_body_util::{BodyExt as _, Empty};
 use hyper_util::rt::TokioIo;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
@@ -111,7 +111,9 @@ async fn start(target: Target) -> Server {
     }
 }
 
-type Tls = tokio_rustls::client::TlsStream<TcpStream>;
+/// rustls pulls at most 4 KiB from the socket per read: a client streaming a console reads
+/// the socket through a large buffer instead, one `recv` per 256 KiB rather than per 4 KiB.
+type Tls = tokio_rustls::client::TlsStream<BufReader<TcpStream>>;
 
 impl Server {
     async fn connect(&self) -> Tls {
@@ -125,7 +127,10 @@ impl Server {
         .with_root_certificates(roots)
         .with_client_auth_cert(vec![self.client_cert.clone()], self.client_key.clone_key())
         .expect("client cert");
-        let tcp = TcpStream::connect(self.addr).await.expect("tcp connect");
+        let tcp = BufReader::with_capacity(
+            256 * 1024,
+            TcpStream::connect(self.addr).await.expect("tcp connect"),
+        );
         tokio_rustls::TlsConnector::from(Arc::new(config))
             .connect(ServerName::try_from("localhost").expect("name"), tcp)
             .await

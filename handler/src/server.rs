@@ -72,10 +72,6 @@ pub enum LookupError {
 /// The handler's view of the VMIs on its node (the informer store in production).
 pub trait Vmis: Send + Sync + 'static {
     fn lookup(&self, namespace: &str, name: &str) -> Result<Target, LookupError>;
-
-    /// A freeze (`true`) or thaw (`false`) of the VMI's filesystems succeeded. The node loop
-    /// writes it to `status.fsFreezeStatus`; a view without a status writer has nothing to do.
-    fn froze(&self, _target: &Target, _frozen: bool) {}
 }
 
 /// Settings of the console server.
@@ -206,9 +202,6 @@ pub fn router(vmis: Arc<dyn Vmis>, limits: Limits) -> Router {
                     Action::Freeze => c.freeze().await.map(drop),
                     _ => c.unfreeze().await.map(drop),
                 }?;
-                if matches!(action, Action::Freeze | Action::Unfreeze) {
-                    s.vmis.froze(&t, action == Action::Freeze);
-                }
                 Ok::<_, Reply>(StatusCode::OK)
             },
         )

@@ -24,10 +24,7 @@ const OVMF_CODE_SECBOOT: &str = "/usr/share/OVMF/OVMF_CODE_4M.secboot.fd";
 const OVMF_VARS_MS: &str = "/usr/share/OVMF/OVMF_VARS_4M.ms.fd";
 
 fn guest_dir() -> PathBuf {
-    let dir = std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
-        PathBuf::from,
-    );
+    let dir = testguest::dir();
     assert!(
         dir.join("manifest.json").is_file(),
         "no test guest in {}: run hack/guest/build.sh (or set KUBEVIRT_RS_GUEST_DIR)",

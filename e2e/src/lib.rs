@@ -94,12 +94,6 @@ pub fn bin_dir() -> PathBuf {
         .unwrap_or_else(|| repo_root().join("target/debug"))
 }
 
-/// The test guest build (`hack/guest/build.sh`).
-pub fn guest_dir() -> PathBuf {
-    std::env::var_os("KUBEVIRT_RS_GUEST_DIR")
-        .map_or_else(|| repo_root().join(".cache/guest"), PathBuf::from)
-}
-
 fn run(cmd: &mut Command, input: Option<&str>) -> Result<String, StackError> {
     let command = format!("{cmd:?}");
     let mut child = cmd
@@ -181,7 +175,7 @@ impl Stack {
             .arg("--bin-dir")
             .arg(&bins)
             .arg("--guest-dir")
-            .arg(guest_dir())
+            .arg(testguest::dir())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

@@ -553,20 +553,7 @@ async fn rest_put(console: &axum::Router, vmi: &str, what: &str) {
 /// volume `data` that attach it.
 fn data_disk(path: &Path) -> (serde_json::Value, serde_json::Value) {
     if !path.exists() {
-        std::fs::File::create(path)
-            .and_then(|f| f.set_len(16 << 20))
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let out = Command::new("mkfs.ext4")
-            .args(["-q", "-L", "kvrs-data"])
-            .arg(path)
-            .output()
-            .expect("mkfs.ext4 (e2fsprogs)");
-        assert!(
-            out.status.success(),
-            "mkfs.ext4 {}: {}",
-            path.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        testguest::freezable_disk(path);
     }
     (
         json!({"name": "data", "disk": {"bus": "virtio"}}),

@@ -36,13 +36,6 @@ fn launcher_bin() -> anyhow::Result<PathBuf> {
     Ok(bin)
 }
 
-fn guest_dir() -> PathBuf {
-    std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
-        PathBuf::from,
-    )
-}
-
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
@@ -121,8 +114,8 @@ fn vmi(uid: &str) -> serde_json::Value {
 fn place_kernel(root: &Path) -> anyhow::Result<()> {
     let kb = root.join("cd/kernel-boot");
     std::fs::create_dir_all(&kb)?;
-    std::fs::copy(guest_dir().join("vmlinuz"), kb.join("vmlinuz"))?;
-    std::fs::copy(guest_dir().join("initrd.img"), kb.join("initrd.img"))?;
+    std::fs::copy(testguest::dir().join("vmlinuz"), kb.join("vmlinuz"))?;
+    std::fs::copy(testguest::dir().join("initrd.img"), kb.join("initrd.img"))?;
     Ok(())
 }
 

@@ -160,7 +160,7 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     let l = Launcher::start_with(&["--keep-after-shutdown"], |root| {
         common::place_container_disk(root, 0);
         std::fs::create_dir(root.join("hostdisks")).unwrap();
-        common::freezable_disk(&root.join("hostdisks/data.img"));
+        testguest::freezable_disk(&root.join("hostdisks/data.img"));
     });
     let data_img = l.dir("hostdisks/data.img");
     let id = uid();

@@ -37,11 +37,7 @@ pub fn workspace_bin(name: &str, env: &str, package: &str) -> PathBuf {
 }
 
 pub fn guest_file(name: &str) -> PathBuf {
-    let dir = std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
-        PathBuf::from,
-    );
-    let p = dir.join(name);
+    let p = testguest::dir().join(name);
     assert!(
         p.exists(),
         "{} is missing: run hack/guest/build.sh (or set KUBEVIRT_RS_GUEST_DIR)",

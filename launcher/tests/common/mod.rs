@@ -14,16 +14,9 @@ use serde_json::{Value, json};
 /// Boot deadlines are generous: TCG on a loaded two-core machine.
 pub const BOOT: Duration = Duration::from_secs(360);
 
-pub fn guest_dir() -> PathBuf {
-    std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
-        PathBuf::from,
-    )
-}
-
 /// The test guest's files, or a panic that says how to build them.
 pub fn guest_file(name: &str) -> PathBuf {
-    let p = guest_dir().join(name);
+    let p = testguest::dir().join(name);
     assert!(
         p.exists(),
         "{} is missing: run hack/guest/build.sh (or set KUBEVIRT_RS_GUEST_DIR)",
@@ -465,20 +458,6 @@ fn run_tool(cmd: &mut Command) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-/// The guest's freezable disk (docs/test-guest.md): a 16 MiB ext4 image labelled `kvrs-data`,
-/// which the guest mounts at `/mnt/data`; its other file systems cannot be frozen.
-pub fn freezable_disk(path: &Path) {
-    std::fs::File::create(path)
-        .unwrap()
-        .set_len(16 << 20)
-        .unwrap();
-    run_tool(
-        Command::new("mkfs.ext4")
-            .args(["-q", "-L", "kvrs-data"])
-            .arg(path),
-    );
 }
 
 /// A loop device over a file: a real block device for a block-mode PVC. Detached on drop

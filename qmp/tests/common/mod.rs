@@ -58,10 +58,7 @@ impl Qemu {
 
 /// The test guest's directory (hack/guest/build.sh), or a panic saying how to build it.
 pub fn guest_dir() -> PathBuf {
-    let dir = std::env::var_os("KUBEVIRT_RS_GUEST_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/guest"),
-        PathBuf::from,
-    );
+    let dir = testguest::dir();
     assert!(
         dir.join("vmlinuz").is_file() && dir.join("initrd.img").is_file(),
         "the test guest is missing in {}: run hack/guest/build.sh",

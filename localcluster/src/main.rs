@@ -1,6 +1,6 @@
 //! `localcluster up` / `localcluster down`.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -9,8 +9,13 @@ use clap::{Parser, Subcommand};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
+use localcluster::{ControlPlane, ControlPlaneConfig};
+
 #[derive(Debug, Parser)]
-#[command(version, about = "An embedded single-machine Kubernetes API server")]
+#[command(
+    version,
+    about = "The upstream Kubernetes control plane and process kubelets on one machine"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -20,19 +25,26 @@ struct Cli {
 enum Command {
     /// Start the cluster in the foreground; Ctrl-C stops it.
     Up {
-        /// State directory: kubeconfig, pid file.
+        /// State directory: kubeconfig, certificates, etcd data, component logs, pid file.
         #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
         dir: PathBuf,
-        /// Port of the API server (6443 like kube-apiserver; 0 picks a free one).
+        /// Port of kube-apiserver (0 picks a free one).
         #[arg(long, default_value_t = 6443)]
         port: u16,
-        /// Address to listen on.
-        #[arg(long, default_value_t = Ipv4Addr::LOCALHOST)]
-        address: Ipv4Addr,
-        /// Where pods reach the API server (it listens there too, and its certificate names
-        /// it); default: the machine's address (the source address of its default route).
+        /// Address kube-apiserver listens on (`--bind-address`).
+        #[arg(long, default_value_t = IpAddr::V4(Ipv4Addr::UNSPECIFIED))]
+        address: IpAddr,
+        /// Where pods and kubelets reach kube-apiserver (`--advertise-address`, the endpoint
+        /// of the `kubernetes` Service); default: the machine's address (the source address of
+        /// its default route).
         #[arg(long)]
         advertise_address: Option<IpAddr>,
+        /// The upstream `kube` binary; default: what `localcluster/upstream/build.sh` builds.
+        #[arg(long, env = "LOCALCLUSTER_KUBE")]
+        kube: Option<PathBuf>,
+        /// Do not run kube-proxy (it owns the machine's `kube-proxy` nftables tables).
+        #[arg(long)]
+        no_proxy: bool,
         #[command(flatten)]
         nodes: localcluster::kubelet::cluster::NodeArgs,
     },
@@ -67,28 +79,36 @@ async fn main() -> anyhow::Result<()> {
             port,
             address,
             advertise_address,
+            kube,
+            no_proxy,
             nodes,
         } => {
-            let advertise = match advertise_address {
-                Some(a) => a,
-                None => localcluster::kubelet::node::host_ip()
-                    .parse()
-                    .context("the machine's address")?,
+            let kube = match kube {
+                Some(k) => k,
+                None => localcluster::controlplane::kube_binary()?,
             };
-            up(&dir, SocketAddr::from((address, port)), advertise, &nodes).await
+            let mut config = ControlPlaneConfig::new(&dir, kube);
+            config.bind = address;
+            config.port = port;
+            if let Some(a) = advertise_address {
+                config.advertise = a;
+            }
+            if !no_proxy && nodes.nodes > 0 {
+                config.proxy_node = Some("node-1".into());
+            }
+            up(config, &nodes).await
         }
         Command::Down { dir } => down(&dir).await,
     }
 }
 
 async fn up(
-    dir: &Path,
-    listen: SocketAddr,
-    advertise: IpAddr,
+    config: ControlPlaneConfig,
     node_args: &localcluster::kubelet::cluster::NodeArgs,
 ) -> anyhow::Result<()> {
     localcluster::kubelet::cluster::preflight(node_args)?;
-    let pid_path = pid_file(dir);
+    let dir = config.dir.clone();
+    let pid_path = pid_file(&dir);
     if let Ok(pid) = std::fs::read_to_string(&pid_path)
         && let Ok(pid) = pid.trim().parse::<i32>()
         && running(Pid::from_raw(pid))
@@ -99,34 +119,28 @@ async fn up(
             dir.display()
         );
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let server = localcluster::ApiServer::start(localcluster::Config {
-        listen,
-        advertise_address: Some(advertise),
-        ..localcluster::Config::default()
-    })
-    .await?;
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(&pid_path, std::process::id().to_string())
+        .with_context(|| format!("writing {}", pid_path.display()))?;
+    let started = std::time::Instant::now();
+    let plane = ControlPlane::start(config).await?;
     let kubeconfig = dir.join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig)?;
-    let nodes = localcluster::kubelet::cluster::LocalNodes::start(
-        server.client().await?,
-        node_args,
-        dir,
-        server.pod_access(),
-    )
-    .await?;
+    localcluster::pki::write_file(&kubeconfig, plane.kubeconfig(), 0o600)?;
+    println!(
+        "control plane ready in {:.1} s: {}",
+        started.elapsed().as_secs_f64(),
+        plane.url()
+    );
+    for c in plane.components() {
+        println!("  {} (pid {}), log {}", c.name(), c.pid(), c.log().display());
+    }
+    let nodes = localcluster::kubelet::cluster::LocalNodes::start(&plane, node_args, &dir).await?;
     for (name, root) in nodes.nodes() {
         println!("node {name} ready, host paths under {}", root.display());
     }
-    std::fs::write(&pid_path, std::process::id().to_string())
-        .with_context(|| format!("writing {}", pid_path.display()))?;
-    println!("localcluster API server: {}", server.url());
-    if let Some(access) = server.pod_access() {
-        println!("pods reach it at https://{}", access.address);
-    }
     println!("kubeconfig written to {}", kubeconfig.display());
     println!("  export KUBECONFIG={}", kubeconfig.display());
-    println!("  kubectl get namespaces");
+    println!("  kubectl get nodes");
     println!("Ctrl-C (or `localcluster down`) stops it.");
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -137,7 +151,7 @@ async fn up(
     }
     println!("stopping");
     nodes.stop().await;
-    server.shutdown().await;
+    plane.stop();
     for path in [&kubeconfig, &pid_path] {
         if let Err(e) = std::fs::remove_file(path) {
             tracing::warn!(path = %path.display(), error = %e, "removing state file");
@@ -173,12 +187,12 @@ async fn down(dir: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("{} does not hold a pid", pid_path.display()))?;
     let pid = Pid::from_raw(pid);
     kill(pid, Signal::SIGTERM).with_context(|| format!("signalling localcluster pid {pid}"))?;
-    for _ in 0..100 {
+    for _ in 0..300 {
         if !running(pid) {
             println!("localcluster (pid {pid}) stopped");
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    bail!("localcluster pid {pid} did not stop within 10 s after SIGTERM")
+    bail!("localcluster pid {pid} did not stop within 30 s after SIGTERM")
 }

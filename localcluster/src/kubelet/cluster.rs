@@ -1,15 +1,14 @@
-//! The nodes `localcluster up` starts: N process kubelets with the scheduler.
+//! The nodes `localcluster up` starts: N process kubelets, each joining the control plane with
+//! its own `system:node:<name>` credentials and serving the kubelet API.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-
-use tokio::task::JoinHandle;
 
 use super::network::PodCidr;
-use super::{ApiAccess, Kubelet, KubeletError, NodeConfig};
+use super::quantity::parse_quantity;
+use super::{Kubelet, KubeletError, NodeConfig, Serving};
+use crate::controlplane::{self, ControlPlane, ControlPlaneError};
 use crate::images::{self, ImageTable};
-use crate::scheduler;
 
 /// Node flags of `localcluster up`.
 #[derive(Debug, Clone, clap::Args)]
@@ -45,7 +44,7 @@ fn parse_resource(s: &str) -> Result<(String, String), String> {
     let (k, v) = s
         .split_once('=')
         .ok_or_else(|| format!("{s:?} is not name=quantity"))?;
-    if scheduler::parse_quantity(v).is_none() {
+    if parse_quantity(v).is_none() {
         return Err(format!("{v:?} is not a quantity"));
     }
     Ok((k.to_string(), v.to_string()))
@@ -66,13 +65,25 @@ pub enum NodesError {
     GuestKernel { dir: String, source: std::io::Error },
     #[error("node {node}")]
     Node { node: String, source: KubeletError },
+    #[error("the machine's address {0:?} is not an IP address")]
+    Address(String),
+    #[error("node {node}: its credentials")]
+    Credentials {
+        node: String,
+        source: ControlPlaneError,
+    },
 }
 
-/// Running nodes and the scheduler.
+/// Running nodes.
 #[derive(Debug)]
 pub struct LocalNodes {
     kubelets: Vec<Kubelet>,
-    scheduler: JoinHandle<()>,
+}
+
+/// The kubelet API port of node `i` (1-based): the real kubelet's 10250 for the first, the
+/// next ones above it, as the nodes share the machine's address.
+fn kubelet_port(i: u8) -> u16 {
+    10250 + u16::from(i) - 1
 }
 
 /// The image table of `args`: built-in entries, then the file's.
@@ -109,31 +120,21 @@ pub fn preflight(args: &NodeArgs) -> Result<(), NodesError> {
 }
 
 impl LocalNodes {
-    /// Starts the scheduler and `args.nodes` kubelets named `node-1`, `node-2`, ... with pod
-    /// CIDRs `10.244.<i>.0/24`; `state_dir` holds their roots unless `--root` says otherwise.
-    /// `api_access` tells pods how to reach the API server.
+    /// Starts `args.nodes` kubelets named `node-1`, `node-2`, ... with pod CIDRs
+    /// `10.244.<i>.0/24`, joined to `plane`; `state_dir` holds their roots unless `--root`
+    /// says otherwise.
     pub async fn start(
-        client: kube::Client,
+        plane: &ControlPlane,
         args: &NodeArgs,
         state_dir: &Path,
-        api_access: Option<ApiAccess>,
     ) -> Result<Self, NodesError> {
-        let scheduler = tokio::spawn(scheduler::run(
-            client.clone(),
-            scheduler::DEFAULT_SCHEDULER.into(),
-            Duration::from_secs(5),
-        ));
         let mut nodes = Self {
             kubelets: Vec::new(),
-            scheduler,
         };
         if args.nodes == 0 {
             return Ok(nodes);
         }
-        if let Err(e) = preflight(args) {
-            nodes.stop().await;
-            return Err(e);
-        }
+        preflight(args)?;
         let table = image_table(args)?;
         let root = args.root.clone().unwrap_or_else(|| state_dir.join("nodes"));
         let bin_dir = args.bin_dir.clone().or_else(|| {
@@ -146,13 +147,35 @@ impl LocalNodes {
             let cidr = PodCidr::parse(&format!("10.244.{i}.0/24")).expect("a valid CIDR");
             let mut config = NodeConfig::new(&name, &root, cidr, table.clone());
             config.bin_dir.clone_from(&bin_dir);
-            config.api_access.clone_from(&api_access);
             config.extended_resources = args
                 .extended_resources
                 .iter()
                 .cloned()
                 .collect::<BTreeMap<_, _>>();
-            match Kubelet::start(client.clone(), config).await {
+            let Ok(address) = config.host_ip.parse() else {
+                nodes.stop().await;
+                return Err(NodesError::Address(config.host_ip));
+            };
+            let started = async {
+                let creds = plane.node_credentials(&name, address)?;
+                let client = controlplane::client_for(&creds.kubeconfig).await?;
+                config.serving = Some(Serving {
+                    port: kubelet_port(i),
+                    cert_pem: creds.serving.cert_pem,
+                    key_pem: creds.serving.key_pem,
+                    client_ca_pem: creds.ca_pem,
+                });
+                Ok::<_, ControlPlaneError>(client)
+            }
+            .await;
+            let client = match started {
+                Ok(c) => c,
+                Err(source) => {
+                    nodes.stop().await;
+                    return Err(NodesError::Credentials { node: name, source });
+                }
+            };
+            match Kubelet::start(client, config).await {
                 Ok(k) => nodes.kubelets.push(k),
                 Err(source) => {
                     nodes.stop().await;
@@ -171,9 +194,8 @@ impl LocalNodes {
             .collect()
     }
 
-    /// Stops the scheduler, then every kubelet (killing their pods and removing what they held).
+    /// Stops every kubelet (killing their pods and removing what they held).
     pub async fn stop(self) {
-        self.scheduler.abort();
         for k in self.kubelets {
             k.stop().await;
         }

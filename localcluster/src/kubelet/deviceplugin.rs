@@ -374,7 +374,7 @@ pub fn device_requests(
             if !name.contains('/') || name.starts_with("kubernetes.io/") {
                 continue;
             }
-            if let Some(n) = crate::scheduler::parse_quantity(&q.0)
+            if let Some(n) = super::quantity::parse_quantity(&q.0)
                 .and_then(|milli| usize::try_from(milli / 1000).ok())
                 .filter(|n| *n > 0)
             {

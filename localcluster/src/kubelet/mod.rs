@@ -6,12 +6,14 @@
 //! mount namespace (an overlay root with the pod's volumes bind-mounted) and cgroups. See
 //! `docs/kubelet.md`.
 
+pub mod api;
 pub mod cgroup;
 pub mod cluster;
 pub mod deviceplugin;
 pub mod network;
 pub mod node;
 pub mod probe;
+pub mod quantity;
 pub mod serviceaccount;
 pub mod spawn;
 pub mod status;
@@ -36,7 +38,6 @@ use tokio::task::JoinHandle;
 
 use crate::images::ImageTable;
 use network::{PodCidr, PodNetwork};
-pub use serviceaccount::ApiAccess;
 
 /// Why the kubelet or one of its pods failed.
 #[derive(Debug, thiserror::Error)]
@@ -99,9 +100,27 @@ pub struct NodeConfig {
     pub restart_backoff: Duration,
     /// The address of the node (Node InternalIP, hostNetwork pods' IP).
     pub host_ip: String,
-    /// How pods reach the API server (`KUBERNETES_SERVICE_*`, the service account mount);
-    /// `None` gives pods neither.
-    pub api_access: Option<ApiAccess>,
+    /// The kubelet API kube-apiserver dials (logs, exec, port-forward); `None` serves none.
+    pub serving: Option<Serving>,
+}
+
+/// How the kubelet serves its API: HTTPS on the node's address, client certificates from the
+/// cluster CA (kube-apiserver's `--kubelet-client-certificate`) required.
+#[derive(Clone)]
+pub struct Serving {
+    /// 0 picks a free one; the Node's `status.daemonEndpoints` names the one bound.
+    pub port: u16,
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub client_ca_pem: String,
+}
+
+impl std::fmt::Debug for Serving {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Serving")
+            .field("port", &self.port)
+            .finish_non_exhaustive()
+    }
 }
 
 impl NodeConfig {
@@ -129,7 +148,7 @@ impl NodeConfig {
             heartbeat: Duration::from_secs(10),
             restart_backoff: Duration::from_secs(10),
             host_ip: node::host_ip(),
-            api_access: None,
+            serving: None,
         }
     }
 
@@ -159,7 +178,7 @@ impl NodeConfig {
             labels: self.labels.clone(),
             extended_resources: self.extended_resources.clone(),
             device_resources: BTreeMap::new(),
-            log_dir: self.log_dir().display().to_string(),
+            kubelet_port: 0,
         }
     }
 }
@@ -203,6 +222,8 @@ pub(crate) struct Shared {
     pub sandboxes: Mutex<HashMap<String, Sandbox>>,
     pub addresses: Mutex<BTreeSet<Ipv4Addr>>,
     pub devices: Arc<deviceplugin::DeviceManager>,
+    /// Where the kubelet API listens (0: it does not).
+    pub api_port: u16,
 }
 
 impl Shared {
@@ -210,6 +231,7 @@ impl Shared {
     fn facts(&self) -> node::NodeFacts {
         let mut facts = self.config.facts();
         facts.device_resources = self.devices.counts();
+        facts.kubelet_port = self.api_port;
         facts
     }
 }
@@ -230,6 +252,7 @@ pub struct Kubelet {
     stop: watch::Sender<bool>,
     pods: Option<JoinHandle<()>>,
     heartbeat: JoinHandle<()>,
+    api: Option<JoinHandle<()>>,
 }
 
 fn now() -> String {
@@ -263,7 +286,17 @@ impl Kubelet {
         let _ = tokio::task::spawn_blocking(move || sweep_stale(&stale)).await;
         network::ensure_bridge(&config.bridge, config.pod_cidr)?;
         cgroup::Cgroup::node(&config.name).create()?;
-        register(&client, &config).await?;
+        let listener = match &config.serving {
+            Some(serving) => Some(api::bind(&config.host_ip, serving.port).await?),
+            None => None,
+        };
+        let api_port = listener
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map_or(0, |a| a.port());
+        let mut facts = config.facts();
+        facts.kubelet_port = api_port;
+        register(&client, &config.name, &facts).await?;
         let devices =
             deviceplugin::DeviceManager::start(&config.kubelet_dir().join("device-plugins"))?;
         let shared = Arc::new(Shared {
@@ -272,7 +305,14 @@ impl Kubelet {
             sandboxes: Mutex::new(HashMap::new()),
             addresses: Mutex::new(BTreeSet::new()),
             devices,
+            api_port,
         });
+        let api = match (listener, &shared.config.serving) {
+            (Some(listener), Some(serving)) => {
+                Some(tokio::spawn(api::serve(shared.clone(), listener, serving.clone())))
+            }
+            _ => None,
+        };
         let (stop, stop_rx) = watch::channel(false);
         let heartbeat = tokio::spawn(heartbeat_loop(shared.clone()));
         let pods = tokio::spawn(pod_loop(shared.clone(), stop_rx));
@@ -282,6 +322,7 @@ impl Kubelet {
             stop,
             pods: Some(pods),
             heartbeat,
+            api,
         })
     }
 
@@ -293,6 +334,11 @@ impl Kubelet {
         &self.shared.config
     }
 
+    /// Where the kubelet API listens (0 when it does not).
+    pub fn api_port(&self) -> u16 {
+        self.shared.api_port
+    }
+
     /// Stops every pod (SIGTERM, then SIGKILL after 2 s), releases what they held and removes
     /// the node bridge and cgroup. The pod objects stay, as when a real kubelet stops.
     pub async fn stop(mut self) {
@@ -301,6 +347,9 @@ impl Kubelet {
             let _ = pods.await;
         }
         self.heartbeat.abort();
+        if let Some(api) = self.api.take() {
+            api.abort();
+        }
         let shared = self.shared.clone();
         let _ = tokio::task::spawn_blocking(move || release_node(&shared)).await;
     }
@@ -310,6 +359,9 @@ impl Drop for Kubelet {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
         self.heartbeat.abort();
+        if let Some(api) = self.api.take() {
+            api.abort();
+        }
         if let Some(pods) = self.pods.take() {
             pods.abort();
             release_node(&self.shared);
@@ -371,21 +423,25 @@ fn release_node(shared: &Shared) {
     network::delete_bridge(&shared.config.bridge);
 }
 
-async fn register(client: &Client, config: &NodeConfig) -> Result<(), KubeletError> {
+async fn register(
+    client: &Client,
+    name: &str,
+    facts: &node::NodeFacts,
+) -> Result<(), KubeletError> {
     let nodes = Api::<Node>::all(client.clone());
-    let facts = config.facts();
     let object: Node =
-        serde_json::from_value(node::node_object(&facts)).map_err(|e| KubeletError::Volume {
+        serde_json::from_value(node::node_object(facts)).map_err(|e| KubeletError::Volume {
             volume: "node".into(),
             message: e.to_string(),
         })?;
-    let what = format!("registering node {}", config.name);
+    let what = format!("registering node {}", name);
     match nodes.create(&PostParams::default(), &object).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {
-            let patch = json!({"metadata": {"labels": object.metadata.labels, "annotations": object.metadata.annotations}, "spec": {"podCIDR": facts.pod_cidr, "podCIDRs": [facts.pod_cidr]}});
+            // A Node's podCIDR is immutable once set, so only the labels are brought up to date.
+            let patch = json!({"metadata": {"labels": object.metadata.labels}});
             nodes
-                .patch(&config.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .map_err(api_err(what.clone()))?;
         }
@@ -394,12 +450,12 @@ async fn register(client: &Client, config: &NodeConfig) -> Result<(), KubeletErr
     let t = now();
     nodes
         .patch_status(
-            &config.name,
+            name,
             &PatchParams::default(),
-            &Patch::Merge(&json!({"status": node::node_status(&facts, &t, &t)})),
+            &Patch::Merge(&json!({"status": node::node_status(facts, &t, &t)})),
         )
         .await
-        .map_err(api_err(format!("posting node {} status", config.name)))?;
+        .map_err(api_err(format!("posting node {} status", name)))?;
     Ok(())
 }
 

@@ -17,8 +17,9 @@ pub struct NodeFacts {
     pub extended_resources: BTreeMap<String, String>,
     /// Device plugins' resources: (capacity, allocatable); they override `extended_resources`.
     pub device_resources: BTreeMap<String, (usize, usize)>,
-    /// Where the node's pod logs are (published for `pods/log`).
-    pub log_dir: String,
+    /// The port of the kubelet API on `host_ip` (`status.daemonEndpoints`), which
+    /// kube-apiserver dials for logs, exec and port-forward.
+    pub kubelet_port: u16,
 }
 
 /// The Node object to create.
@@ -35,8 +36,7 @@ pub fn node_object(f: &NodeFacts) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": f.name, "labels": labels,
-                     "annotations": {crate::logs::LOG_DIR_ANNOTATION: f.log_dir}},
+        "metadata": {"name": f.name, "labels": labels},
         "spec": {"podCIDR": f.pod_cidr, "podCIDRs": [f.pod_cidr]},
     })
 }
@@ -73,11 +73,11 @@ pub fn node_status(f: &NodeFacts, now: &str, ready_since: &str) -> Value {
             {"type": "InternalIP", "address": f.host_ip},
             {"type": "Hostname", "address": f.name},
         ],
-        "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": f.kubelet_port}},
         "nodeInfo": {
             "architecture": std::env::consts::ARCH.replace("x86_64", "amd64"),
             "operatingSystem": "linux", "osImage": "localcluster", "kernelVersion": kernel_version(),
-            "kubeletVersion": "v1.32.0-localcluster", "kubeProxyVersion": "",
+            "kubeletVersion": format!("{}-localcluster", crate::controlplane::upstream_version()), "kubeProxyVersion": "",
             "containerRuntimeVersion": "localcluster://process", "machineID": "", "systemUUID": "", "bootID": "",
         },
     })
@@ -124,7 +124,7 @@ mod tests {
             labels: BTreeMap::from([("zone".into(), "a".into())]),
             extended_resources: BTreeMap::from([("devices.kubevirt.io/kvm".into(), "1k".into())]),
             device_resources: BTreeMap::from([("example.com/gpu".into(), (3, 2))]),
-            log_dir: "/n1/var/log/pods".into(),
+            kubelet_port: 10250,
         }
     }
 
@@ -133,10 +133,6 @@ mod tests {
         let o = node_object(&facts());
         assert_eq!(o["metadata"]["labels"]["kubernetes.io/hostname"], "n1");
         assert_eq!(o["metadata"]["labels"]["zone"], "a");
-        assert_eq!(
-            o["metadata"]["annotations"][crate::logs::LOG_DIR_ANNOTATION],
-            "/n1/var/log/pods"
-        );
         assert_eq!(o["spec"]["podCIDR"], "10.244.1.0/24");
         let s = node_status(&facts(), "now", "then");
         assert_eq!(s["allocatable"]["devices.kubevirt.io/kvm"], "1k");
@@ -149,6 +145,11 @@ mod tests {
         assert_eq!(ready["lastHeartbeatTime"], "now");
         assert_eq!(ready["lastTransitionTime"], "then");
         assert_eq!(s["addresses"][0]["address"], "192.0.2.2");
+        assert_eq!(s["daemonEndpoints"]["kubeletEndpoint"]["Port"], 10250);
+        assert_eq!(
+            s["nodeInfo"]["kubeletVersion"],
+            format!("{}-localcluster", crate::controlplane::upstream_version())
+        );
     }
 
     #[test]

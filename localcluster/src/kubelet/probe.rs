@@ -159,8 +159,20 @@ mod tests {
 
     #[tokio::test]
     async fn https_with_an_unverified_certificate() {
-        let certs = crate::tls::ServingCerts::generate().unwrap();
-        let acceptor = tokio_rustls::TlsAcceptor::from(certs.server_config().unwrap());
+        let dir = tempfile::tempdir().unwrap();
+        let pki = crate::pki::Pki::create(dir.path(), &[]).unwrap();
+        let server = pki
+            .server(
+                "probed",
+                &crate::pki::Subject {
+                    common_name: "probed",
+                    organizations: &[],
+                },
+                &["127.0.0.1".to_string()],
+            )
+            .unwrap();
+        let config = crate::tls::server_config(&server.cert_pem, &server.key_pem, None).unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         tokio::spawn(async move {

@@ -1,40 +1,15 @@
 //! In-cluster configuration for pods, as the real kubelet gives it: the `KUBERNETES_SERVICE_*`
-//! environment of the `kubernetes` service and, unless `automountServiceAccountToken` is false,
-//! the service account directory with `token`, `ca.crt` and `namespace`, which client-go's and
-//! kube-rs's in-cluster configuration read.
-//!
-//! The API server has a single identity and no authorization, so the token is the cluster's
-//! bearer token rather than a per-service-account one (there is no TokenRequest API here).
+//! environment of the `kubernetes` Service. The credentials come as the `kube-api-access-*`
+//! projected volume that kube-apiserver's ServiceAccount admission adds to every pod (unless
+//! `automountServiceAccountToken` says no), with a token from the TokenRequest API
+//! (`volumes.rs`).
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::net::{IpAddr, SocketAddr};
 
-use k8s_openapi::api::core::v1::{Container, Pod, ServiceAccount};
+use k8s_openapi::api::core::v1::{Pod, Service};
+use kube::{Api, Client};
 
 use super::KubeletError;
-
-/// Where every container finds its service account's credentials.
-pub const MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
-
-/// How pods reach the API server.
-#[derive(Clone)]
-pub struct ApiAccess {
-    /// An address of the API server reachable from pods' network namespaces and from the host
-    /// (hostNetwork pods), named by its serving certificate.
-    pub address: SocketAddr,
-    /// The CA of the serving certificate (`ca.crt`).
-    pub ca_pem: String,
-    /// The bearer token pods authenticate with.
-    pub token: String,
-}
-
-impl std::fmt::Debug for ApiAccess {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ApiAccess")
-            .field("address", &self.address)
-            .finish_non_exhaustive()
-    }
-}
 
 /// The `kubernetes` service's environment, as the kubelet gives every container (it does so
 /// whatever `enableServiceLinks` says).
@@ -63,49 +38,22 @@ pub fn account_name(pod: &Pod) -> String {
         .unwrap_or_else(|| "default".into())
 }
 
-/// Whether the pod gets the credentials mounted: the pod's `automountServiceAccountToken`,
-/// else its service account's, else yes. A missing service account does not stop the mount
-/// (kube-apiserver would have refused the pod; nothing creates `default` accounts here).
-pub fn automount(pod: &Pod, account: Option<&ServiceAccount>) -> bool {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.automount_service_account_token)
-        .or_else(|| account.and_then(|a| a.automount_service_account_token))
-        .unwrap_or(true)
-}
-
-/// Whether `container` gets the mount: not when it mounts something at that path itself, as
-/// the ServiceAccount admission plugin leaves such containers alone.
-pub fn wants_mount(container: &Container) -> bool {
-    !container
-        .volume_mounts
-        .iter()
-        .flatten()
-        .any(|m| Path::new(&m.mount_path) == Path::new(MOUNT_PATH))
-}
-
-/// Writes `token`, `ca.crt` and `namespace` into the pod's projected volume directory
-/// (`<pod dir>/volumes/kubernetes.io~projected/kube-api-access`) and returns it.
-pub fn write_files(
-    pod_dir: &Path,
-    access: &ApiAccess,
-    namespace: &str,
-) -> Result<PathBuf, KubeletError> {
-    let dir = pod_dir.join("volumes/kubernetes.io~projected/kube-api-access");
-    let io = |path: &Path| {
-        let path = path.display().to_string();
-        move |source| KubeletError::Io { path, source }
-    };
-    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-    for (name, content) in [
-        ("token", access.token.as_str()),
-        ("ca.crt", access.ca_pem.as_str()),
-        ("namespace", namespace),
-    ] {
-        let path = dir.join(name);
-        std::fs::write(&path, content).map_err(io(&path))?;
-    }
-    Ok(dir)
+/// The `kubernetes` Service's cluster IP and port, as every container's environment names it;
+/// `None` while it has none (kube-apiserver creates it at start).
+pub async fn kubernetes_service(client: &Client) -> Result<Option<SocketAddr>, KubeletError> {
+    let service = Api::<Service>::namespaced(client.clone(), "default")
+        .get_opt("kubernetes")
+        .await
+        .map_err(|source| KubeletError::Api {
+            what: "service default/kubernetes".into(),
+            source,
+        })?;
+    Ok(service.and_then(|s| {
+        let spec = s.spec?;
+        let ip: IpAddr = spec.cluster_ip?.parse().ok()?;
+        let port = spec.ports?.first()?.port;
+        Some(SocketAddr::new(ip, u16::try_from(port).ok()?))
+    }))
 }
 
 #[cfg(test)]
@@ -128,36 +76,9 @@ mod tests {
     }
 
     #[test]
-    fn automount_pod_then_account_then_yes() {
-        let account = |v: Option<bool>| -> ServiceAccount {
-            serde_json::from_value(json!({"metadata": {"name": "default"},
-                "automountServiceAccountToken": v}))
-            .unwrap()
-        };
-        let plain = pod(&json!({"containers": []}));
-        assert!(automount(&plain, None));
-        assert!(!automount(&plain, Some(&account(Some(false)))));
-        assert!(automount(&plain, Some(&account(None))));
-        let off = pod(&json!({"containers": [], "automountServiceAccountToken": false}));
-        assert!(!automount(&off, None));
-        let on = pod(&json!({"containers": [], "automountServiceAccountToken": true}));
-        assert!(automount(&on, Some(&account(Some(false)))));
-        assert_eq!(account_name(&plain), "default");
+    fn the_account_defaults_to_default() {
+        assert_eq!(account_name(&pod(&json!({"containers": []}))), "default");
         let named = pod(&json!({"containers": [], "serviceAccountName": "kubevirt-handler"}));
         assert_eq!(account_name(&named), "kubevirt-handler");
-    }
-
-    #[test]
-    fn a_container_mounting_the_path_itself_is_left_alone() {
-        let c = |mounts: serde_json::Value| -> Container {
-            serde_json::from_value(json!({"name": "c", "volumeMounts": mounts})).unwrap()
-        };
-        assert!(wants_mount(&c(json!([]))));
-        assert!(wants_mount(&c(
-            json!([{"name": "v", "mountPath": "/var/run"}])
-        )));
-        assert!(!wants_mount(&c(
-            json!([{"name": "v", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount/"}])
-        )));
     }
 }

@@ -4,7 +4,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::core::v1::{ConfigMap, KeyToPath, Pod, Secret, Volume};
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, DownwardAPIVolumeFile, KeyToPath, Pod, Secret, ServiceAccount, Volume,
+    VolumeProjection,
+};
+use kube::api::PostParams;
 use kube::{Api, Client};
 
 use super::KubeletError;
@@ -128,6 +133,160 @@ pub fn field_value(pod: &Pod, field: &str) -> Option<String> {
     })
 }
 
+async fn config_map_data(
+    client: &Client,
+    namespace: &str,
+    config_map: &str,
+    optional: Option<bool>,
+    volume: &str,
+) -> Result<BTreeMap<String, Vec<u8>>, KubeletError> {
+    let found = Api::<ConfigMap>::namespaced(client.clone(), namespace)
+        .get_opt(config_map)
+        .await
+        .map_err(|source| KubeletError::Api {
+            what: format!("configmap {namespace}/{config_map}"),
+            source,
+        })?;
+    match found {
+        Some(c) => Ok(c
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.into_bytes()))
+            .chain(
+                c.binary_data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.0)),
+            )
+            .collect()),
+        None if optional.unwrap_or(false) => Ok(BTreeMap::new()),
+        None => Err(KubeletError::Volume {
+            volume: volume.into(),
+            message: format!("configmap \"{config_map}\" not found"),
+        }),
+    }
+}
+
+async fn secret_data(
+    client: &Client,
+    namespace: &str,
+    secret: &str,
+    optional: Option<bool>,
+    volume: &str,
+) -> Result<BTreeMap<String, Vec<u8>>, KubeletError> {
+    let found = Api::<Secret>::namespaced(client.clone(), namespace)
+        .get_opt(secret)
+        .await
+        .map_err(|source| KubeletError::Api {
+            what: format!("secret {namespace}/{secret}"),
+            source,
+        })?;
+    match found {
+        Some(s) => Ok(s
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.0))
+            .chain(
+                s.string_data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.into_bytes())),
+            )
+            .collect()),
+        None if optional.unwrap_or(false) => Ok(BTreeMap::new()),
+        None => Err(KubeletError::Volume {
+            volume: volume.into(),
+            message: format!("secret \"{secret}\" not found"),
+        }),
+    }
+}
+
+/// The files of downwardAPI `items` (fieldRef only).
+fn downward_files(
+    pod: &Pod,
+    items: Option<&[DownwardAPIVolumeFile]>,
+    volume: &str,
+) -> Result<Vec<(String, Vec<u8>)>, KubeletError> {
+    let mut files = Vec::new();
+    for item in items.into_iter().flatten() {
+        let Some(field) = &item.field_ref else {
+            return Err(KubeletError::Volume {
+                volume: volume.into(),
+                message: format!(
+                    "item {:?}: only fieldRef is supported by the process kubelet",
+                    item.path
+                ),
+            });
+        };
+        let value = field_value(pod, &field.field_path).ok_or_else(|| KubeletError::Volume {
+            volume: volume.into(),
+            message: format!("unsupported fieldRef {:?}", field.field_path),
+        })?;
+        files.push((item.path.clone(), value.into_bytes()));
+    }
+    Ok(files)
+}
+
+/// The token's lifetime when the projection names none, as the API defaults it.
+const DEFAULT_TOKEN_SECONDS: i64 = 3600;
+
+/// The files of one source of a projected volume. A service account token is requested
+/// through the TokenRequest API, bound to the pod (so it dies with it), as the kubelet does
+/// for the `kube-api-access-*` volume kube-apiserver's ServiceAccount admission adds. It is
+/// not refreshed: kube-apiserver extends such tokens to a year
+/// (`--service-account-extend-token-expiration`, on by default).
+async fn projection(
+    client: &Client,
+    pod: &Pod,
+    namespace: &str,
+    source: &VolumeProjection,
+    volume: &str,
+) -> Result<Vec<(String, Vec<u8>)>, KubeletError> {
+    if let Some(cm) = &source.config_map {
+        let data = config_map_data(client, namespace, &cm.name, cm.optional, volume).await?;
+        return projected_files(&data, cm.items.as_deref(), volume);
+    }
+    if let Some(sec) = &source.secret {
+        let data = secret_data(client, namespace, &sec.name, sec.optional, volume).await?;
+        return projected_files(&data, sec.items.as_deref(), volume);
+    }
+    if let Some(dapi) = &source.downward_api {
+        return downward_files(pod, dapi.items.as_deref(), volume);
+    }
+    if let Some(sat) = &source.service_account_token {
+        let account = super::serviceaccount::account_name(pod);
+        let request = TokenRequest {
+            spec: Some(TokenRequestSpec {
+                audiences: sat.audience.clone().map(|a| vec![a]),
+                expiration_seconds: Some(sat.expiration_seconds.unwrap_or(DEFAULT_TOKEN_SECONDS)),
+                bound_object_ref: Some(BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    name: pod.metadata.name.clone(),
+                    uid: pod.metadata.uid.clone(),
+                }),
+                ..TokenRequestSpec::default()
+            }),
+            ..TokenRequest::default()
+        };
+        let token = Api::<ServiceAccount>::namespaced(client.clone(), namespace)
+            .create_token_request(&account, &PostParams::default(), &request)
+            .await
+            .map_err(|source| KubeletError::Api {
+                what: format!("a token for service account {namespace}/{account}"),
+                source,
+            })?;
+        let token = token.status.and_then(|s| s.token).unwrap_or_default();
+        return Ok(vec![(sat.path.clone(), token.into_bytes())]);
+    }
+    Err(KubeletError::Volume {
+        volume: volume.into(),
+        message: "unsupported projected source: the process kubelet projects configMap, secret, downwardAPI and serviceAccountToken".into(),
+    })
+}
+
 /// Materializes one volume for the pod in `pod_dir`.
 pub async fn prepare(
     client: &Client,
@@ -167,100 +326,34 @@ pub async fn prepare(
     }
     if let Some(cm) = &volume.config_map {
         let path = plugin_dir(pod_dir, "configmap", name);
-        let optional = cm.optional.unwrap_or(false);
-        let found = Api::<ConfigMap>::namespaced(client.clone(), &namespace)
-            .get_opt(&cm.name)
-            .await
-            .map_err(|source| KubeletError::Api {
-                what: format!("configmap {namespace}/{}", cm.name),
-                source,
-            })?;
-        let data: BTreeMap<String, Vec<u8>> = match found {
-            Some(c) => c
-                .data
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.into_bytes()))
-                .chain(
-                    c.binary_data
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|(k, v)| (k, v.0)),
-                )
-                .collect(),
-            None if optional => BTreeMap::new(),
-            None => {
-                return Err(KubeletError::Volume {
-                    volume: name.into(),
-                    message: format!("configmap \"{}\" not found", cm.name),
-                });
-            }
-        };
-        let files = projected_files(&data, cm.items.as_deref(), name)?;
-        write_files(&path, &files)?;
+        let data = config_map_data(client, &namespace, &cm.name, cm.optional, name).await?;
+        write_files(&path, &projected_files(&data, cm.items.as_deref(), name)?)?;
         return Ok(HostVolume { path });
     }
     if let Some(sec) = &volume.secret {
-        let secret_name = sec.secret_name.clone().unwrap_or_default();
         let path = plugin_dir(pod_dir, "secret", name);
-        let found = Api::<Secret>::namespaced(client.clone(), &namespace)
-            .get_opt(&secret_name)
-            .await
-            .map_err(|source| KubeletError::Api {
-                what: format!("secret {namespace}/{secret_name}"),
-                source,
-            })?;
-        let data: BTreeMap<String, Vec<u8>> = match found {
-            Some(s) => s
-                .data
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k, v.0))
-                .chain(
-                    s.string_data
-                        .unwrap_or_default()
-                        .into_iter()
-                        .map(|(k, v)| (k, v.into_bytes())),
-                )
-                .collect(),
-            None if sec.optional.unwrap_or(false) => BTreeMap::new(),
-            None => {
-                return Err(KubeletError::Volume {
-                    volume: name.into(),
-                    message: format!("secret \"{secret_name}\" not found"),
-                });
-            }
-        };
-        let files = projected_files(&data, sec.items.as_deref(), name)?;
-        write_files(&path, &files)?;
+        let secret_name = sec.secret_name.clone().unwrap_or_default();
+        let data = secret_data(client, &namespace, &secret_name, sec.optional, name).await?;
+        write_files(&path, &projected_files(&data, sec.items.as_deref(), name)?)?;
         return Ok(HostVolume { path });
     }
     if let Some(dapi) = &volume.downward_api {
         let path = plugin_dir(pod_dir, "downward-api", name);
+        write_files(&path, &downward_files(pod, dapi.items.as_deref(), name)?)?;
+        return Ok(HostVolume { path });
+    }
+    if let Some(projected) = &volume.projected {
+        let path = plugin_dir(pod_dir, "projected", name);
         let mut files = Vec::new();
-        for item in dapi.items.iter().flatten() {
-            let Some(field) = &item.field_ref else {
-                return Err(KubeletError::Volume {
-                    volume: name.into(),
-                    message: format!(
-                        "item {:?}: only fieldRef is supported by the process kubelet",
-                        item.path
-                    ),
-                });
-            };
-            let value =
-                field_value(pod, &field.field_path).ok_or_else(|| KubeletError::Volume {
-                    volume: name.into(),
-                    message: format!("unsupported fieldRef {:?}", field.field_path),
-                })?;
-            files.push((item.path.clone(), value.into_bytes()));
+        for source in projected.sources.iter().flatten() {
+            files.extend(projection(client, pod, &namespace, source, name).await?);
         }
         write_files(&path, &files)?;
         return Ok(HostVolume { path });
     }
     Err(KubeletError::Volume {
         volume: name.into(),
-        message: "unsupported volume type: the process kubelet handles emptyDir, hostPath, configMap, secret and downwardAPI".into(),
+        message: "unsupported volume type: the process kubelet handles emptyDir, hostPath, configMap, secret, downwardAPI and projected".into(),
     })
 }
 

@@ -7,7 +7,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Probe, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Probe, Secret};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
 use nix::mount::MsFlags;
@@ -25,7 +25,7 @@ use super::volumes::{self, HostVolume};
 use super::{KubeletError, Sandbox, Shared, now};
 use super::{deviceplugin, serviceaccount};
 use crate::images::{self, Rootfs};
-use crate::scheduler::parse_quantity;
+use super::quantity::parse_quantity;
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// How long the kubelet waits for containers after SIGKILL before giving up on them.
@@ -109,8 +109,8 @@ struct Worker {
     app: Vec<Ctr>,
     sandbox: Option<Sandbox>,
     volumes: BTreeMap<String, HostVolume>,
-    /// The service account files every container mounts, when the pod gets them.
-    service_account: Option<PathBuf>,
+    /// The `kubernetes` Service, for every container's `KUBERNETES_SERVICE_*` environment.
+    kubernetes_service: Option<std::net::SocketAddr>,
     sandbox_error: Option<String>,
     sandbox_retry: Instant,
     pod_ip: Option<String>,
@@ -146,7 +146,7 @@ pub(super) async fn run(
         pod,
         sandbox: None,
         volumes: BTreeMap::new(),
-        service_account: None,
+        kubernetes_service: None,
         sandbox_error: None,
         sandbox_retry: Instant::now(),
         pod_ip: None,
@@ -381,29 +381,9 @@ impl Worker {
             volumes.insert(v.name.clone(), host);
         }
         self.volumes = volumes;
-        self.service_account = self.service_account_files(&pod_dir).await?;
+        self.kubernetes_service = serviceaccount::kubernetes_service(&self.shared.client).await?;
         self.sandbox = Some(sandbox);
         Ok(())
-    }
-
-    /// Writes the service account files unless the pod or its account opts out.
-    async fn service_account_files(&self, pod_dir: &Path) -> Result<Option<PathBuf>, KubeletError> {
-        let Some(access) = &self.config().api_access else {
-            return Ok(None);
-        };
-        let namespace = self.pod.metadata.namespace.clone().unwrap_or_default();
-        let name = serviceaccount::account_name(&self.pod);
-        let account = Api::<ServiceAccount>::namespaced(self.shared.client.clone(), &namespace)
-            .get_opt(&name)
-            .await
-            .map_err(|source| KubeletError::Api {
-                what: format!("service account {namespace}/{name}"),
-                source,
-            })?;
-        if !serviceaccount::automount(&self.pod, account.as_ref()) {
-            return Ok(None);
-        }
-        serviceaccount::write_files(pod_dir, access, &namespace).map(Some)
     }
 
     fn register(&self, sandbox: &Sandbox) {
@@ -516,8 +496,8 @@ impl Worker {
             ("PATH".to_string(), path),
             ("HOSTNAME".to_string(), self.name.clone()),
         ];
-        if let Some(access) = &self.config().api_access {
-            env.extend(serviceaccount::service_env(access.address));
+        if let Some(address) = self.kubernetes_service {
+            env.extend(serviceaccount::service_env(address));
         }
         let mut pod = self.pod.clone();
         if let Some(status) = pod.status.as_mut() {
@@ -720,12 +700,6 @@ impl Worker {
         let requests = deviceplugin::device_requests(&spec);
         for response in self.shared.devices.allocate(&owner, &requests).await? {
             apply_allocation(&mut plan, &root, &mut env, response);
-        }
-        if let Some(dir) = &self.service_account
-            && serviceaccount::wants_mount(&spec)
-        {
-            let target = plan.mount_point(&root, Path::new(serviceaccount::MOUNT_PATH), false);
-            plan.bind(dir, &target, true);
         }
         plan.propagation = Some(propagation);
         plan.root =

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: on a fresh Debian 12 machine (root, Rust toolchain), install what is needed, build,
-# start localcluster, deploy virt-controller (Deployment) and virt-handler (DaemonSet) on it from
-# manifests/, apply the example VM, wait until its guest has booted, show the guest's console, and
-# leave everything running with the next commands to try.
+# The main job: on a fresh Debian 12 machine (root, Rust and Go toolchains), install what is
+# needed, build, start localcluster (the upstream Kubernetes control plane built from pinned Go
+# modules, plus our process kubelet), deploy virt-controller (Deployment) and virt-handler
+# (DaemonSet) on it from manifests/, apply the example VM, wait until its guest has booted, show
+# the guest's console, and leave everything running with the next commands to try.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -21,6 +22,11 @@ step "building the test guest from Debian packages (hack/guest/build.sh, cached)
 hack/guest/build.sh
 guest=${KUBEVIRT_RS_GUEST_DIR:-$repo/.cache/guest}
 
+step "building the upstream control plane and kubectl from pinned Go modules (localcluster/upstream/build.sh, cached; about 5 minutes the first time)"
+kube=$(localcluster/upstream/build.sh)
+export PATH="$(dirname "$kube"):$PATH"
+kubectl version --client
+
 step "building localcluster, virt-controller, virt-handler, virt-launcher, container-disk"
 CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p controller -p handler -p launcher -p containerdisk --bins
 bins=${CARGO_TARGET_DIR:-$repo/target}/debug
@@ -32,18 +38,21 @@ if [[ -f $state/localcluster.pid ]] && kill -0 "$(cat "$state/localcluster.pid")
   fail "localcluster is already running (pid $(cat "$state/localcluster.pid")); stop it first: $bins/localcluster down"
 fi
 
-step "starting localcluster (one node; log: $state/localcluster.log)"
+step "starting localcluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy and one node (log: $state/localcluster.log)"
 mkdir -p "$state"
-setsid "$bins/localcluster" up --nodes 1 --bin-dir "$bins" --guest-dir "$guest" \
+rm -f "$KUBECONFIG"
+setsid "$bins/localcluster" up --nodes 1 --kube "$kube" --bin-dir "$bins" --guest-dir "$guest" \
   >"$state/localcluster.log" 2>&1 </dev/null &
 lc_pid=$!
-for _ in $(seq 120); do
-  [[ -f $KUBECONFIG ]] && kubectl get --raw /readyz >/dev/null 2>&1 && break
-  kill -0 $lc_pid 2>/dev/null || fail "localcluster exited; see $state/localcluster.log"
+# The kubeconfig is written once the control plane is ready; the node follows.
+for _ in $(seq 360); do
+  [[ -f $KUBECONFIG ]] && [[ $(kubectl get nodes -o name 2>/dev/null | wc -l) -ge 1 ]] && break
+  kill -0 $lc_pid 2>/dev/null || fail "localcluster exited; see $state/localcluster.log and $state/logs/"
   sleep 0.5
 done
-kubectl get --raw /readyz >/dev/null || fail "localcluster's API server did not become ready; see $state/localcluster.log"
-kubectl get nodes
+kubectl get --raw /readyz >/dev/null || fail "kube-apiserver did not become ready; see $state/localcluster.log and $state/logs/kube-apiserver.log"
+kubectl version
+kubectl get nodes -o wide
 
 step "installing the CRDs and the KubeVirt CR (emulation allowed: no KVM is assumed)"
 kubectl apply -f manifests/crds/

@@ -6,6 +6,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::pki::{self, Credential, Pki, Subject};
@@ -59,6 +60,8 @@ pub enum ControlPlaneError {
         script: String,
         source: std::io::Error,
     },
+    #[error("probing kube-apiserver: {0}")]
+    Tls(String),
     #[error("the kubeconfig")]
     Kubeconfig(#[from] kube::config::KubeconfigError),
     #[error("building a client")]
@@ -269,6 +272,62 @@ pub struct NodeCredentials {
     pub serving: Credential,
     /// The cluster CA: kube-apiserver's client certificate is signed by it.
     pub ca_pem: String,
+}
+
+/// Asks kube-apiserver's `/readyz` (open to anyone, as `system:public-info-viewer` allows) over
+/// TLS trusting the cluster CA. Not through kube-rs, which logs every 500 of a server that is
+/// still starting as an error.
+struct ReadyProbe {
+    tls: tokio_rustls::TlsConnector,
+    address: SocketAddr,
+}
+
+impl ReadyProbe {
+    fn new(ca_pem: &str, url: &str) -> Result<Self, ControlPlaneError> {
+        use rustls::pki_types::CertificateDer;
+        use rustls::pki_types::pem::PemObject as _;
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()).flatten() {
+            roots.add(cert).map_err(|e| ControlPlaneError::Tls(e.to_string()))?;
+        }
+        let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ControlPlaneError::Tls(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let address = url
+            .trim_start_matches("https://")
+            .parse()
+            .map_err(|_| ControlPlaneError::Tls(format!("{url} is not https://<ip>:<port>")))?;
+        Ok(Self {
+            tls: tokio_rustls::TlsConnector::from(Arc::new(config)),
+            address,
+        })
+    }
+
+    async fn ready(&self) -> bool {
+        let status = async {
+            let tcp = tokio::net::TcpStream::connect(self.address).await.ok()?;
+            let name = rustls::pki_types::ServerName::IpAddress(self.address.ip().into());
+            let tls = self.tls.connect(name, tcp).await.ok()?;
+            let (mut sender, connection) = hyper::client::conn::http1::handshake(
+                hyper_util::rt::TokioIo::new(tls),
+            )
+            .await
+            .ok()?;
+            let connection = tokio::spawn(connection);
+            let request = http::Request::get("/readyz")
+                .header(http::header::HOST, self.address.to_string())
+                .body(http_body_util::Empty::<bytes::Bytes>::new())
+                .ok()?;
+            let status = sender.send_request(request).await.ok()?.status();
+            connection.abort();
+            Some(status)
+        };
+        status.await == Some(http::StatusCode::OK)
+    }
 }
 
 /// A running control plane; dropping it kills every component.
@@ -503,16 +562,11 @@ impl ControlPlane {
     }
 
     async fn wait_ready(&mut self) -> Result<(), ControlPlaneError> {
-        let client = self.client().await?;
+        let probe = ReadyProbe::new(&self.pki.ca().cert_pem, &self.url)?;
         let started = Instant::now();
         loop {
             self.check()?;
-            let request = http::Request::get("/readyz")
-                .body(Vec::new())
-                .expect("a valid request");
-            if let Ok(text) = client.request_text(request).await
-                && text.trim() == "ok"
-            {
+            if probe.ready().await {
                 tracing::info!(elapsed = ?started.elapsed(), url = %self.url, "kube-apiserver ready");
                 return Ok(());
             }

@@ -123,7 +123,7 @@ async fn up(
     std::fs::write(&pid_path, std::process::id().to_string())
         .with_context(|| format!("writing {}", pid_path.display()))?;
     let started = std::time::Instant::now();
-    let plane = ControlPlane::start(config).await?;
+    let mut plane = ControlPlane::start(config).await?;
     let kubeconfig = dir.join("kubeconfig");
     localcluster::pki::write_file(&kubeconfig, plane.kubeconfig(), 0o600)?;
     println!(
@@ -145,9 +145,21 @@ async fn up(
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("waiting for Ctrl-C")?,
-        _ = term.recv() => {}
+    // A component that exits leaves a cluster that only looks alive: say which, and stop.
+    let mut watch = tokio::time::interval(Duration::from_secs(1));
+    let exited = loop {
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => { r.context("waiting for Ctrl-C")?; break None }
+            _ = term.recv() => break None,
+            _ = watch.tick() => {
+                if let Err(e) = plane.check() {
+                    break Some(e);
+                }
+            }
+        }
+    };
+    if let Some(e) = &exited {
+        eprintln!("localcluster: {e}");
     }
     println!("stopping");
     nodes.stop().await;
@@ -157,7 +169,10 @@ async fn up(
             tracing::warn!(path = %path.display(), error = %e, "removing state file");
         }
     }
-    Ok(())
+    match exited {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
 }
 
 /// Whether `pid` is a live process: one that has exited but not been reaped by its parent

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the upstream control plane (kube-apiserver, kube-controller-manager, kube-scheduler,
-# kube-proxy, etcd) and our kubelet-streaming glue into one binary, `kube`, from the Go modules
-# pinned in go.mod/go.sum. The result is cached by the hash of its inputs: a second run with the
-# same pins builds nothing. Prints the binary's path on stdout.
+# kube-proxy, etcd), kubectl and our kubelet-streaming glue into one binary, `kube`, from the Go
+# modules pinned in go.mod/go.sum, with a symlink per component beside it (so the directory can
+# go first on PATH for a kubectl of the same release). The result is cached by the hash of its
+# inputs: a second run with the same pins builds nothing. Prints the binary's path on stdout.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out_root=${KUBE_UPSTREAM_CACHE:-$(cd "$here/../.." && pwd)/.cache/upstream}
@@ -30,6 +31,9 @@ started=$SECONDS
 echo "build.sh: building kube $version (etcd $(go list -m -f '{{.Version}}' go.etcd.io/etcd/server/v3)); a cold build takes a while" >&2
 mkdir -p "$(dirname "$out")"
 CGO_ENABLED=0 go build -trimpath -ldflags "$ldflags" -o "$out.tmp" .
+for component in etcd kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubectl; do
+  ln -sfn kube "$(dirname "$out")/$component"
+done
 mv "$out.tmp" "$out"
 echo "build.sh: built $out in $((SECONDS - started)) s ($(du -m "$out" | cut -f1) MiB)" >&2
 echo "$out"

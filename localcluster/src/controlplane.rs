@@ -187,13 +187,11 @@ impl Component {
                 Ok(())
             });
         }
-        let child = command
-            .spawn()
-            .map_err(|source| ControlPlaneError::Spawn {
-                component: name,
-                binary: binary.display().to_string(),
-                source,
-            })?;
+        let child = command.spawn().map_err(|source| ControlPlaneError::Spawn {
+            component: name,
+            binary: binary.display().to_string(),
+            source,
+        })?;
         tracing::debug!(component = name, pid = child.id(), log = %log.display(), "started");
         Ok(Self { name, child, log })
     }
@@ -261,7 +259,10 @@ fn tail(path: &Path, lines: usize) -> String {
 fn free_port(ip: IpAddr) -> Result<u16, ControlPlaneError> {
     let listener =
         std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(ControlPlaneError::Port)?;
-    Ok(listener.local_addr().map_err(ControlPlaneError::Port)?.port())
+    Ok(listener
+        .local_addr()
+        .map_err(ControlPlaneError::Port)?
+        .port())
 }
 
 /// What a kubelet needs to join: its kubeconfig (a `system:node:<name>` client certificate,
@@ -288,7 +289,9 @@ impl ReadyProbe {
         use rustls::pki_types::pem::PemObject as _;
         let mut roots = rustls::RootCertStore::empty();
         for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()).flatten() {
-            roots.add(cert).map_err(|e| ControlPlaneError::Tls(e.to_string()))?;
+            roots
+                .add(cert)
+                .map_err(|e| ControlPlaneError::Tls(e.to_string()))?;
         }
         let config = rustls::ClientConfig::builder_with_provider(Arc::new(
             rustls::crypto::ring::default_provider(),
@@ -312,11 +315,10 @@ impl ReadyProbe {
             let tcp = tokio::net::TcpStream::connect(self.address).await.ok()?;
             let name = rustls::pki_types::ServerName::IpAddress(self.address.ip().into());
             let tls = self.tls.connect(name, tcp).await.ok()?;
-            let (mut sender, connection) = hyper::client::conn::http1::handshake(
-                hyper_util::rt::TokioIo::new(tls),
-            )
-            .await
-            .ok()?;
+            let (mut sender, connection) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+                    .await
+                    .ok()?;
             let connection = tokio::spawn(connection);
             let request = http::Request::get("/readyz")
                 .header(http::header::HOST, self.address.to_string())
@@ -524,10 +526,7 @@ impl ControlPlane {
                 "--kubelet-client-key={}",
                 p(&pki.apiserver_kubelet_client.key_path)
             ),
-            format!(
-                "--kubelet-certificate-authority={}",
-                p(&pki.ca().cert_path)
-            ),
+            format!("--kubelet-certificate-authority={}", p(&pki.ca().cert_path)),
             "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
             format!(
                 "--proxy-client-cert-file={}",
@@ -551,7 +550,8 @@ impl ControlPlane {
     }
 
     fn spawn(&mut self, name: &'static str, args: &[String]) -> Result<(), ControlPlaneError> {
-        let component = Component::spawn(&self.config.kube, name, args, &self.config.dir.join("logs"))?;
+        let component =
+            Component::spawn(&self.config.kube, name, args, &self.config.dir.join("logs"))?;
         self.components.push(component);
         Ok(())
     }
@@ -573,7 +573,11 @@ impl ControlPlane {
             if started.elapsed() > READY_TIMEOUT {
                 return Err(ControlPlaneError::NotReady(
                     READY_TIMEOUT,
-                    self.config.dir.join("logs/kube-apiserver.log").display().to_string(),
+                    self.config
+                        .dir
+                        .join("logs/kube-apiserver.log")
+                        .display()
+                        .to_string(),
                 ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -650,7 +654,13 @@ impl ControlPlane {
                 organizations: groups,
             },
         )?;
-        client_for(&pki::kubeconfig(&self.url, &self.pki.ca().cert_pem, user, &cred)).await
+        client_for(&pki::kubeconfig(
+            &self.url,
+            &self.pki.ca().cert_pem,
+            user,
+            &cred,
+        ))
+        .await
     }
 
     /// Credentials for a kubelet named `node` serving its API at `address`.

@@ -7,6 +7,7 @@
 pub mod controlplane;
 pub mod images;
 pub mod kubelet;
+pub mod nsexec;
 pub mod pki;
 pub mod tls;
 

@@ -48,6 +48,9 @@ enum Command {
         #[command(flatten)]
         nodes: localcluster::kubelet::cluster::NodeArgs,
     },
+    /// Runs a command in a running container (the kubelet's exec, through its streaming helper).
+    #[command(hide = true)]
+    Nsexec(localcluster::nsexec::Args),
     /// Stop a cluster started with `up` in the same state directory.
     Down {
         #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
@@ -65,15 +68,26 @@ fn pid_file(dir: &Path) -> PathBuf {
     dir.join("localcluster.pid")
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let command = Cli::parse().command;
+    // Joining a mount namespace needs a process that shares its file-system attributes with no
+    // other thread: nsexec runs before any runtime thread exists.
+    if let Command::Nsexec(args) = &command {
+        std::process::exit(localcluster::nsexec::run(args));
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    match Cli::parse().command {
+    tokio::runtime::Runtime::new()
+        .context("starting the async runtime")?
+        .block_on(run(command))
+}
+
+async fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Up {
             dir,
             port,
@@ -99,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
             up(config, &nodes).await
         }
         Command::Down { dir } => down(&dir).await,
+        Command::Nsexec(_) => unreachable!("nsexec runs before the runtime starts"),
     }
 }
 
@@ -132,7 +147,12 @@ async fn up(
         plane.url()
     );
     for c in plane.components() {
-        println!("  {} (pid {}), log {}", c.name(), c.pid(), c.log().display());
+        println!(
+            "  {} (pid {}), log {}",
+            c.name(),
+            c.pid(),
+            c.log().display()
+        );
     }
     let nodes = localcluster::kubelet::cluster::LocalNodes::start(&plane, node_args, &dir).await?;
     for (name, root) in nodes.nodes() {

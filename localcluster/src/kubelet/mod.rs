@@ -308,9 +308,11 @@ impl Kubelet {
             api_port,
         });
         let api = match (listener, &shared.config.serving) {
-            (Some(listener), Some(serving)) => {
-                Some(tokio::spawn(api::serve(shared.clone(), listener, serving.clone())))
-            }
+            (Some(listener), Some(serving)) => Some(tokio::spawn(api::serve(
+                shared.clone(),
+                listener,
+                serving.clone(),
+            ))),
             _ => None,
         };
         let (stop, stop_rx) = watch::channel(false);
@@ -434,7 +436,7 @@ async fn register(
             volume: "node".into(),
             message: e.to_string(),
         })?;
-    let what = format!("registering node {}", name);
+    let what = format!("registering node {name}");
     match nodes.create(&PostParams::default(), &object).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {
@@ -455,7 +457,7 @@ async fn register(
             &Patch::Merge(&json!({"status": node::node_status(facts, &t, &t)})),
         )
         .await
-        .map_err(api_err(format!("posting node {} status", name)))?;
+        .map_err(api_err(format!("posting node {name} status")))?;
     Ok(())
 }
 

@@ -19,13 +19,13 @@ use tokio::time::Instant;
 
 use super::cgroup::Cgroup;
 use super::network::PodNetwork;
+use super::quantity::parse_quantity;
 use super::spawn::{Launch, RootPlan, open_proc, spawn};
 use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
 use super::{KubeletError, Sandbox, Shared, now};
 use super::{deviceplugin, serviceaccount};
 use crate::images::{self, Rootfs};
-use super::quantity::parse_quantity;
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// How long the kubelet waits for containers after SIGKILL before giving up on them.

@@ -20,7 +20,10 @@ use crate::vmi::VirtualMachineInstanceSpec;
 #[serde(rename_all = "camelCase")]
 pub struct VirtualMachineInstanceTemplateSpec {
     /// Labels and annotations given to the instances.
+    // Optional, as in KubeVirt's CRD: with `schema_with`, schemars marks a field required
+    // unless it has `serde(default)`.
     #[schemars(schema_with = "embedded_object_meta")]
+    #[serde(default)]
     pub metadata: Option<ObjectMeta>,
     /// Spec of the instances.
     pub spec: Option<VirtualMachineInstanceSpec>,

@@ -576,7 +576,12 @@ async fn event<K: Resource<DynamicType = ()>>(
 }
 
 fn retry_later(q: &Arc<Queue>, key: &str, what: &str, e: &kube::Error) {
-    tracing::warn!(key, error = %e, "{what}; retrying");
+    // A conflict is the compare-and-swap of a write from a stale copy doing its job.
+    if matches!(e, kube::Error::Api(s) if s.code == 409) {
+        tracing::debug!(key, error = %e, "{what}; retrying");
+    } else {
+        tracing::warn!(key, error = %e, "{what}; retrying");
+    }
     q.add_after(key, Duration::from_secs(2));
 }
 
@@ -594,7 +599,8 @@ async fn sync_vmi(s: &Shared, key: &str) {
         .map(|p| (*p).clone())
         .collect();
     let Some(vmi) = s.vmis.get(&ObjectRef::new(name).within(ns)) else {
-        // The garbage collector's job on a real cluster; localcluster has none.
+        // The garbage collector's job too (the pods' owner reference names the VMI); this
+        // does not wait for it.
         s.pod_exp.delete(key);
         for p in pods
             .iter()
@@ -746,6 +752,11 @@ async fn sync_vmi(s: &Shared, key: &str) {
         );
     }
     if !patch.is_empty() {
+        // The resourceVersion makes this a compare-and-swap: the whole status computed from
+        // this (possibly stale) copy must not overwrite what another writer set since, such
+        // as the node controller failing the VMI; on a conflict the next sync sees both.
+        let metadata = patch.entry("metadata").or_insert_with(|| json!({}));
+        metadata["resourceVersion"] = json!(vmi.metadata.resource_version);
         if let Err(e) = vmi_api
             .patch(
                 name,

@@ -1,6 +1,8 @@
-//! The controllers against the in-process localcluster API server: our CRDs installed from
-//! `manifests/crds/`, the controllers running as they would in a pod. There is no scheduler or
-//! kubelet here, so the tests bind pods and set their phase themselves.
+//! The controllers against the upstream control plane localcluster runs (etcd, kube-apiserver,
+//! kube-controller-manager, each test its own): our CRDs installed from `manifests/crds/`, the
+//! controllers running as they would in a pod. There is no kube-scheduler (but in the benchmark)
+//! and no kubelet here, so the tests bind pods and set their phase themselves, and keep the one
+//! Node they bind to, `node01`, Ready as its kubelet would.
 
 use std::future::Future;
 use std::time::Duration;
@@ -11,6 +13,7 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
+use localcluster::controlplane::TestControlPlane;
 use serde_json::json;
 
 mod common;
@@ -26,15 +29,32 @@ impl Drop for Running {
     }
 }
 
-async fn cluster() -> (localcluster::ApiServer, Client) {
+/// A control plane for one test, with the Node `node01` kept Ready; dropping it stops both.
+struct Cluster {
+    plane: TestControlPlane,
+    _node01: common::NodeHeartbeat,
+}
+
+impl std::ops::Deref for Cluster {
+    type Target = TestControlPlane;
+
+    fn deref(&self) -> &TestControlPlane {
+        &self.plane
+    }
+}
+
+async fn cluster() -> (Cluster, Client) {
+    cluster_with(false).await
+}
+
+/// With `scheduler`, kube-scheduler runs too.
+async fn cluster_with(scheduler: bool) -> (Cluster, Client) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let server = localcluster::ApiServer::start(localcluster::Config::default())
-        .await
-        .unwrap();
-    let client = server.client().await.unwrap();
+    let plane = TestControlPlane::start(scheduler).await;
+    let client = plane.client().await;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/crds");
     for entry in std::fs::read_dir(&dir).unwrap() {
@@ -55,7 +75,21 @@ async fn cluster() -> (localcluster::ApiServer, Client) {
         vms.list(&ListParams::default()).await.ok()
     })
     .await;
-    (server, client)
+    // What `bind_and_run` binds to: it must exist (kube-controller-manager's pod GC deletes
+    // pods bound to a missing node) and stay Ready.
+    let node01 = common::ready_node(
+        &client,
+        json!({"metadata": {"name": "node01", "labels": {"kubernetes.io/hostname": "node01"}}}),
+        serde_json::Value::Null,
+    )
+    .await;
+    (
+        Cluster {
+            plane,
+            _node01: node01,
+        },
+        client,
+    )
 }
 
 fn start(client: &Client, identity: &str, elect: bool) -> Running {
@@ -435,9 +469,7 @@ async fn launcher_pod_readiness_gate_follows_the_paused_condition() {
 #[tokio::test]
 async fn replicaset_scales_0_3_1() {
     let (server, client) = cluster().await;
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).unwrap();
+    let kubeconfig = server.kubeconfig_path();
     let _c = start(&client, "a", false);
     let rss: Api<VirtualMachineInstanceReplicaSet> = Api::default_namespaced(client.clone());
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
@@ -976,7 +1008,7 @@ async fn stays(vmis: &Api<VirtualMachineInstance>, name: &str, uid: Option<Strin
 
 /// A cluster with a running controller and the VM `name` of `strategy` created.
 struct WithVm {
-    _server: localcluster::ApiServer,
+    _server: Cluster,
     _controller: Running,
     client: Client,
     vms: Api<VirtualMachine>,
@@ -1207,9 +1239,10 @@ fn cpu_secs(pid: u32) -> f64 {
 
 /// Control-plane benchmark (prints, asserts nothing about speed). `BENCH_VMIS` VMIs (default
 /// 1,000; the issue's second figure is `BENCH_VMIS=10000`) are created 10 ms apart, each create
-/// its own request with at most `BENCH_IN_FLIGHT` (32) outstanding, against 10 simulated nodes: Node objects whose
-/// virt-handler heartbeat the test keeps fresh, localcluster's real scheduler binding the launcher pods, and a
-/// kubelet stand-in reporting each bound pod Running (a no-op launcher). The controller runs
+/// its own request with at most `BENCH_IN_FLIGHT` (32) outstanding, against 10 simulated nodes: Node
+/// objects whose virt-handler heartbeat and kubelet lease the test keeps fresh, kube-scheduler
+/// (localcluster's upstream control plane) binding the launcher pods, and a kubelet stand-in
+/// reporting each bound pod Running (a no-op launcher). The controller runs
 /// as its own process (the `virt-controller` binary, this build's profile), so its resident
 /// memory can be read. Prints create -> Scheduling (launcher pod created and seen) and
 /// create -> pod bound (adds the scheduler's share) and create -> Scheduled (pod bound and
@@ -1233,35 +1266,24 @@ async fn bench_create_to_scheduled() {
     // kubelet stand-in): the controller's RSS with all VMIs and pods cached, at counts the
     // scheduler would take hours to bind.
     let full = std::env::var("BENCH_UNTIL").as_deref() != Ok("scheduling");
-    let (server, client) = cluster().await;
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).unwrap();
+    // kube-scheduler binds the launcher pods.
+    let (server, client) = cluster_with(full).await;
+    let kubeconfig = server.kubeconfig_path();
 
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
     let resources = json!({"cpu": "1k", "memory": "64Ti", "pods": "10k",
         "devices.kubevirt.io/kvm": "10k", "devices.kubevirt.io/tun": "10k",
         "devices.kubevirt.io/vhost-net": "10k"});
+    // The kubelets' part: Ready, with their leases renewed, so kube-scheduler keeps using them.
+    let mut kubelets = Vec::new();
     for i in 0..NODES {
         let name = format!("sim-{i}");
-        let node = serde_json::from_value(json!({"metadata": {
+        let node = json!({"metadata": {
             "name": name,
             "labels": {"kubernetes.io/hostname": name, "kubevirt.io/schedulable": "true"},
             "annotations": {"kubevirt.io/heartbeat": k8s_openapi::jiff::Timestamp::now().to_string()},
-        }}))
-        .unwrap();
-        nodes.create(&PostParams::default(), &node).await.unwrap();
-        nodes
-            .patch_status(
-                &name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"status": {
-                    "capacity": resources, "allocatable": resources,
-                    "conditions": [{"type": "Ready", "status": "True"}],
-                }})),
-            )
-            .await
-            .unwrap();
+        }});
+        kubelets.push(common::ready_node(&client, node, resources.clone()).await);
     }
     // virt-handler's part: heartbeats, or the node controller fails the nodes after 5 minutes.
     let heartbeat = {
@@ -1285,13 +1307,6 @@ async fn bench_create_to_scheduled() {
             }
         }))
     };
-    let scheduler = full.then(|| {
-        Running(tokio::spawn(localcluster::scheduler::run(
-            client.clone(),
-            "default-scheduler".into(),
-            Duration::from_secs(5),
-        )))
-    });
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
     let created: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let bound: Arc<Mutex<HashMap<String, Duration>>> = Arc::default();
@@ -1442,6 +1457,12 @@ async fn bench_create_to_scheduled() {
     let total = begin.elapsed();
     let rss_scheduled = full.then(|| rss_mib(pid));
     let cpu = (cpu_secs(pid), cpu_secs(std::process::id()));
+    let control_plane = server
+        .components()
+        .iter()
+        .map(|c| format!("{} {:.1} s", c.name(), cpu_secs(c.pid())))
+        .collect::<Vec<_>>()
+        .join(", ");
     let per_node = {
         let pods: Api<Pod> = Api::default_namespaced(client.clone());
         let mut count: HashMap<String, usize> = HashMap::new();
@@ -1484,8 +1505,8 @@ async fn bench_create_to_scheduled() {
          {:.1} VMIs/s reached {} overall; launcher pods per node {per_node:?}\n  \
          virt-controller RSS with {n} VMIs and pods cached: {} once all were Scheduling, \
          {} once all were Scheduled\n  \
-         CPU used: virt-controller {:.1} s, this test process (API server, scheduler, kubelet \
-         stand-in, the bench's own clients) {:.1} s",
+         CPU used: virt-controller {:.1} s, this test process (kubelet stand-in, heartbeats, \
+         the bench's own clients) {:.1} s; the control plane: {control_plane}",
         rate(created_in),
         summary(&scheduling),
         summary(&bound),
@@ -1497,5 +1518,5 @@ async fn bench_create_to_scheduled() {
         cpu.0,
         cpu.1,
     );
-    drop((kubelet, scheduler, heartbeat, controller));
+    drop((kubelet, heartbeat, kubelets, controller));
 }

@@ -1,9 +1,10 @@
-//! `manifests/install/` with the real `kubectl` against localcluster: every object is accepted,
-//! the Deployment and DaemonSet produce pods shaped as the components need (command, env,
-//! host paths, privileges), and a second apply changes nothing.
+//! `manifests/install/` with the real `kubectl` against localcluster's upstream control plane:
+//! every object is accepted, the Deployment and DaemonSet produce pods shaped as the components
+//! need (command, env, host paths, privileges), and a second apply changes nothing.
 //!
-//! The API server runs its workload controllers but no kubelet here, so the pods are checked as
-//! objects; running them is the full-stack run's job (`hack/run.sh`).
+//! kube-controller-manager runs the workload controllers, but there is no scheduler or kubelet
+//! here, so the pods are checked as objects; running them is the full-stack run's job
+//! (`hack/run.sh`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -80,13 +81,9 @@ fn grants(rules: &[k8s_openapi::api::rbac::v1::PolicyRule], resource: &str, verb
 
 #[tokio::test]
 async fn install_manifests_apply_and_render_the_components() {
-    let server = localcluster::ApiServer::start(localcluster::Config::default())
-        .await
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    server.write_kubeconfig(&kubeconfig).unwrap();
-    let client = server.client().await.unwrap();
+    let plane = localcluster::controlplane::TestControlPlane::start(false).await;
+    let kubeconfig = plane.kubeconfig_path();
+    let client = plane.client().await;
 
     kubectl(
         &kubeconfig,

@@ -1,4 +1,4 @@
-//! The virt-handler binary against the local cluster's API server and a kubelet stand-in:
+//! The virt-handler binary against localcluster's upstream control plane and a kubelet stand-in:
 //! unschedulable until its device plugins are registered, schedulable after, `/healthz` and
 //! `/metrics` once its node loop runs, unschedulable again on SIGTERM, then a clean exit.
 

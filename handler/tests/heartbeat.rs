@@ -1,4 +1,4 @@
-//! The heartbeat loop against the local cluster's real Kubernetes API server.
+//! The heartbeat loop against localcluster's upstream control plane (kube-apiserver).
 
 use std::time::Duration;
 
@@ -33,10 +33,8 @@ async fn label(nodes: &Api<Node>, want: &str) -> Node {
 
 #[tokio::test]
 async fn heartbeat_follows_readiness_and_ends_unschedulable() {
-    let server = localcluster::ApiServer::start(localcluster::Config::default())
-        .await
-        .expect("API server");
-    let client = server.client().await.expect("client");
+    let plane = localcluster::controlplane::TestControlPlane::start(false).await;
+    let client = plane.client().await;
     let nodes: Api<Node> = Api::all(client.clone());
     let mut node = Node::default();
     node.metadata.name = Some("node-a".into());

@@ -1,4 +1,4 @@
-//! The node loop against the local cluster's real API server (our CRDs installed) and real
+//! The node loop against localcluster's upstream control plane (our CRDs installed) and real
 //! virt-launcher processes laid out the way the kubelet would: each launcher's socket in
 //! `<pods dir>/<pod uid>/volumes/kubernetes.io~empty-dir/sockets/launcher-sock`. The test plays
 //! virt-controller: it creates the VMI with its node label, the launcher pod, and the VMI's
@@ -54,10 +54,14 @@ where
     }
 }
 
-/// The API server with our CRDs, a pods dir, and the node loop running in-process.
+/// The control plane with our CRDs and the Ready Nodes `node-a` and `node-b`, a pods dir, and
+/// the node loop running in-process.
 struct Harness {
-    server: localcluster::ApiServer,
+    server: localcluster::controlplane::TestControlPlane,
     client: Client,
+    /// The kubelets' leases: kube-controller-manager must keep the nodes, and so the pods the
+    /// test binds to them, Ready (and must not delete those pods as bound to no node).
+    _nodes: Vec<common::NodeHeartbeat>,
     /// Also the pods dir: short, because a unix socket path has at most 107 bytes.
     root: tempfile::TempDir,
     stop: CancellationToken,
@@ -71,7 +75,7 @@ impl Harness {
         h
     }
 
-    /// The API server and the pods dir, for a handler that runs elsewhere.
+    /// The control plane and the pods dir, for a handler that runs elsewhere.
     async fn without_loop() -> Self {
         let _ = tracing_subscriber::fmt()
             .with_env_filter(
@@ -80,11 +84,13 @@ impl Harness {
             )
             .with_test_writer()
             .try_init();
-        let server = localcluster::ApiServer::start(localcluster::Config::default())
-            .await
-            .expect("API server");
-        let client = server.client().await.expect("client");
+        let server = localcluster::controlplane::TestControlPlane::start(false).await;
+        let client = server.client().await;
         common::install_crds(&client).await;
+        let mut nodes = Vec::new();
+        for node in [NODE, "node-b"] {
+            nodes.push(common::ready_node(&client, node).await);
+        }
         let root = tempfile::Builder::new()
             .prefix("p")
             .tempdir_in("/tmp")
@@ -93,6 +99,7 @@ impl Harness {
         Harness {
             server,
             client,
+            _nodes: nodes,
             root,
             stop: CancellationToken::new(),
             running: None,
@@ -1021,14 +1028,7 @@ async fn bench_handler_rss_with_10_vmis() {
     const VMIS: usize = 10;
     let h = Harness::without_loop().await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let kubeconfig = dir.path().join("kubeconfig");
-    h.server.write_kubeconfig(&kubeconfig).expect("kubeconfig");
-    let mut node = k8s_openapi::api::core::v1::Node::default();
-    node.metadata.name = Some(NODE.into());
-    Api::all(h.client.clone())
-        .create(&PostParams::default(), &node)
-        .await
-        .expect("create node");
+    let kubeconfig = h.server.kubeconfig_path();
     let plugins = dir.path().join("kubelet/device-plugins");
     std::fs::create_dir_all(&plugins).expect("mkdir");
     let _registered = common::fake_kubelet(&plugins, h.stop.clone());

@@ -32,7 +32,7 @@ impl Drop for Running {
 /// A control plane for one test, with the Node `node01` kept Ready; dropping it stops both.
 struct Cluster {
     plane: TestControlPlane,
-    _node01: common::NodeHeartbeat,
+    _node01: localcluster::controlplane::NodeHeartbeat,
 }
 
 impl std::ops::Deref for Cluster {
@@ -77,7 +77,7 @@ async fn cluster_with(scheduler: bool) -> (Cluster, Client) {
     .await;
     // What `bind_and_run` binds to: it must exist (kube-controller-manager's pod GC deletes
     // pods bound to a missing node) and stay Ready.
-    let node01 = common::ready_node(
+    let node01 = localcluster::controlplane::ready_node(
         &client,
         json!({"metadata": {"name": "node01", "labels": {"kubernetes.io/hostname": "node01"}}}),
         serde_json::Value::Null,
@@ -1283,7 +1283,8 @@ async fn bench_create_to_scheduled() {
             "labels": {"kubernetes.io/hostname": name, "kubevirt.io/schedulable": "true"},
             "annotations": {"kubevirt.io/heartbeat": k8s_openapi::jiff::Timestamp::now().to_string()},
         }});
-        kubelets.push(common::ready_node(&client, node, resources.clone()).await);
+        kubelets
+            .push(localcluster::controlplane::ready_node(&client, node, resources.clone()).await);
     }
     // virt-handler's part: heartbeats, or the node controller fails the nodes after 5 minutes.
     let heartbeat = {

@@ -61,7 +61,7 @@ struct Harness {
     client: Client,
     /// The kubelets' leases: kube-controller-manager must keep the nodes, and so the pods the
     /// test binds to them, Ready (and must not delete those pods as bound to no node).
-    _nodes: Vec<common::NodeHeartbeat>,
+    _nodes: Vec<localcluster::controlplane::NodeHeartbeat>,
     /// Also the pods dir: short, because a unix socket path has at most 107 bytes.
     root: tempfile::TempDir,
     stop: CancellationToken,

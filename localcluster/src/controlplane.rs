@@ -9,6 +9,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+
 use crate::pki::{self, Credential, Pki, Subject};
 
 /// The Service network (kube-apiserver's `--service-cluster-ip-range`); the `kubernetes`
@@ -46,7 +53,7 @@ pub enum ControlPlaneError {
         log: String,
         tail: String,
     },
-    #[error("kube-apiserver was not ready within {0:?}; its log is {1}")]
+    #[error("the control plane was not ready within {0:?}; see {1}")]
     NotReady(Duration, String),
     #[error(
         "the upstream binary: `{script}` failed ({status}); run it by hand to see why, or set LOCALCLUSTER_KUBE to a built `kube`"
@@ -564,43 +571,42 @@ impl ControlPlane {
     async fn wait_ready(&mut self) -> Result<(), ControlPlaneError> {
         let probe = ReadyProbe::new(&self.pki.ca().cert_pem, &self.url)?;
         let started = Instant::now();
-        loop {
-            self.check()?;
-            if probe.ready().await {
-                tracing::info!(elapsed = ?started.elapsed(), url = %self.url, "kube-apiserver ready");
-                return Ok(());
-            }
-            if started.elapsed() > READY_TIMEOUT {
-                return Err(ControlPlaneError::NotReady(
-                    READY_TIMEOUT,
-                    self.config
-                        .dir
-                        .join("logs/kube-apiserver.log")
-                        .display()
-                        .to_string(),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        self.wait_for("kube-apiserver", || probe.ready()).await?;
+        tracing::info!(elapsed = ?started.elapsed(), url = %self.url, "kube-apiserver ready");
+        Ok(())
     }
 
     async fn wait_for_default_service_account(&mut self) -> Result<(), ControlPlaneError> {
         let accounts: kube::Api<k8s_openapi::api::core::v1::ServiceAccount> =
             kube::Api::namespaced(self.client().await?, "default");
+        self.wait_for("kube-controller-manager", || async {
+            accounts.get_opt("default").await.ok().flatten().is_some()
+        })
+        .await
+    }
+
+    /// Polls `ready` until it holds; fails when a component exits or after [`READY_TIMEOUT`],
+    /// naming the log of `component`, the one expected to make it hold.
+    async fn wait_for<F, Fut>(
+        &mut self,
+        component: &str,
+        mut ready: F,
+    ) -> Result<(), ControlPlaneError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
         let started = Instant::now();
         loop {
             self.check()?;
-            if accounts.get_opt("default").await.ok().flatten().is_some() {
+            if ready().await {
                 return Ok(());
             }
             if started.elapsed() > READY_TIMEOUT {
+                let log = self.config.dir.join(format!("logs/{component}.log"));
                 return Err(ControlPlaneError::NotReady(
                     READY_TIMEOUT,
-                    self.config
-                        .dir
-                        .join("logs/kube-controller-manager.log")
-                        .display()
-                        .to_string(),
+                    log.display().to_string(),
                 ));
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -756,6 +762,83 @@ impl std::ops::Deref for TestControlPlane {
     fn deref(&self) -> &ControlPlane {
         &self.plane
     }
+}
+
+/// The kubelet's part of a Node for kube-controller-manager: a Ready condition and its Lease
+/// in `kube-node-lease`, renewed every 10 s. Without them, the node-lifecycle controller marks
+/// the Node Unknown about 50 s after it appears, taints it (the scheduler then leaves it
+/// alone), marks its pods not ready and, 5 minutes later, evicts them. Renewal stops on drop.
+#[derive(Debug)]
+pub struct NodeHeartbeat(tokio::task::JoinHandle<()>);
+
+impl Drop for NodeHeartbeat {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Creates `node` (any status in it is replaced), reports it Ready with `resources` as its
+/// capacity and allocatable (none when `Value::Null`), and keeps its Lease fresh.
+/// For tests.
+pub async fn ready_node(
+    client: &kube::Client,
+    node: serde_json::Value,
+    resources: serde_json::Value,
+) -> NodeHeartbeat {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(node).expect("the test node");
+    let name = nodes
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("the test node")
+        .metadata
+        .name
+        .expect("the test node");
+    let now = Time(Timestamp::now());
+    let mut status = json!({"conditions": [{
+        "type": "Ready", "status": "True", "reason": "KubeletReady",
+        "message": "the test is posting ready status for this node",
+        "lastHeartbeatTime": now, "lastTransitionTime": now,
+    }]});
+    if !resources.is_null() {
+        status["capacity"] = resources.clone();
+        status["allocatable"] = resources;
+    }
+    nodes
+        .patch_status(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": status })),
+        )
+        .await
+        .expect("the test node");
+    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
+    let lease: Lease = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "holderIdentity": name,
+            "leaseDurationSeconds": 40,
+            "renewTime": MicroTime(Timestamp::now()),
+        },
+    }))
+    .expect("the test node");
+    leases
+        .create(&PostParams::default(), &lease)
+        .await
+        .expect("the test node");
+    NodeHeartbeat(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+            if let Err(e) = leases
+                .patch(&name, &PatchParams::default(), &Patch::Merge(renew))
+                .await
+            {
+                tracing::warn!(node = %name, error = %e, "renewing the node's lease");
+            }
+        }
+    }))
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

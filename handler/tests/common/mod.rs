@@ -248,77 +248,17 @@ pub async fn install_crds(client: &kube::Client) {
     }
 }
 
-/// The kubelet's part of a Node for kube-controller-manager: a Ready condition and its Lease
-/// in `kube-node-lease`, renewed every 10 s. Without them, the node-lifecycle controller marks
-/// the Node Unknown about 50 s after it appears, taints it, marks its pods not ready (which
-/// the handler reports in the VMI's Ready condition) and, 5 minutes later, evicts them.
-/// Renewal stops on drop.
-pub struct NodeHeartbeat(tokio::task::JoinHandle<()>);
-
-impl Drop for NodeHeartbeat {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// Creates the Node `name`, reports it Ready and keeps its Lease fresh.
-pub async fn ready_node(client: &kube::Client, name: &str) -> NodeHeartbeat {
-    use k8s_openapi::api::coordination::v1::Lease;
-    use k8s_openapi::api::core::v1::Node;
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
-    use k8s_openapi::jiff::Timestamp;
-    use kube::api::{Api, Patch, PatchParams, PostParams};
-    use serde_json::json;
-    let nodes: Api<Node> = Api::all(client.clone());
-    let node: Node = serde_json::from_value(json!({
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-    }))
-    .expect("node");
-    nodes
-        .create(&PostParams::default(), &node)
-        .await
-        .expect("create node");
-    let now = Time(Timestamp::now());
-    nodes
-        .patch_status(
-            name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"conditions": [{
-                "type": "Ready", "status": "True", "reason": "KubeletReady",
-                "message": "the test's stand-in kubelet is posting ready status",
-                "lastHeartbeatTime": now, "lastTransitionTime": now,
-            }]}})),
-        )
-        .await
-        .expect("node status");
-    let leases: Api<Lease> = Api::namespaced(client.clone(), "kube-node-lease");
-    let lease: Lease = serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "spec": {
-            "holderIdentity": name,
-            "leaseDurationSeconds": 40,
-            "renewTime": MicroTime(Timestamp::now()),
-        },
-    }))
-    .expect("lease");
-    leases
-        .create(&PostParams::default(), &lease)
-        .await
-        .expect("create lease");
-    let name = name.to_owned();
-    NodeHeartbeat(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(10));
-        loop {
-            tick.tick().await;
-            let renew = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
-            if let Err(e) = leases
-                .patch(&name, &PatchParams::default(), &Patch::Merge(renew))
-                .await
-            {
-                tracing::warn!(node = %name, error = %e, "renewing the node's lease");
-            }
-        }
-    }))
+pub async fn ready_node(
+    client: &kube::Client,
+    name: &str,
+) -> localcluster::controlplane::NodeHeartbeat {
+    localcluster::controlplane::ready_node(
+        client,
+        serde_json::json!({"metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}}),
+        serde_json::Value::Null,
+    )
+    .await
 }
 
 /// The kubelet's device-plugin registration endpoint on `<dir>/kubelet.sock`: accepts every

@@ -1,11 +1,16 @@
-//! The whole stack on one machine, for end-to-end tests: `localcluster up` as its own process, then
-//! the CRDs, the KubeVirt CR, virt-handler's certificates, virt-controller and virt-handler from
-//! `manifests/`, all applied with the real `kubectl`, exactly as `hack/run.sh` does.
+//! The whole stack on one machine, for end-to-end tests: `localcluster up` as its own process (the
+//! upstream control plane with kube-proxy, and one process kubelet, `node-1`), then the CRDs, the
+//! KubeVirt CR, virt-handler's certificates, virt-controller and virt-handler from `manifests/`,
+//! all applied with the real `kubectl`, exactly as `hack/run.sh` does. RBAC is enforced: the
+//! components run as the service accounts of `manifests/install/` and reach kube-apiserver
+//! through the `kubernetes` Service (10.96.0.1, kube-proxy's rules).
 //!
 //! The binaries come from the cargo target dir the tests were built in (`cargo nextest run
-//! --workspace` builds every package's binaries) or from `KUBEVIRT_RS_BIN_DIR`.
+//! --workspace` builds every package's binaries) or from `KUBEVIRT_RS_BIN_DIR`; the upstream
+//! `kube` binary from `LOCALCLUSTER_KUBE`, else `localcluster/upstream/build.sh` (cached).
 
 use std::io::Write as _;
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -25,6 +30,12 @@ pub const BINARIES: [&str; 5] = [
 /// How long a poll waits between looks.
 const POLL: Duration = Duration::from_millis(500);
 
+/// The `kubernetes` Service, which pods reach kube-apiserver through (kube-proxy's DNAT).
+const KUBERNETES_SERVICE: (Ipv4Addr, u16) = (Ipv4Addr::new(10, 96, 0, 1), 443);
+
+/// The node `localcluster up --nodes 1` runs.
+const NODE: &str = "node-1";
+
 /// Why the stack could not be brought up or queried.
 #[derive(Debug, thiserror::Error)]
 pub enum StackError {
@@ -43,6 +54,13 @@ pub enum StackError {
         status: std::process::ExitStatus,
         stderr: String,
     },
+    #[error(
+        "the upstream binary: `{script}` failed ({status}); set LOCALCLUSTER_KUBE to a built `kube`"
+    )]
+    KubeBuild {
+        script: String,
+        status: std::process::ExitStatus,
+    },
     #[error("localcluster exited ({status}); its log is {log}")]
     ClusterExited {
         status: std::process::ExitStatus,
@@ -56,6 +74,11 @@ pub enum StackError {
     },
     #[error("{0}")]
     Io(#[from] std::io::Error),
+    #[error("{error}\n{diagnostics}")]
+    Diagnosed {
+        error: Box<StackError>,
+        diagnostics: String,
+    },
 }
 
 /// A running localcluster with virt-controller and virt-handler deployed; stopped on drop.
@@ -80,6 +103,31 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// The upstream `kube` binary `localcluster up` runs the control plane from:
+/// `LOCALCLUSTER_KUBE`, else what `localcluster/upstream/build.sh` builds (cached by its inputs).
+pub fn kube_binary() -> Result<PathBuf, StackError> {
+    if let Some(path) = std::env::var_os("LOCALCLUSTER_KUBE") {
+        return Ok(PathBuf::from(path));
+    }
+    let script = repo_root().join("localcluster/upstream/build.sh");
+    let out = Command::new(&script)
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|source| StackError::Spawn {
+            command: script.display().to_string(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(StackError::KubeBuild {
+            script: script.display().to_string(),
+            status: out.status,
+        });
+    }
+    Ok(PathBuf::from(
+        String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+    ))
 }
 
 /// Where the binaries are: `KUBEVIRT_RS_BIN_DIR`, else the profile dir of the running test
@@ -163,6 +211,7 @@ impl Stack {
                 });
             }
         }
+        let kube = kube_binary()?;
         let dir = tempfile::Builder::new()
             .prefix("kubevirt-rs-e2e")
             .tempdir()?;
@@ -172,6 +221,8 @@ impl Stack {
             .arg("--dir")
             .arg(dir.path())
             .args(["--port", "0", "--nodes", "1"])
+            .arg("--kube")
+            .arg(&kube)
             .arg("--bin-dir")
             .arg(&bins)
             .arg("--guest-dir")
@@ -196,29 +247,57 @@ impl Stack {
     }
 
     fn deploy(&mut self) -> Result<(), StackError> {
-        let log = self.dir.path().join("localcluster.log");
         let kubeconfig = self.kubeconfig();
-        wait_for("localcluster's API server", Duration::from_secs(60), || {
-            if let Ok(Some(status)) = self.cluster.try_wait() {
-                return Err(format!(
-                    "localcluster exited ({status}); see {}",
-                    log.display()
-                ));
-            }
-            if !kubeconfig.exists() {
-                return Err("no kubeconfig yet".into());
-            }
-            self.kubectl(&["get", "--raw", "/readyz"])
-                .map(|_| Some(()))
-                .map_err(|e| e.to_string())
-        })
-        .map_err(|e| match self.cluster.try_wait() {
-            Ok(Some(status)) => StackError::ClusterExited {
-                status,
-                log: log.clone(),
+        // `up` writes the kubeconfig once kube-apiserver is ready (up to its 180 s start
+        // timeout on a busy machine), then starts the node.
+        wait_for(
+            "localcluster's API server",
+            Duration::from_secs(240),
+            || {
+                self.check_cluster()?;
+                if !kubeconfig.exists() {
+                    return Err("no kubeconfig yet".into());
+                }
+                self.kubectl(&["get", "--raw", "/readyz"])
+                    .map(|_| Some(()))
+                    .map_err(|e| e.to_string())
             },
-            _ => e,
-        })?;
+        )
+        .map_err(|e| self.exited_or(e))?;
+        wait_for(
+            &format!("{NODE} to be Ready"),
+            Duration::from_secs(120),
+            || {
+                self.check_cluster()?;
+                let ready = self
+                    .kubectl(&[
+                        "get",
+                        "node",
+                        NODE,
+                        "-o",
+                        "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
+                    ])
+                    .map_err(|e| e.to_string())?;
+                (ready == "True")
+                    .then_some(Some(()))
+                    .ok_or_else(|| format!("Ready={ready:?}"))
+            },
+        )
+        .map_err(|e| self.exited_or(e))?;
+        // Pods reach the API only once kube-proxy has programmed the `kubernetes` Service; its
+        // rules cover the host's own connections too.
+        let service = SocketAddr::from(KUBERNETES_SERVICE);
+        wait_for(
+            "kube-proxy to serve the kubernetes Service (10.96.0.1:443)",
+            Duration::from_secs(120),
+            || {
+                self.check_cluster()?;
+                TcpStream::connect_timeout(&service, Duration::from_secs(2))
+                    .map(|_| Some(()))
+                    .map_err(|e| format!("{service}: {e}"))
+            },
+        )
+        .map_err(|e| self.exited_or(e))?;
         let repo = self.repo.clone();
         let path = |p: &str| repo.join(p).display().to_string();
         self.kubectl(&["apply", "-f", &path("manifests/crds/")])?;
@@ -232,7 +311,8 @@ impl Stack {
         ])?;
         self.kubectl(&["apply", "-f", &path("manifests/install/00-namespace.yaml")])?;
         self.kubectl(&["apply", "-f", &path("manifests/examples/kubevirt-cr.yaml")])?;
-        let pki = self.dir.path().join("pki");
+        // Not `<dir>/pki`: that is the control plane's (pki.sh keeps an existing ca.crt).
+        let pki = self.dir.path().join("virt-handler-pki");
         run(Command::new(repo.join("hack/pki.sh")).arg(&pki), None)?;
         let secret = self.kubectl(&[
             "-n",
@@ -257,7 +337,8 @@ impl Stack {
             "status",
             "deployment/virt-controller",
             "--timeout=180s",
-        ])?;
+        ])
+        .map_err(|e| self.with_component_logs(e))?;
         wait_for(
             "virt-handler to mark the node schedulable",
             Duration::from_secs(180),
@@ -279,6 +360,108 @@ impl Stack {
                 }
             },
         )
+        .map_err(|e| self.with_component_logs(e))
+    }
+
+    /// An error if `localcluster up` has exited.
+    fn check_cluster(&mut self) -> Result<(), String> {
+        match self.cluster.try_wait() {
+            Ok(Some(status)) => Err(format!(
+                "localcluster exited ({status}); see {}",
+                self.dir.path().join("localcluster.log").display()
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// `e`, or that localcluster exited if it has.
+    fn exited_or(&mut self, e: StackError) -> StackError {
+        match self.cluster.try_wait() {
+            Ok(Some(status)) => StackError::ClusterExited {
+                status,
+                log: self.dir.path().join("localcluster.log"),
+            },
+            _ => e,
+        }
+    }
+
+    /// `e` with the end of virt-controller's and virt-handler's logs (read from the node's
+    /// log directory, so it works without the kubelet API) and their pods' states.
+    fn with_component_logs(&self, error: StackError) -> StackError {
+        use std::fmt::Write as _;
+        let mut diagnostics = String::new();
+        if let Ok(pods) = self.kubectl(&["-n", "kubevirt", "get", "pods", "-o", "wide"]) {
+            diagnostics.push_str("kubevirt pods:\n");
+            diagnostics.push_str(&pods);
+        }
+        for (pod, container, log) in self.pod_logs("kubevirt") {
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(15)..].join("\n");
+            let _ = write!(diagnostics, "\n--- {pod}/{container}:\n{tail}");
+        }
+        StackError::Diagnosed {
+            error: Box::new(error),
+            diagnostics,
+        }
+    }
+
+    /// Every container log of the pods in `namespace` on the node:
+    /// `(pod, container, text)`, all restarts concatenated in order.
+    pub fn pod_logs(&self, namespace: &str) -> Vec<(String, String, String)> {
+        let root = self
+            .dir
+            .path()
+            .join("nodes")
+            .join(NODE)
+            .join("var/log/pods");
+        let mut out = Vec::new();
+        let mut pods: Vec<PathBuf> = std::fs::read_dir(&root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .and_then(|n| n.to_str())
+                    .is_some_and(|n| n.starts_with(&format!("{namespace}_")))
+            })
+            .collect();
+        pods.sort();
+        for pod_dir in pods {
+            let pod = pod_dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let mut containers: Vec<PathBuf> = std::fs::read_dir(&pod_dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            containers.sort();
+            for container_dir in containers {
+                let mut runs: Vec<(u32, PathBuf)> = std::fs::read_dir(&container_dir)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .filter_map(|e| {
+                        let n = e.file_name().to_str()?.strip_suffix(".log")?.parse().ok()?;
+                        Some((n, e.path()))
+                    })
+                    .collect();
+                runs.sort();
+                let text: String = runs
+                    .iter()
+                    .filter_map(|(_, p)| std::fs::read_to_string(p).ok())
+                    .collect();
+                let container = container_dir
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                out.push((pod.clone(), container, text));
+            }
+        }
+        out
     }
 
     /// The kubeconfig `localcluster up` wrote.
@@ -317,6 +500,7 @@ impl Stack {
         run(
             Command::new("kubectl")
                 .env("KUBECONFIG", self.kubeconfig())
+                .env("KUBECACHEDIR", self.dir.path().join("kubectl-cache"))
                 .args(args),
             input,
         )

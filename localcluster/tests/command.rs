@@ -1,7 +1,9 @@
-//! The `localcluster` command: `up` writes the kubeconfig kubectl uses, refuses a second `up`
-//! on the same state and a start without root; `down` stops it and removes its state files.
+//! The `localcluster` command: `up` starts the upstream control plane (from `--kube`) and
+//! writes the kubeconfig kubectl uses, refuses a second `up` on the same state and a start of
+//! nodes without root; `down` stops every component and removes its state files.
 
 use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,12 @@ fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// The upstream `kube` binary (`LOCALCLUSTER_KUBE`, else `upstream/build.sh`'s), resolved here
+/// so that `up` is given it with `--kube`.
+fn kube() -> PathBuf {
+    localcluster::controlplane::kube_binary().expect("the upstream kube binary")
+}
+
 fn localcluster(args: &[&str]) -> std::process::Output {
     Command::new(BIN)
         .args(args)
@@ -33,16 +41,40 @@ fn localcluster(args: &[&str]) -> std::process::Output {
         .expect("running localcluster")
 }
 
+/// The pids of processes whose command line mentions `dir` (the components `up` started
+/// name their state directory in their flags).
+fn processes_using(dir: &Path) -> Vec<u32> {
+    let needle = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            String::from_utf8_lossy(&cmdline)
+                .contains(&needle)
+                .then_some(pid)
+        })
+        .collect()
+}
+
 #[test]
 fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
     let dir = tempfile::tempdir().expect("temp dir");
     let d = dir.path().to_str().expect("utf-8 path");
-    let up = Running(
+    let kube = kube();
+    let kube = kube.to_str().expect("utf-8 path");
+    let log = std::fs::File::create(dir.path().join("up.log")).expect("log file");
+    let mut up = Running(
         Command::new(BIN)
-            .args(["up", "--dir", d, "--port", "0", "--nodes", "0"])
+            .args([
+                "up", "--dir", d, "--port", "0", "--nodes", "0", "--kube", kube,
+            ])
             .env("RUST_LOG", "warn")
+            .env_remove("LOCALCLUSTER_KUBE")
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("starting localcluster up"),
     );
@@ -50,14 +82,27 @@ fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
         dir.path().join("kubeconfig"),
         dir.path().join("localcluster.pid"),
     );
-    wait_for("the pid file", 60, || pid_file.exists());
-    assert!(kubeconfig.exists());
-    let get = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args(["get", "namespace", "default", "-o", "name"])
-        .output()
-        .expect("running kubectl");
+    // The kubeconfig is written once kube-apiserver is ready.
+    wait_for("the kubeconfig", 240, || {
+        if let Ok(Some(status)) = up.0.try_wait() {
+            panic!(
+                "localcluster up exited ({status}): {}",
+                std::fs::read_to_string(dir.path().join("up.log")).unwrap_or_default()
+            );
+        }
+        kubeconfig.exists()
+    });
+    assert!(pid_file.exists());
+    let kubectl = |args: &[&str]| {
+        Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(args)
+            .env("KUBECACHEDIR", dir.path().join("kubectl-cache"))
+            .output()
+            .expect("running kubectl")
+    };
+    let get = kubectl(&["get", "namespace", "default", "-o", "name"]);
     assert!(
         get.status.success(),
         "{}",
@@ -67,8 +112,28 @@ fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
         String::from_utf8_lossy(&get.stdout).trim(),
         "namespace/default"
     );
+    // The whole upstream control plane, as its own processes: etcd, kube-apiserver,
+    // kube-controller-manager and kube-scheduler (no kube-proxy without nodes).
+    let components = processes_using(dir.path());
+    assert!(components.len() >= 4, "components: {components:?}");
+    let logs: Vec<String> = std::fs::read_dir(dir.path().join("logs"))
+        .expect("the components' logs")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    for component in [
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+    ] {
+        assert!(logs.contains(&format!("{component}.log")), "{logs:?}");
+    }
+    assert!(!logs.contains(&"kube-proxy.log".to_string()), "{logs:?}");
 
-    let second = localcluster(&["up", "--dir", d, "--port", "0", "--nodes", "0"]);
+    let second = localcluster(&[
+        "up", "--dir", d, "--port", "0", "--nodes", "0", "--kube", kube,
+    ]);
     assert!(!second.status.success());
     let err = String::from_utf8_lossy(&second.stderr);
     assert!(err.contains("is already running with state in"), "{err}");
@@ -81,6 +146,8 @@ fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
     );
     assert!(!kubeconfig.exists(), "kubeconfig left");
     assert!(!pid_file.exists(), "pid file left");
+    let left = processes_using(dir.path());
+    assert!(left.is_empty(), "components left running: {left:?}");
     drop(up);
     let again = localcluster(&["down", "--dir", d]);
     assert!(!again.status.success(), "nothing left to stop");
@@ -97,7 +164,9 @@ fn up_with_nodes_refuses_without_root() {
     .expect("chmod");
     let state = dir.path().join("state");
     let mut cmd = Command::new(BIN);
-    cmd.args(["up", "--port", "0", "--nodes", "1", "--dir"])
+    cmd.args(["up", "--port", "0", "--nodes", "1", "--kube"])
+        .arg(kube())
+        .arg("--dir")
         .arg(&state)
         .env("RUST_LOG", "warn")
         .env("HOME", dir.path());

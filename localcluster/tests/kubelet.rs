@@ -1,5 +1,7 @@
-//! The process kubelet against the in-process API server, with real namespaces, mounts,
-//! cgroups and veths (we are root).
+//! The process kubelet against the upstream control plane (kube-apiserver with the Node
+//! authorizer and NodeRestriction: each kubelet is `system:node:<name>`), with real namespaces,
+//! mounts, cgroups and veths (we are root). Pods are bound by `spec.nodeName` unless a test runs
+//! kube-scheduler.
 
 mod common;
 
@@ -13,7 +15,7 @@ use kube::Api;
 use kube::api::{DeleteParams, PostParams};
 use localcluster::images::{ImageTable, Rootfs};
 use localcluster::kubelet::network::PodCidr;
-use localcluster::kubelet::{Kubelet, NodeConfig};
+use localcluster::kubelet::{Kubelet, NodeConfig, Serving};
 use serde_json::{Value, json};
 
 const IMAGE: &str = "kubevirt-rs/test-tools:latest";
@@ -23,6 +25,11 @@ const IMAGE: &str = "kubevirt-rs/test-tools:latest";
 struct TestNode {
     kubelet: Option<Kubelet>,
     _dir: tempfile::TempDir,
+}
+
+/// A node name no other test uses.
+fn fresh_node_name() -> String {
+    format!("n-{}", &uuid::Uuid::new_v4().simple().to_string()[..6])
 }
 
 impl TestNode {
@@ -37,16 +44,35 @@ impl TestNode {
     /// Starts a node whose configuration `adjust` changes last.
     async fn start_config(
         cluster: &Cluster,
-        mut images: ImageTable,
+        images: ImageTable,
         adjust: impl FnOnce(&mut NodeConfig),
     ) -> Self {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter("localcluster=info")
-            .with_test_writer()
-            .try_init();
+        Self::start_named(cluster, &fresh_node_name(), images, false, adjust).await
+    }
+
+    /// A node serving the kubelet API (on a free port, with the serving certificate of its
+    /// credentials), which kube-apiserver dials for logs and exec.
+    async fn start_serving(cluster: &Cluster) -> Self {
+        Self::start_named(
+            cluster,
+            &fresh_node_name(),
+            ImageTable::default(),
+            true,
+            |_| {},
+        )
+        .await
+    }
+
+    /// Starts node `name` as `system:node:<name>`, serving the kubelet API if `serve`.
+    async fn start_named(
+        cluster: &Cluster,
+        name: &str,
+        mut images: ImageTable,
+        serve: bool,
+        adjust: impl FnOnce(&mut NodeConfig),
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let name = format!("n-{}", &id[..6]);
         let bytes = id.as_bytes();
         let cidr = PodCidr::parse(&format!(
             "10.{}.{}.0/24",
@@ -55,11 +81,20 @@ impl TestNode {
         ))
         .expect("cidr");
         images.insert(IMAGE, Rootfs::Host);
-        let mut config = NodeConfig::new(&name, dir.path(), cidr, images);
+        let mut config = NodeConfig::new(name, dir.path(), cidr, images);
         config.restart_backoff = Duration::from_millis(500);
         config.heartbeat = Duration::from_secs(2);
+        let (client, creds) = cluster.node_client(name).await;
+        if serve {
+            config.serving = Some(Serving {
+                port: 0,
+                cert_pem: creds.serving.cert_pem,
+                key_pem: creds.serving.key_pem,
+                client_ca_pem: creds.ca_pem,
+            });
+        }
         adjust(&mut config);
-        let kubelet = Kubelet::start(cluster.client.clone(), config)
+        let kubelet = Kubelet::start(client, config)
             .await
             .expect("starting the kubelet");
         Self {
@@ -981,27 +1016,62 @@ async fn host_images_carry_the_bin_dir_in_usr_bin() {
     node.stop().await;
 }
 
+/// The in-cluster configuration through the real path: kube-apiserver's ServiceAccount
+/// admission adds the `kube-api-access-*` projected volume, the kubelet fills it with a token
+/// from TokenRequest, the `kubernetes` Service's cluster IP (10.96.0.1) in
+/// `KUBERNETES_SERVICE_HOST` reaches kube-apiserver through kube-proxy's nftables rules (from a
+/// pod network namespace and from the host's), and the token authenticates as the pod's
+/// service account, which RBAC then holds to what it was granted. kube-scheduler binds the pods.
+/// kube-proxy owns the host's `kube-proxy` nftables tables, so this test is in nextest's `e2e`
+/// group (one at a time on the machine).
 #[tokio::test]
-async fn pods_get_in_cluster_config_and_kubectl_lists_pods_with_it() {
-    let host_ip: std::net::IpAddr = localcluster::kubelet::node::host_ip()
-        .parse()
-        .expect("the machine's address");
-    let cluster = Cluster::start_with(localcluster::Config {
-        advertise_address: Some(host_ip),
-        ..localcluster::Config::default()
+async fn kube_proxy_serves_the_kubernetes_service_to_pods_with_their_own_tokens() {
+    let node_name = fresh_node_name();
+    let proxy_node = node_name.clone();
+    let cluster = Cluster::start_with(|c| {
+        c.scheduler = true;
+        c.proxy_node = Some(proxy_node);
     })
     .await;
-    let access = cluster.pod_access().expect("an in-process server");
-    let node = TestNode::start_config(&cluster, ImageTable::default(), |c| {
-        c.api_access = Some(access);
+    let node =
+        TestNode::start_named(&cluster, &node_name, ImageTable::default(), false, |_| {}).await;
+    let ns = cluster.namespace.clone();
+    // The namespace's default service account may read (not secrets), and nothing more.
+    let (ok, _, err) = cluster
+        .kubectl(&[
+            "create",
+            "rolebinding",
+            "default-view",
+            "--clusterrole=view",
+            &format!("--serviceaccount={ns}:default"),
+        ])
+        .await;
+    assert!(ok, "{err}");
+    // kube-proxy has programmed the Service once the host reaches it.
+    let service =
+        std::net::SocketAddr::from((localcluster::controlplane::KUBERNETES_SERVICE_IP, 443));
+    eventually(120, "10.96.0.1:443 through kube-proxy", || async {
+        tokio::time::timeout(
+            Duration::from_secs(2),
+            tokio::net::TcpStream::connect(service),
+        )
+        .await
+        .ok()?
+        .ok()
     })
     .await;
+
     let pods: Api<Pod> = cluster.api();
-    // kubectl with no kubeconfig (no HOME) takes the in-cluster configuration: the
-    // KUBERNETES_SERVICE_* address, the token and CA, and the namespace file.
-    let kubectl = "set -e; d=/var/run/secrets/kubernetes.io/serviceaccount; \
+    // With the projected token: a request RBAC refuses (403, naming the service account, so
+    // the token authenticated), then kubectl with no kubeconfig (in-cluster configuration)
+    // listing the pods, which `view` allows. The token file is read-only.
+    let script = "set -e; d=/var/run/secrets/kubernetes.io/serviceaccount; \
         test \"$(cat $d/namespace)\" = \"$NS\"; test -s $d/ca.crt; \
         echo \"$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT\"; \
+        curl -sS --max-time 20 --cacert $d/ca.crt -H \"Authorization: Bearer $(cat $d/token)\" \
+          -o /tmp/body -w 'status %{http_code}\\n' \
+          https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/$NS/secrets; \
+        cat /tmp/body; echo; \
         kubectl get pods -o name; \
         if echo x > $d/token; then exit 9; fi";
     let with_ns = |mut c: Value| {
@@ -1011,39 +1081,54 @@ async fn pods_get_in_cluster_config_and_kubectl_lists_pods_with_it() {
     };
     let no_token = sh(
         "main",
-        "test -n \"$KUBERNETES_SERVICE_HOST\" && test ! -e /var/run/secrets/kubernetes.io/serviceaccount",
+        "test \"$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT\" = 10.96.0.1:443 \
+         && test ! -e /var/run/secrets/kubernetes.io/serviceaccount",
     );
-    for (name, spec) in [
-        (
-            "incluster",
-            json!({"containers": [with_ns(sh("main", kubectl))]}),
-        ),
-        (
-            "incluster-host",
-            json!({"hostNetwork": true, "containers": [with_ns(sh("main", kubectl))]}),
-        ),
-        (
-            "no-token",
-            json!({"automountServiceAccountToken": false, "containers": [no_token]}),
-        ),
-    ] {
-        let mut spec = spec;
-        spec["restartPolicy"] = json!("Never");
-        pods.create(&PostParams::default(), &pod(name, &node.name(), &spec))
+    let names = ["incluster", "incluster-host", "no-token"];
+    for (name, spec) in names.iter().zip([
+        json!({"containers": [with_ns(sh("main", script))]}),
+        json!({"hostNetwork": true, "containers": [with_ns(sh("main", script))]}),
+        json!({"automountServiceAccountToken": false, "containers": [no_token]}),
+    ]) {
+        let mut p = json!({"metadata": {"name": name}, "spec": spec});
+        p["spec"]["restartPolicy"] = json!("Never");
+        pods.create(&PostParams::default(), &serde_json::from_value(p).unwrap())
             .await
             .expect("creating the pod");
     }
-    for name in ["incluster", "incluster-host", "no-token"] {
+    let user = format!("system:serviceaccount:{ns}:default");
+    for name in names {
         let p = wait_pod(&pods, name, "pod finished", |p| {
             matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
         })
         .await;
-        let log = container_log(&node, &cluster.namespace, &p, "main");
+        assert_eq!(
+            p["spec"]["nodeName"],
+            node_name.as_str(),
+            "kube-scheduler bound it"
+        );
+        let log = container_log(&node, &ns, &p, "main");
         assert_eq!(p["status"]["phase"], "Succeeded", "{name}: {log}");
+        let has_token_volume = p["spec"]["volumes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|v| {
+                v["name"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("kube-api-access-"))
+            });
+        assert_eq!(has_token_volume, name != "no-token", "{name}: {p:#}");
         if name != "no-token" {
             assert!(
-                log.starts_with(&format!("{host_ip}:")),
-                "{name} was told the advertise address: {log}"
+                log.starts_with("10.96.0.1:443\nstatus 403\n"),
+                "{name} was told the Service and refused the secrets: {log}"
+            );
+            assert!(
+                log.contains(&format!(
+                    "User \\\"{user}\\\" cannot list resource \\\"secrets\\\""
+                )),
+                "{name} authenticated as its service account: {log}"
             );
             assert!(
                 log.contains(&format!("pod/{name}\n")),
@@ -1362,23 +1447,18 @@ async fn a_starting_kubelet_sweeps_what_a_killed_one_left() {
     node.stop().await;
 }
 
-/// Runs kubectl without blocking the runtime the in-process server runs on.
+/// Runs kubectl in the test namespace; its output.
 async fn kubectl(cluster: &Cluster, args: &[&str]) -> std::process::Output {
-    tokio::process::Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(&cluster.kubeconfig)
-        .args(["-n", &cluster.namespace])
-        .args(args)
-        .output()
-        .await
-        .expect("running kubectl")
+    cluster.kubectl_output(args, None).await
 }
 
+/// kube-apiserver reads `pods/log` from the node's kubelet API (its client certificate, the
+/// node's serving certificate).
 #[tokio::test]
 async fn kubectl_logs_reads_containers_previous_runs_and_follows() {
     use futures::{AsyncBufReadExt as _, StreamExt as _};
     let cluster = Cluster::start().await;
-    let node = TestNode::start(&cluster).await;
+    let node = TestNode::start_serving(&cluster).await;
     let pods: Api<Pod> = cluster.api();
     let mut a = sh("a", "printf 'a1\\na2\\na3\\n'; exec sleep 1000");
     a["volumeMounts"] = json!([{"name": "w", "mountPath": "/w"}]);
@@ -1473,10 +1553,11 @@ async fn kubectl_logs_reads_containers_previous_runs_and_follows() {
     node.stop().await;
 }
 
+/// kube-apiserver proxies `pods/exec` to the node's kubelet API.
 #[tokio::test]
 async fn kubectl_exec_runs_in_the_container_with_streams_and_exit_code() {
     let cluster = Cluster::start().await;
-    let node = TestNode::start(&cluster).await;
+    let node = TestNode::start_serving(&cluster).await;
     let pods: Api<Pod> = cluster.api();
     let mut c = sh("main", "echo inside > /tmp/mark; exec sleep 1000");
     c["volumeMounts"] = json!([{"name": "data", "mountPath": "/data"}]);
@@ -1516,20 +1597,8 @@ async fn kubectl_exec_runs_in_the_container_with_streams_and_exit_code() {
     assert!(stdout.contains(&format!("inet {pod_ip}/")), "{stdout}");
     assert!(stderr.contains("oops"), "{stderr}");
     // stdin reaches the command and its end closes it.
-    let mut child = tokio::process::Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(&cluster.kubeconfig)
-        .args([
-            "-n",
-            &cluster.namespace,
-            "exec",
-            "-i",
-            "target",
-            "--",
-            "tr",
-            "a-z",
-            "A-Z",
-        ])
+    let mut child = cluster
+        .kubectl_command(&["exec", "-i", "target", "--", "tr", "a-z", "A-Z"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()

@@ -1,56 +1,45 @@
-//! The test cluster: an in-process `localcluster` API server on a random port, or, when
-//! `LOCALCLUSTER_TEST_KUBECONFIG` names a kubeconfig, the real cluster it points at (so the suite
-//! can hold localcluster to Kubernetes' own behaviour).
+//! The test cluster: the upstream control plane (`TestControlPlane`: etcd, kube-apiserver,
+//! kube-controller-manager, optionally kube-scheduler and kube-proxy) in a temporary directory,
+//! with a namespace of the test's own.
 
 #![allow(dead_code)] // each test binary uses a different part of this module
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, ServiceAccount};
 use kube::Api;
-use kube::api::{DeleteParams, PostParams};
-use localcluster::{ApiServer, Config};
+use kube::api::PostParams;
+use localcluster::ControlPlaneConfig;
+use localcluster::controlplane::TestControlPlane;
 
 pub struct Cluster {
+    /// The administrator's client (`system:masters`).
     pub client: kube::Client,
-    /// A namespace of this test's own, deleted when the cluster is dropped.
+    /// A namespace of this test's own, with its `default` service account (pods need it).
     pub namespace: String,
-    /// A kubeconfig file for `kubectl`.
+    /// The administrator's kubeconfig file, for `kubectl`.
     pub kubeconfig: PathBuf,
-    server: Option<ApiServer>,
-    dir: tempfile::TempDir,
+    /// Dropped last: kills every component.
+    pub plane: TestControlPlane,
 }
 
 impl Cluster {
+    /// etcd, kube-apiserver and kube-controller-manager; no scheduler (tests bind pods by
+    /// `spec.nodeName`) and no kube-proxy.
     pub async fn start() -> Self {
-        Self::start_with(Config::default()).await
+        Self::start_with(|_| {}).await
     }
 
-    /// Starts with a custom configuration; against a real cluster the configuration is ignored.
-    pub async fn start_with(config: Config) -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let kubeconfig = dir.path().join("kubeconfig");
-        let (client, server) = if let Some(path) = std::env::var_os("LOCALCLUSTER_TEST_KUBECONFIG")
-        {
-            std::fs::copy(&path, &kubeconfig).expect("copying the external kubeconfig");
-            let kc = kube::config::Kubeconfig::read_from(&path).expect("reading kubeconfig");
-            let cfg = kube::Config::from_custom_kubeconfig(
-                kc,
-                &kube::config::KubeConfigOptions::default(),
-            )
-            .await
-            .expect("kubeconfig");
-            (kube::Client::try_from(cfg).expect("client"), None)
-        } else {
-            let server = ApiServer::start(config)
-                .await
-                .expect("starting the API server");
-            server
-                .write_kubeconfig(&kubeconfig)
-                .expect("writing kubeconfig");
-            (server.client().await.expect("client"), Some(server))
-        };
+    /// Starts after `adjust` changed the control plane's configuration (`scheduler`,
+    /// `proxy_node`, ...).
+    pub async fn start_with(adjust: impl FnOnce(&mut ControlPlaneConfig)) -> Self {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("localcluster=info")
+            .with_test_writer()
+            .try_init();
+        let plane = TestControlPlane::start_with(adjust).await;
+        let client = plane.client().await;
         let namespace = format!(
             "lc-test-{}",
             &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -63,23 +52,28 @@ impl Cluster {
             .create(&PostParams::default(), &ns)
             .await
             .expect("creating the test namespace");
+        // kube-apiserver's ServiceAccount admission refuses pods until kube-controller-manager
+        // has made the namespace's `default` service account.
+        let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &namespace);
+        eventually(
+            120,
+            "the test namespace's default service account",
+            || async { accounts.get_opt("default").await.ok().flatten() },
+        )
+        .await;
+        // The CA of the pods' projected `kube-api-access-*` volumes, published in every
+        // namespace by kube-controller-manager.
+        let config_maps: Api<ConfigMap> = Api::namespaced(client.clone(), &namespace);
+        eventually(120, "the test namespace's kube-root-ca.crt", || async {
+            config_maps.get_opt("kube-root-ca.crt").await.ok().flatten()
+        })
+        .await;
         Self {
             client,
             namespace,
-            kubeconfig,
-            server,
-            dir,
+            kubeconfig: plane.kubeconfig_path(),
+            plane,
         }
-    }
-
-    /// How pods reach the in-process server (started with an advertise address).
-    pub fn pod_access(&self) -> Option<localcluster::kubelet::ApiAccess> {
-        self.server.as_ref().and_then(ApiServer::pod_access)
-    }
-
-    /// Whether the cluster is the in-process one (tests of its configuration need that).
-    pub fn in_process(&self) -> bool {
-        self.server.is_some()
     }
 
     pub fn api<K>(&self) -> Api<K>
@@ -88,6 +82,22 @@ impl Cluster {
         <K as kube::Resource>::DynamicType: Default,
     {
         Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    /// A kubelet's client for `node`: its `system:node:<node>` certificate, with the machine's
+    /// address in its serving certificate.
+    pub async fn node_client(&self, node: &str) -> (kube::Client, NodeCredentials) {
+        let address = localcluster::kubelet::node::host_ip()
+            .parse()
+            .expect("the machine's address");
+        let creds = self
+            .plane
+            .node_credentials(node, address)
+            .expect("node credentials");
+        let client = localcluster::controlplane::client_for(&creds.kubeconfig)
+            .await
+            .expect("the node's client");
+        (client, creds)
     }
 
     /// Runs kubectl against the cluster in the test namespace; returns (success, stdout, stderr).
@@ -100,19 +110,25 @@ impl Cluster {
         args: &[&str],
         stdin: Option<&str>,
     ) -> (bool, String, String) {
+        let out = self.kubectl_output(args, stdin).await;
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Runs kubectl (the test namespace, the administrator's kubeconfig); its whole output.
+    pub async fn kubectl_output(&self, args: &[&str], stdin: Option<&str>) -> std::process::Output {
         use tokio::io::AsyncWriteExt as _;
-        let mut cmd = tokio::process::Command::new("kubectl");
-        cmd.arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--namespace")
-            .arg(&self.namespace)
-            .args(args)
-            .env("KUBECACHEDIR", self.dir.path().join("cache"))
+        let mut child = self
+            .kubectl_command(args)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().expect("running kubectl");
+            .kill_on_drop(true)
+            .spawn()
+            .expect("running kubectl");
         let mut input = child.stdin.take().expect("stdin");
         if let Some(text) = stdin {
             input
@@ -121,30 +137,26 @@ impl Cluster {
                 .expect("writing kubectl stdin");
         }
         drop(input);
-        let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
             .await
-            .expect("kubectl finished within 60 s")
-            .expect("kubectl output");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+            .expect("kubectl finished within 120 s")
+            .expect("kubectl output")
+    }
+
+    /// `kubectl --kubeconfig <admin> --namespace <test namespace> <args>`, not started.
+    pub fn kubectl_command(&self, args: &[&str]) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new("kubectl");
+        cmd.arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .arg("--namespace")
+            .arg(&self.namespace)
+            .args(args)
+            .env("KUBECACHEDIR", self.plane.dir().join("kubectl-cache"));
+        cmd
     }
 }
 
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if self.server.is_none() {
-            // A real cluster keeps state: remove the test namespace (best effort, in the background).
-            let _ = std::process::Command::new("kubectl")
-                .arg("--kubeconfig")
-                .arg(&self.kubeconfig)
-                .args(["delete", "namespace", &self.namespace, "--wait=false"])
-                .status();
-        }
-    }
-}
+pub use localcluster::controlplane::NodeCredentials;
 
 /// Polls `f` until it returns `Some`, for up to `secs` seconds.
 pub async fn eventually<T, F, Fut>(secs: u64, what: &str, mut f: F) -> T
@@ -161,13 +173,6 @@ where
             tokio::time::Instant::now() < deadline,
             "timed out waiting for {what}"
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-}
-
-/// Deletes the test namespace's content through the API when the test is done with it.
-pub async fn delete_namespace(cluster: &Cluster) {
-    let _ = Api::<Namespace>::all(cluster.client.clone())
-        .delete(&cluster.namespace, &DeleteParams::default())
-        .await;
 }

@@ -61,7 +61,7 @@ kubectl apply -f manifests/install/00-namespace.yaml
 kubectl apply -f manifests/examples/kubevirt-cr.yaml
 
 step "creating virt-handler's console-server certificates (secret kubevirt/kubevirt-virt-handler-server-certs)"
-pki=$state/pki
+pki=$state/virt-handler-pki
 hack/pki.sh "$pki"
 kubectl -n kubevirt create secret generic kubevirt-virt-handler-server-certs \
   --from-file=tls.crt="$pki/server.crt" --from-file=tls.key="$pki/server.key" \

@@ -339,7 +339,8 @@ impl ReadyProbe {
     }
 }
 
-/// A running control plane; dropping it kills every component.
+/// A running control plane; dropping it kills every component (and removes kube-proxy's
+/// tables).
 #[derive(Debug)]
 pub struct ControlPlane {
     config: ControlPlaneConfig,
@@ -703,6 +704,33 @@ impl ControlPlane {
         while let Some(mut c) = self.components.pop() {
             c.stop(Duration::from_secs(10));
         }
+    }
+
+    /// Removes kube-proxy's nftables tables, which outlive it and would keep sending Service
+    /// addresses such as 10.96.0.1 to this control plane's dead ports. Once.
+    fn clean_up_proxy(&mut self) {
+        if self.config.proxy_node.take().is_none() {
+            return;
+        }
+        let cleaned = Command::new(&self.config.kube)
+            .args(["kube-proxy", "--cleanup", "--proxy-mode=nftables"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !cleaned.is_ok_and(|s| s.success()) {
+            tracing::warn!("kube-proxy --cleanup failed: its nftables tables may remain");
+        }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        // The last started first; each is killed as it is dropped.
+        while let Some(c) = self.components.pop() {
+            drop(c);
+        }
+        self.clean_up_proxy();
     }
 }
 

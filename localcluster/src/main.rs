@@ -97,6 +97,8 @@ async fn run(command: Command) -> anyhow::Result<()> {
             no_proxy,
             nodes,
         } => {
+            // Refused before anything is built or started.
+            localcluster::kubelet::cluster::preflight(&nodes)?;
             let kube = match kube {
                 Some(k) => k,
                 None => localcluster::controlplane::kube_binary()?,

@@ -339,6 +339,21 @@ impl ReadyProbe {
     }
 }
 
+/// Whether kube-proxy has programmed the `kubernetes` Service into the machine's nftables: until
+/// then, `10.96.0.1` is routed like any other address (out of the machine, to whatever answers
+/// there).
+async fn kubernetes_service_programmed() -> bool {
+    let listed = tokio::process::Command::new("nft")
+        .args(["list", "map", "ip", "kube-proxy", "service-ips"])
+        .stderr(Stdio::null())
+        .output()
+        .await;
+    listed.is_ok_and(|out| {
+        String::from_utf8_lossy(&out.stdout)
+            .contains(&format!("{KUBERNETES_SERVICE_IP} . tcp . 443"))
+    })
+}
+
 /// A running control plane; dropping it kills every component (and removes kube-proxy's
 /// tables).
 #[derive(Debug)]
@@ -495,7 +510,12 @@ impl ControlPlane {
                 "--healthz-bind-address=127.0.0.1:10256".into(),
                 "--metrics-bind-address=127.0.0.1:10249".into(),
             ];
+            // Tables a kube-proxy killed earlier left would pass the check below too.
+            plane.clean_up_proxy_tables();
             plane.spawn("kube-proxy", &args)?;
+            plane
+                .wait_for("kube-proxy", kubernetes_service_programmed)
+                .await?;
         }
         if config.controller_manager {
             plane.wait_for_default_service_account().await?;
@@ -709,9 +729,12 @@ impl ControlPlane {
     /// Removes kube-proxy's nftables tables, which outlive it and would keep sending Service
     /// addresses such as 10.96.0.1 to this control plane's dead ports. Once.
     fn clean_up_proxy(&mut self) {
-        if self.config.proxy_node.take().is_none() {
-            return;
+        if self.config.proxy_node.take().is_some() {
+            self.clean_up_proxy_tables();
         }
+    }
+
+    fn clean_up_proxy_tables(&self) {
         let cleaned = Command::new(&self.config.kube)
             .args(["kube-proxy", "--cleanup", "--proxy-mode=nftables"])
             .stdin(Stdio::null())

@@ -315,6 +315,83 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
     }
     assert!(wrong.is_empty(), "{wrong:#?}");
 
+    // Nothing more than each component uses: every resource rule the service account holds,
+    // as `auth can-i --list` reports it, is exactly the manifests', once what any service
+    // account gets from the default roles (discovery, self reviews, cluster trust bundles) is
+    // left out: what an account with no bindings holds.
+    let granted = |sa: &'static str, namespace: &'static str| {
+        let c = &c;
+        async move {
+            let rules = |sa: &str| {
+                let user = format!("system:serviceaccount:kubevirt:{sa}");
+                async move {
+                    let table = ok(
+                        c,
+                        &["auth", "can-i", "--list", "--as", &user, "-n", namespace],
+                    )
+                    .await;
+                    rows(&table)
+                        .into_iter()
+                        .skip(1)
+                        .filter(|row| !row.first().is_none_or(String::is_empty))
+                        .map(|row| {
+                            format!("{} {}", row[0], row.last().cloned().unwrap_or_default())
+                        })
+                        .collect::<Vec<String>>()
+                }
+            };
+            let baseline = rules("no-bindings").await;
+            let mut own: Vec<String> = rules(sa)
+                .await
+                .into_iter()
+                .filter(|r| !baseline.contains(r))
+                .collect();
+            own.sort();
+            own
+        }
+    };
+    let sorted = |rules: &[&str]| {
+        let mut v: Vec<String> = rules.iter().map(ToString::to_string).collect();
+        v.sort();
+        v
+    };
+    let controller_everywhere = [
+        "virtualmachines.kubevirt.io [get list watch patch]",
+        "virtualmachines.kubevirt.io/status [patch]",
+        "virtualmachineinstances.kubevirt.io [get list watch create delete patch]",
+        "virtualmachineinstancereplicasets.kubevirt.io [get list watch patch]",
+        "virtualmachineinstancereplicasets.kubevirt.io/status [patch]",
+        "kubevirts.kubevirt.io [get list watch]",
+        "pods [get list watch create delete]",
+        "pods/status [patch]",
+        "nodes [get list watch patch]",
+        "events.events.k8s.io [create patch]",
+    ];
+    assert_eq!(
+        granted(controller, "default").await,
+        sorted(&controller_everywhere)
+    );
+    let mut controller_in_kubevirt = controller_everywhere.to_vec();
+    controller_in_kubevirt.push("leases.coordination.k8s.io [get create patch delete]");
+    assert_eq!(
+        granted(controller, "kubevirt").await,
+        sorted(&controller_in_kubevirt)
+    );
+    let handler_everywhere = [
+        "virtualmachineinstances.kubevirt.io [get list watch patch update]",
+        "kubevirts.kubevirt.io [get list watch]",
+        "pods [get list watch]",
+        "nodes [get list watch patch]",
+        "events.events.k8s.io [create patch]",
+    ];
+    for namespace in ["default", "kubevirt"] {
+        assert_eq!(
+            granted(handler, namespace).await,
+            sorted(&handler_everywhere),
+            "{namespace}"
+        );
+    }
+
     // TokenRequest: a token for the service account, with no pod, authenticates as it and
     // gets what RBAC grants it.
     let token = ok(&c, &["create", "token", controller, "-n", "kubevirt"]).await;

@@ -379,9 +379,12 @@ fn guest_masquerade_and_bridge_through_the_stack() {
     // Established connections survive a new virt-handler (phase 1 again, a new sync) and a
     // re-sync caused by a change to the VMI.
     let mut echoes = [Echo::open(&masq.pod_ip), Echo::open(&bridged.pod_ip)];
-    let old_handler = handler_pod(&stack)
-        .expect("listing virt-handler")
-        .expect("a ready virt-handler");
+    // The node is schedulable as soon as virt-handler runs; its pod is Ready only after the
+    // readiness probe's initial delay (15 s).
+    let old_handler = wait_for("a ready virt-handler", Duration::from_secs(120), || {
+        handler_pod(&stack)
+    })
+    .expect("a ready virt-handler");
     stack
         .kubectl(&[
             "-n",

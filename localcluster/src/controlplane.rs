@@ -125,9 +125,9 @@ pub struct ControlPlaneConfig {
     pub advertise: IpAddr,
     pub controller_manager: bool,
     pub scheduler: bool,
-    /// Run kube-proxy (nftables mode) as this node. It programs the host's network namespace,
-    /// which every simulated node shares, so one is enough, and two control planes on one
-    /// machine must not both run one.
+    /// Run kube-proxy (nftables mode) as this node, once [`ControlPlane::start_proxy`] is
+    /// called. It programs the host's network namespace, which every simulated node shares, so
+    /// one is enough, and two control planes on one machine must not both run one.
     pub proxy_node: Option<String>,
 }
 
@@ -426,11 +426,11 @@ impl ControlPlane {
         };
         let (admin_kubeconfig, _) = kubeconfig("admin", "kubernetes-admin", &["system:masters"])?;
 
-        let (controller_manager_conf, scheduler_conf, proxy_conf) = (
+        let (controller_manager_conf, scheduler_conf) = (
             kubeconfig("controller-manager", "system:kube-controller-manager", &[])?.1,
             kubeconfig("scheduler", "system:kube-scheduler", &[])?.1,
-            kubeconfig("proxy", "system:kube-proxy", &[])?.1,
         );
+        kubeconfig("proxy", "system:kube-proxy", &[])?;
         let mut plane = Self {
             config: config.clone(),
             url: url.clone(),
@@ -500,27 +500,34 @@ impl ControlPlane {
             ];
             plane.spawn("kube-scheduler", &args)?;
         }
-        if let Some(node) = &config.proxy_node {
-            let path = &proxy_conf;
-            let args = vec![
-                format!("--kubeconfig={}", path.display()),
-                "--proxy-mode=nftables".into(),
-                format!("--cluster-cidr={CLUSTER_CIDR}"),
-                format!("--hostname-override={node}"),
-                "--healthz-bind-address=127.0.0.1:10256".into(),
-                "--metrics-bind-address=127.0.0.1:10249".into(),
-            ];
-            // Tables a kube-proxy killed earlier left would pass the check below too.
-            plane.clean_up_proxy_tables();
-            plane.spawn("kube-proxy", &args)?;
-            plane
-                .wait_for("kube-proxy", kubernetes_service_programmed)
-                .await?;
-        }
         if config.controller_manager {
             plane.wait_for_default_service_account().await?;
         }
         Ok(plane)
+    }
+
+    /// Starts kube-proxy as `config.proxy_node` (nothing without one) and waits until it has
+    /// programmed the `kubernetes` Service. Call it once that node's kubelet has registered:
+    /// kube-proxy takes its node's addresses at start (loopback if the Node does not exist
+    /// within 30 s) and exits when they change, as it expects its DaemonSet to restart it.
+    pub async fn start_proxy(&mut self) -> Result<(), ControlPlaneError> {
+        let Some(node) = self.config.proxy_node.clone() else {
+            return Ok(());
+        };
+        let path = self.config.dir.join("proxy.conf");
+        let args = vec![
+            format!("--kubeconfig={}", path.display()),
+            "--proxy-mode=nftables".into(),
+            format!("--cluster-cidr={CLUSTER_CIDR}"),
+            format!("--hostname-override={node}"),
+            "--healthz-bind-address=127.0.0.1:10256".into(),
+            "--metrics-bind-address=127.0.0.1:10249".into(),
+        ];
+        // Tables a kube-proxy killed earlier left would pass the check below too.
+        self.clean_up_proxy_tables();
+        self.spawn("kube-proxy", &args)?;
+        self.wait_for("kube-proxy", kubernetes_service_programmed)
+            .await
     }
 
     fn apiserver_args(&self, port: u16, etcd_url: &str) -> Vec<String> {
@@ -721,19 +728,21 @@ impl ControlPlane {
 
     /// Stops every component, the last started first, each with a grace period.
     pub fn stop(mut self) {
+        let proxy = self.runs_proxy();
         while let Some(mut c) = self.components.pop() {
             c.stop(Duration::from_secs(10));
         }
-    }
-
-    /// Removes kube-proxy's nftables tables, which outlive it and would keep sending Service
-    /// addresses such as 10.96.0.1 to this control plane's dead ports. Once.
-    fn clean_up_proxy(&mut self) {
-        if self.config.proxy_node.take().is_some() {
+        if proxy {
             self.clean_up_proxy_tables();
         }
     }
 
+    fn runs_proxy(&self) -> bool {
+        self.components.iter().any(|c| c.name == "kube-proxy")
+    }
+
+    /// Removes kube-proxy's nftables tables, which outlive it and would keep sending Service
+    /// addresses such as 10.96.0.1 to this control plane's dead ports.
     fn clean_up_proxy_tables(&self) {
         let cleaned = Command::new(&self.config.kube)
             .args(["kube-proxy", "--cleanup", "--proxy-mode=nftables"])
@@ -749,11 +758,14 @@ impl ControlPlane {
 
 impl Drop for ControlPlane {
     fn drop(&mut self) {
+        let proxy = self.runs_proxy();
         // The last started first; each is killed as it is dropped.
         while let Some(c) = self.components.pop() {
             drop(c);
         }
-        self.clean_up_proxy();
+        if proxy {
+            self.clean_up_proxy_tables();
+        }
     }
 }
 
@@ -812,6 +824,12 @@ impl std::ops::Deref for TestControlPlane {
 
     fn deref(&self) -> &ControlPlane {
         &self.plane
+    }
+}
+
+impl std::ops::DerefMut for TestControlPlane {
+    fn deref_mut(&mut self) -> &mut ControlPlane {
+        &mut self.plane
     }
 }
 

@@ -148,6 +148,15 @@ async fn up(
         started.elapsed().as_secs_f64(),
         plane.url()
     );
+    let nodes = localcluster::kubelet::cluster::LocalNodes::start(&plane, node_args, &dir).await?;
+    for (name, root) in nodes.nodes() {
+        println!("node {name} ready, host paths under {}", root.display());
+    }
+    // After the nodes: kube-proxy reads its node's addresses at start.
+    if let Err(e) = plane.start_proxy().await {
+        nodes.stop().await;
+        return Err(e.into());
+    }
     for c in plane.components() {
         println!(
             "  {} (pid {}), log {}",
@@ -155,10 +164,6 @@ async fn up(
             c.pid(),
             c.log().display()
         );
-    }
-    let nodes = localcluster::kubelet::cluster::LocalNodes::start(&plane, node_args, &dir).await?;
-    for (name, root) in nodes.nodes() {
-        println!("node {name} ready, host paths under {}", root.display());
     }
     println!("kubeconfig written to {}", kubeconfig.display());
     println!("  export KUBECONFIG={}", kubeconfig.display());

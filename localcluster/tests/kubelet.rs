@@ -1028,13 +1028,15 @@ async fn host_images_carry_the_bin_dir_in_usr_bin() {
 async fn kube_proxy_serves_the_kubernetes_service_to_pods_with_their_own_tokens() {
     let node_name = fresh_node_name();
     let proxy_node = node_name.clone();
-    let cluster = Cluster::start_with(|c| {
+    let mut cluster = Cluster::start_with(|c| {
         c.scheduler = true;
         c.proxy_node = Some(proxy_node);
     })
     .await;
     let node =
         TestNode::start_named(&cluster, &node_name, ImageTable::default(), false, |_| {}).await;
+    // Once the node exists: kube-proxy reads its addresses at start.
+    cluster.plane.start_proxy().await.expect("kube-proxy");
     let ns = cluster.namespace.clone();
     // The namespace's default service account may read (not secrets), and nothing more.
     let (ok, _, err) = cluster

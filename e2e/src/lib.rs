@@ -54,13 +54,8 @@ pub enum StackError {
         status: std::process::ExitStatus,
         stderr: String,
     },
-    #[error(
-        "the upstream binary: `{script}` failed ({status}); set LOCALCLUSTER_KUBE to a built `kube`"
-    )]
-    KubeBuild {
-        script: String,
-        status: std::process::ExitStatus,
-    },
+    #[error("the upstream binary")]
+    Kube(#[source] localcluster::ControlPlaneError),
     #[error("localcluster exited ({status}); its log is {log}")]
     ClusterExited {
         status: std::process::ExitStatus,
@@ -103,31 +98,6 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
-}
-
-/// The upstream `kube` binary `localcluster up` runs the control plane from:
-/// `LOCALCLUSTER_KUBE`, else what `localcluster/upstream/build.sh` builds (cached by its inputs).
-pub fn kube_binary() -> Result<PathBuf, StackError> {
-    if let Some(path) = std::env::var_os("LOCALCLUSTER_KUBE") {
-        return Ok(PathBuf::from(path));
-    }
-    let script = repo_root().join("localcluster/upstream/build.sh");
-    let out = Command::new(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|source| StackError::Spawn {
-            command: script.display().to_string(),
-            source,
-        })?;
-    if !out.status.success() {
-        return Err(StackError::KubeBuild {
-            script: script.display().to_string(),
-            status: out.status,
-        });
-    }
-    Ok(PathBuf::from(
-        String::from_utf8_lossy(&out.stdout).trim().to_owned(),
-    ))
 }
 
 /// Where the binaries are: `KUBEVIRT_RS_BIN_DIR`, else the profile dir of the running test
@@ -211,7 +181,7 @@ impl Stack {
                 });
             }
         }
-        let kube = kube_binary()?;
+        let kube = localcluster::controlplane::kube_binary().map_err(StackError::Kube)?;
         let dir = tempfile::Builder::new()
             .prefix("kubevirt-rs-e2e")
             .tempdir()?;

@@ -656,10 +656,6 @@ impl ControlPlane {
         self.config.dir.join("admin.conf")
     }
 
-    pub fn config(&self) -> &ControlPlaneConfig {
-        &self.config
-    }
-
     pub fn pki(&self) -> &Pki {
         &self.pki
     }
@@ -671,30 +667,6 @@ impl ControlPlane {
     /// A kube-rs client authenticated as the administrator.
     pub async fn client(&self) -> Result<kube::Client, ControlPlaneError> {
         client_for(&self.admin_kubeconfig).await
-    }
-
-    /// A client authenticated as `user` in `groups` (a client certificate signed by the
-    /// cluster CA), for what RBAC lets that identity do.
-    pub async fn client_as(
-        &self,
-        user: &str,
-        groups: &[&str],
-    ) -> Result<kube::Client, ControlPlaneError> {
-        let name = format!("user-{}", user.replace(':', "-"));
-        let cred = self.pki.client(
-            &name,
-            &Subject {
-                common_name: user,
-                organizations: groups,
-            },
-        )?;
-        client_for(&pki::kubeconfig(
-            &self.url,
-            &self.pki.ca().cert_pem,
-            user,
-            &cred,
-        ))
-        .await
     }
 
     /// Credentials for a kubelet named `node` serving its API at `address`.

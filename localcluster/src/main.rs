@@ -123,7 +123,6 @@ async fn up(
     config: ControlPlaneConfig,
     node_args: &localcluster::kubelet::cluster::NodeArgs,
 ) -> anyhow::Result<()> {
-    localcluster::kubelet::cluster::preflight(node_args)?;
     let dir = config.dir.clone();
     let pid_path = pid_file(&dir);
     if let Ok(pid) = std::fs::read_to_string(&pid_path)

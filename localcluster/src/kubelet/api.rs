@@ -326,6 +326,24 @@ async fn node_pod(
 }
 
 /// Whether the pod's spec has the container (app, init or ephemeral).
+/// The pod on this node that has `container` (404 when it has none of that name).
+async fn node_container(
+    shared: &Shared,
+    namespace: &str,
+    name: &str,
+    uid: Option<&str>,
+    container: &str,
+) -> Result<Pod, Response<Body>> {
+    let pod = node_pod(shared, namespace, name, uid).await?;
+    if !has_container(&pod, container) {
+        return Err(text(
+            StatusCode::NOT_FOUND,
+            format!("container {container:?} not found in pod {name:?}"),
+        ));
+    }
+    Ok(pod)
+}
+
 fn has_container(pod: &Pod, container: &str) -> bool {
     let Some(spec) = &pod.spec else { return false };
     spec.containers.iter().any(|c| c.name == container)
@@ -493,13 +511,7 @@ async fn container_logs(
     let q =
         parse_log_query(query, SystemTime::now()).map_err(|m| text(StatusCode::BAD_REQUEST, m))?;
     let shared = &state.shared;
-    let pod = node_pod(shared, namespace, name, None).await?;
-    if !has_container(&pod, container) {
-        return Err(text(
-            StatusCode::NOT_FOUND,
-            format!("container {container:?} not found in pod {name:?}"),
-        ));
-    }
+    let pod = node_container(shared, namespace, name, None, container).await?;
     let uid = pod_uid(&pod);
     let dir = shared
         .config
@@ -580,9 +592,7 @@ impl Follow {
         if !on_node || restarts_in(&self.dir).into_iter().any(|r| r > self.restart) {
             return false;
         }
-        let cgroup = Cgroup::node(&self.shared.config.name)
-            .child(&format!("pod{}", self.uid))
-            .child(&self.container);
+        let cgroup = Cgroup::pod(&self.shared.config.name, &self.uid).child(&self.container);
         if cgroup.pids().is_empty() {
             let since = *self.quiet_since.get_or_insert_with(Instant::now);
             since.elapsed() < FOLLOW_GRACE
@@ -642,17 +652,9 @@ async fn exec(
     shutdown: watch::Receiver<()>,
 ) -> Result<Response<Body>, Response<Body>> {
     let shared = &state.shared;
-    let pod = node_pod(shared, namespace, name, uid).await?;
-    if !has_container(&pod, container) {
-        return Err(text(
-            StatusCode::NOT_FOUND,
-            format!("container {container:?} not found in pod {name:?}"),
-        ));
-    }
+    let pod = node_container(shared, namespace, name, uid, container).await?;
     let uid = pod_uid(&pod);
-    let cgroup = Cgroup::node(&shared.config.name)
-        .child(&format!("pod{uid}"))
-        .child(container);
+    let cgroup = Cgroup::pod(&shared.config.name, &uid).child(container);
     // The lowest pid is the container's main process (it forked the others).
     let Some(pid) = cgroup.pids().first().copied() else {
         return Err(text(

@@ -45,6 +45,11 @@ impl Cgroup {
         }
     }
 
+    /// The cgroup of pod `uid` on `node`; its containers' are its children, by name.
+    pub fn pod(node: &str, uid: &str) -> Self {
+        Self::node(node).child(&format!("pod{uid}"))
+    }
+
     #[must_use]
     pub fn child(&self, name: &str) -> Self {
         Self {

@@ -314,7 +314,7 @@ impl Worker {
             path: pod_dir.display().to_string(),
             source,
         })?;
-        let cgroup = Cgroup::node(&self.config().name).child(&format!("pod{}", self.uid));
+        let cgroup = Cgroup::pod(&self.config().name, &self.uid);
         let mut sandbox = Sandbox {
             network: None,
             pause: None,

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
 use controller::run::{Options, run_controllers, run_with_leader_election};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, ResourceQuota};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
@@ -675,12 +675,35 @@ async fn only_the_leader_is_ready_and_its_metrics_count_vmis() {
     assert!(adds.parse::<u64>().unwrap() >= 1, "{text}");
 }
 
-/// The 20 VMIs exist before the first controller starts, and it is stopped as soon as its
-/// first pod shows, with creations in flight; the second starts without the first's
-/// expectations and must not create a second pod for any VMI.
+/// The 20 VMIs exist before the first controller starts, and a ResourceQuota of 5 pods stops
+/// it part way, as a crash mid-creation would: 5 pods exist and the other creations failed.
+/// The second controller starts without the first's expectations, with the quota gone, and must
+/// create the 15 missing pods and no second pod for any VMI.
 #[tokio::test]
 async fn restart_mid_creation_of_20_vmis_leaves_exactly_20_pods() {
     let (_server, client) = cluster().await;
+    let quotas: Api<ResourceQuota> = Api::default_namespaced(client.clone());
+    quotas
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "five-pods"},
+                "spec": {"hard": {"pods": "5"}},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    // Until kube-controller-manager has counted usage, quota admission refuses every pod.
+    wait_for("the quota's usage", || async {
+        let quota = quotas.get("five-pods").await.unwrap();
+        quota
+            .status
+            .and_then(|s| s.used)
+            .is_some_and(|used| used.contains_key("pods"))
+            .then_some(())
+    })
+    .await;
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
     for i in 0..20 {
         vmis.create(&PostParams::default(), &vmi(&format!("vm{i:02}")))
@@ -688,32 +711,25 @@ async fn restart_mid_creation_of_20_vmis_leaves_exactly_20_pods() {
             .unwrap();
     }
     let first = start(&client, "a", false);
-    let end = tokio::time::Instant::now() + DEADLINE;
-    while launcher_pods(&client).await.is_empty() {
-        assert!(
-            tokio::time::Instant::now() < end,
-            "no pod from the first controller"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for("5 pods from the first controller", || async {
+        (launcher_pods(&client).await.len() >= 5).then_some(())
+    })
+    .await;
     drop(first);
-    // Requests the first one sent before it stopped may still land.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let left = launcher_pods(&client).await.len();
-    assert!(
-        left < 20,
-        "the first controller finished before the restart ({left} pods)"
-    );
+    assert_eq!(launcher_pods(&client).await.len(), 5);
+    quotas
+        .delete("five-pods", &DeleteParams::default())
+        .await
+        .unwrap();
     let _second = start(&client, "b", false);
     wait_for("20 pods", || async {
         (launcher_pods(&client).await.len() >= 20).then_some(())
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(launcher_pods(&client).await.len(), 20);
     for v in vmis.list(&ListParams::default()).await.unwrap().items {
         assert_eq!(pods_of(&client, &v).await.len(), 1, "{}", v.name_any());
     }
+    assert_eq!(launcher_pods(&client).await.len(), 20);
     vmis.delete_collection(&DeleteParams::default(), &ListParams::default())
         .await
         .unwrap();

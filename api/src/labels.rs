@@ -47,8 +47,14 @@ pub const MANAGED_BY_OPERATOR: &str = "virt-operator";
 pub const VMI_FINALIZER: &str = crate::defaults::VMI_FINALIZER;
 /// The finalizer older KubeVirt releases put on VMIs; still honoured.
 pub const DEPRECATED_VMI_FINALIZER: &str = "foregroundDeleteVirtualMachine";
-/// Finalizer the VM controller puts on VMs.
+/// Finalizer the VM controller puts on VMs and on the VMIs it starts.
 pub const VM_CONTROLLER_FINALIZER: &str = "kubevirt.io/virtualMachineControllerFinalize";
+/// The name kubevirt-rs gave [`VM_CONTROLLER_FINALIZER`] before it matched KubeVirt's; objects
+/// that still carry it are given the right name.
+pub const LEGACY_VM_CONTROLLER_FINALIZER: &str = "kubevirt.io/virtualMachineControllerFinalizer";
+/// Kubernetes' finalizer on an object deleted with `propagationPolicy: Orphan`: the garbage
+/// collector strips its dependents' owner references before it goes.
+pub const ORPHAN_DEPENDENTS_FINALIZER: &str = "orphan";
 /// Finalizer on migrations.
 pub const MIGRATION_FINALIZER: &str = "kubevirt.io/migrationJobFinalize";
 /// Finalizer virt-operator puts on the KubeVirt CR.

@@ -28,9 +28,10 @@ use tokio::task::JoinSet;
 
 use crate::cache::{self, OwnerIndex};
 use crate::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
+use crate::finalizers;
 use crate::metrics::{Health, QueueStat, Snapshot};
 use crate::template::{TemplateConfig, render_launcher_pod};
-use crate::vm::{StatusInputs, VM_CONTROLLER_FINALIZER, VmAction};
+use crate::vm::{StatusInputs, VmAction};
 use crate::vmi::PodAction;
 use crate::{events, node, replicaset, vm, vmi};
 use workqueue::Queue;
@@ -101,6 +102,8 @@ const VMI_WORKERS: usize = 10;
 const VM_WORKERS: usize = 3;
 const RS_WORKERS: usize = 3;
 const NODE_WORKERS: usize = 3;
+/// How soon a write refused by its compare-and-swap is retried.
+const CONFLICT_RETRY: Duration = Duration::from_millis(200);
 
 fn queue_stat(name: &'static str, q: &Queue) -> QueueStat {
     QueueStat {
@@ -233,14 +236,20 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     );
     let wc = watcher::Config::default;
 
-    let q = vm_q.clone();
+    let (q, q_vmi) = (vm_q.clone(), vmi_q.clone());
     let vms = reflect(
         &mut tasks,
         Api::all(client.clone()),
         wc(),
         trim_meta,
         move |s| match s {
-            Seen::Added(o) | Seen::Changed(o) | Seen::Deleted(o) => q.add(&obj_key(o)),
+            Seen::Added(o) | Seen::Changed(o) => q.add(&obj_key(o)),
+            Seen::Deleted(o) => {
+                q.add(&obj_key(o));
+                // Its instance (same name) may hold the VM controller's finalizer, which only
+                // the VMI controller releases once the VM is gone.
+                q_vmi.add(&obj_key(o));
+            }
         },
     );
 
@@ -576,13 +585,15 @@ async fn event<K: Resource<DynamicType = ()>>(
 }
 
 fn retry_later(q: &Arc<Queue>, key: &str, what: &str, e: &kube::Error) {
-    // A conflict is the compare-and-swap of a write from a stale copy doing its job.
+    // A conflict is the compare-and-swap of a write from a stale copy doing its job: the newer
+    // version is already on its way to the cache, so the retry need not wait long.
     if matches!(e, kube::Error::Api(s) if s.code == 409) {
         tracing::debug!(key, error = %e, "{what}; retrying");
+        q.add_after(key, CONFLICT_RETRY);
     } else {
         tracing::warn!(key, error = %e, "{what}; retrying");
+        q.add_after(key, Duration::from_secs(2));
     }
-    q.add_after(key, Duration::from_secs(2));
 }
 
 async fn sync_vmi(s: &Shared, key: &str) {
@@ -742,19 +753,27 @@ async fn sync_vmi(s: &Shared, key: &str) {
     // KubeVirt's VMI CRD has no status subresource: the status is part of the object, so the
     // node label handing the VMI to its node goes in the same patch.
     let mut patch = serde_json::Map::new();
+    let mut metadata = serde_json::Map::new();
     if status != old_status {
         patch.insert("status".into(), status_patch(&old_status, &status));
     }
     if let Some(node) = out.node_label {
-        patch.insert(
-            "metadata".into(),
-            json!({"labels": {vmi::NODE_NAME_LABEL: node}}),
-        );
+        metadata.insert("labels".into(), json!({vmi::NODE_NAME_LABEL: node}));
+    }
+    // Without a live VM owning it nothing else would ever release the VM controller's
+    // finalizer (KubeVirt's `hasOwnerVM`); KubeVirt waits for the VMI to be final, but with
+    // no VM to record the final status there is nothing to wait for.
+    if let Some(next) = finalizers::vmi(&vmi, out.release_finalizer, !owner_vm_live(s, &vmi)) {
+        metadata.insert("finalizers".into(), json!(next));
+    }
+    if !metadata.is_empty() {
+        patch.insert("metadata".into(), metadata.into());
     }
     if !patch.is_empty() {
         // The resourceVersion makes this a compare-and-swap: the whole status computed from
         // this (possibly stale) copy must not overwrite what another writer set since, such
-        // as the node controller failing the VMI; on a conflict the next sync sees both.
+        // as the node controller failing the VMI, nor drop a finalizer someone added since;
+        // on a conflict the next sync sees both.
         let metadata = patch.entry("metadata").or_insert_with(|| json!({}));
         metadata["resourceVersion"] = json!(vmi.metadata.resource_version);
         if let Err(e) = vmi_api
@@ -768,38 +787,38 @@ async fn sync_vmi(s: &Shared, key: &str) {
             retry_later(&s.vmi_q, key, "updating the VMI status", &e);
         }
     }
-    if out.release_finalizer {
-        remove_finalizer(&vmi_api, &vmi, api::defaults::VMI_FINALIZER).await;
-    }
 }
 
-async fn remove_finalizer(
-    api: &Api<VirtualMachineInstance>,
-    vmi: &VirtualMachineInstance,
-    finalizer: &str,
-) {
-    let Some(list) = vmi
+/// The VMI's controller is a VM that is still in the cache, with the uid the reference names.
+fn owner_vm_live(s: &Shared, vmi: &VirtualMachineInstance) -> bool {
+    let Some(owner) = vmi
         .metadata
-        .finalizers
-        .as_ref()
-        .filter(|l| l.iter().any(|f| f == finalizer))
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|r| r.controller == Some(true) && r.kind == "VirtualMachine")
     else {
-        return;
+        return false;
     };
-    let rest: Vec<&String> = list.iter().filter(|f| *f != finalizer).collect();
-    // The resourceVersion makes this a compare-and-swap: never drop a finalizer someone added since.
-    let patch =
-        json!({"metadata": {"finalizers": rest, "resourceVersion": vmi.metadata.resource_version}});
-    if let Err(e) = api
-        .patch(
-            &vmi.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(patch),
-        )
-        .await
-    {
-        tracing::debug!(vmi = %vmi.name_any(), error = %e, "removing finalizer {finalizer}");
-    }
+    let ns = vmi.namespace().unwrap_or_default();
+    s.vms
+        .get(&ObjectRef::new(&owner.name).within(&ns))
+        .is_some_and(|vm| vm.metadata.uid.as_deref() == Some(owner.uid.as_str()))
+}
+
+/// Writes `finalizers` onto `obj`. The resourceVersion makes this a compare-and-swap: never
+/// drop a finalizer someone added since.
+async fn set_finalizers<K>(api: &Api<K>, obj: &K, finalizers: &[String]) -> Result<K, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
+    api.patch(
+        &obj.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(patch),
+    )
+    .await
 }
 
 async fn sync_vm(s: &Shared, key: &str) {
@@ -807,20 +826,10 @@ async fn sync_vm(s: &Shared, key: &str) {
     let vm_api: Api<VirtualMachine> = Api::namespaced(s.client.clone(), ns);
     let vmi_api: Api<VirtualMachineInstance> = Api::namespaced(s.client.clone(), ns);
     let vmi = s.vmis.get(&ObjectRef::new(name).within(ns));
+    // The instance of a VM that is gone is the garbage collector's: with orphaning, this
+    // cache may still show the owner reference the collector has already taken off.
     let Some(vm) = s.vms.get(&ObjectRef::new(name).within(ns)) else {
         s.vm_exp.delete(key);
-        // Instances of a deleted VM go with it (the garbage collector's job elsewhere).
-        if let Some(v) = vmi.filter(|v| {
-            controller_owner(v.as_ref(), "VirtualMachine") == Some(name)
-                && v.metadata.deletion_timestamp.is_none()
-        }) {
-            if let Err(e) = vmi_api
-                .delete(&v.name_any(), &DeleteParams::default())
-                .await
-            {
-                tracing::debug!(vmi = %v.name_any(), error = %e, "deleting the VMI of a deleted VM");
-            }
-        }
         return;
     };
     // Claim by name (KubeVirt's `ClaimVirtualMachineByName`): ours, or an orphan we adopt.
@@ -838,7 +847,10 @@ async fn sync_vm(s: &Shared, key: &str) {
         .as_ref()
         .filter(|v| controller_owner(v.as_ref(), "VirtualMachine").is_none())
     {
-        if v.metadata.deletion_timestamp.is_none() {
+        // Never adopt for a VM being deleted: deleted with orphaning, the garbage collector
+        // strips the VMI's owner reference while the VM still exists, and adopting it back
+        // would have the VMI deleted along with the VM.
+        if v.metadata.deletion_timestamp.is_none() && vm.metadata.deletion_timestamp.is_none() {
             let patch = json!({"metadata": {"ownerReferences": [vm::controller_ref(&vm)], "resourceVersion": v.metadata.resource_version}});
             if let Err(e) = vmi_api
                 .patch(name, &PatchParams::default(), &Patch::Merge(patch))
@@ -856,11 +868,27 @@ async fn sync_vm(s: &Shared, key: &str) {
     let mut sync_error: Option<(String, String)> = None;
     let mut request_start = false;
 
+    let mut vm = vm;
+    if s.vm_exp.satisfied(key)
+        && let Some(next) = finalizers::vm(&vm, vmi.is_some())
+    {
+        match set_finalizers(&vm_api, vm.as_ref(), &next).await {
+            Err(e) => {
+                retry_later(&s.vm_q, key, "writing the VM's finalizers", &e);
+                return;
+            }
+            // The last finalizer of a deleted VM: it is gone.
+            Ok(_) if vm.metadata.deletion_timestamp.is_some() => return,
+            // Carry on from the written version, so the status write below does not conflict
+            // with this one.
+            Ok(written) => vm = Arc::new(written),
+        }
+    }
+
     if vm.metadata.deletion_timestamp.is_some() {
-        if let Some(v) = vmi
-            .as_ref()
-            .filter(|v| v.metadata.deletion_timestamp.is_none())
-        {
+        if let Some(v) = vmi.as_ref().filter(|v| {
+            v.metadata.deletion_timestamp.is_none() && finalizers::stops_instance_on_delete(&vm)
+        }) {
             s.vm_exp.expect_deletions(key, &[key.to_owned()]);
             if let Err(e) = vmi_api
                 .delete(&v.name_any(), &DeleteParams::default())
@@ -931,8 +959,15 @@ async fn sync_vm(s: &Shared, key: &str) {
         }
     }
 
-    if let Some(v) = vmi.as_ref().filter(|v| vmi::is_final(v)) {
-        remove_finalizer(&vmi_api, v, VM_CONTROLLER_FINALIZER).await;
+    // The final status is recorded below from this same copy of the VMI; a VMI that changed
+    // since fails the compare-and-swap and comes back.
+    if let Some((v, next)) = vmi
+        .as_ref()
+        .filter(|v| vmi::is_final(v))
+        .and_then(|v| Some((v, finalizers::vmi(v, false, true)?)))
+        && let Err(e) = set_finalizers(&vmi_api, v.as_ref(), &next).await
+    {
+        retry_later(&s.vm_q, key, "releasing a final VMI", &e);
     }
 
     let pending = s.vm_exp.counters().pending(key).unwrap_or((0, 0));
@@ -955,12 +990,14 @@ async fn sync_vm(s: &Shared, key: &str) {
     }
     if Some(&status) != vm.status.as_ref() {
         let old = vm.status.clone().unwrap_or_default();
+        // The whole status goes, stateChangeRequests included: the resourceVersion makes it a
+        // compare-and-swap, so a request someone queued since this copy is never dropped.
+        let patch = json!({
+            "metadata": {"resourceVersion": vm.metadata.resource_version},
+            "status": status_patch(&old, &status),
+        });
         if let Err(e) = vm_api
-            .patch_status(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "status": status_patch(&old, &status) })),
-            )
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
             .await
         {
             retry_later(&s.vm_q, key, "updating the VM status", &e);

@@ -25,8 +25,6 @@ use crate::vmi::{is_final, phase_of};
 pub const MAX_CRASH_LOOP_BACKOFF: Duration = Duration::from_secs(300);
 /// The back-off unit: the n-th failure in a row waits `n² x` this (plus jitter).
 pub const CRASH_LOOP_BACKOFF_UNIT: Duration = Duration::from_secs(10);
-/// Finalizer the VM controller puts on the VMIs it creates (KubeVirt's).
-pub const VM_CONTROLLER_FINALIZER: &str = "kubevirt.io/virtualMachineControllerFinalizer";
 /// Annotation holding the VM generation an instance was started from (KubeVirt's).
 pub const VM_GENERATION_ANNOTATION: &str = "kubevirt.io/vm-generation";
 
@@ -223,7 +221,7 @@ pub fn vmi_from_vm(vm: &VirtualMachine) -> VirtualMachineInstance {
         labels: template_meta.labels,
         annotations: Some(annotations),
         owner_references: Some(vec![controller_ref(vm)]),
-        finalizers: Some(vec![VM_CONTROLLER_FINALIZER.to_owned()]),
+        finalizers: Some(vec![api::labels::VM_CONTROLLER_FINALIZER.to_owned()]),
         ..ObjectMeta::default()
     };
     VirtualMachineInstance {

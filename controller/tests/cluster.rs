@@ -1537,3 +1537,197 @@ async fn bench_create_to_scheduled() {
     );
     drop((kubelet, heartbeat, kubelets, controller));
 }
+
+/// The kubelet's part of pod deletion, which these tests have no kubelet for: a terminating
+/// launcher pod's guest is gone, so the pod object goes.
+fn kubelet_removes_terminating_pods(client: &Client) -> Running {
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    Running(tokio::spawn(async move {
+        loop {
+            let list = pods
+                .list(&ListParams::default().labels("kubevirt.io=virt-launcher"))
+                .await;
+            for p in list.into_iter().flat_map(|l| l.items) {
+                if p.metadata.deletion_timestamp.is_some() {
+                    let _ = pods
+                        .delete(&p.name_any(), &DeleteParams::default().grace_period(0))
+                        .await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }))
+}
+
+/// Waits until neither the VM `name`, nor its VMI, nor any launcher pod of it is left.
+async fn all_gone(client: &Client, name: &str) {
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    wait_for(
+        &format!("VM {name}, its VMI and its pods to go"),
+        || async {
+            let vm = vms.get_opt(name).await.unwrap();
+            let vmi = vmis.get_opt(name).await.unwrap();
+            let pods = launcher_pods(client)
+                .await
+                .into_iter()
+                .filter(|p| p.labels().get("vm.kubevirt.io/name").map(String::as_str) == Some(name))
+                .count();
+            (vm.is_none() && vmi.is_none() && pods == 0).then_some(())
+        },
+    )
+    .await;
+}
+
+fn finalizers_of(v: &VirtualMachineInstance) -> Vec<String> {
+    v.metadata.finalizers.clone().unwrap_or_default()
+}
+
+/// `kubectl delete vm` in each state a VM can be in leaves nothing behind: the VM carries the
+/// VM controller's finalizer until its instance is gone, and the instance's copy of it is
+/// released once the instance is final.
+#[tokio::test]
+async fn deleting_a_vm_in_any_state_leaves_no_vm_vmi_or_pod() {
+    let (_server, client) = cluster().await;
+    let _controller = start(&client, "a", false);
+    let _kubelet = kubelet_removes_terminating_pods(&client);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    for (name, strategy) in [
+        ("running", "Always"),
+        ("stopped", "Halted"),
+        ("starting", "Always"),
+        ("final", "Manual"),
+    ] {
+        vms.create(&PostParams::default(), &vm_with(name, strategy))
+            .await
+            .unwrap();
+    }
+    run_guest(&client, "running", None).await;
+    request(&vms, "final", "Start", None).await;
+    run_guest(&client, "final", None).await;
+    set_phase(&vmis, "final", "Succeeded").await;
+    wait_for(
+        "the VM controller's finalizer off the final VMI",
+        || async {
+            let v = vmis.get("final").await.unwrap();
+            (!finalizers_of(&v).contains(&api::labels::VM_CONTROLLER_FINALIZER.to_owned()))
+                .then_some(())
+        },
+    )
+    .await;
+    // "starting": its VMI and pod exist, nothing has scheduled the pod yet.
+    let starting = wait_for("the starting VMI", || async {
+        vmis.get_opt("starting").await.unwrap()
+    })
+    .await;
+    wait_for("its pod", || async {
+        pods_of(&client, &starting).await.into_iter().next()
+    })
+    .await;
+    for name in ["running", "stopped", "starting", "final"] {
+        let vm = wait_for("the VM's finalizer", || async {
+            let vm = vms.get(name).await.unwrap();
+            vm.finalizers()
+                .contains(&api::labels::VM_CONTROLLER_FINALIZER.to_owned())
+                .then_some(vm)
+        })
+        .await;
+        assert_eq!(vm.finalizers(), [api::labels::VM_CONTROLLER_FINALIZER]);
+        vms.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    for name in ["running", "stopped", "starting", "final"] {
+        all_gone(&client, name).await;
+    }
+}
+
+/// Deleted with orphaning, the VM goes at once and its running instance stays, without an
+/// owner and without the VM controller's finalizer.
+#[tokio::test]
+async fn deleting_a_vm_with_orphaning_keeps_its_vmi_running() {
+    let WithVm {
+        _server,
+        _controller,
+        client,
+        vms,
+        vmis,
+    } = with_vm("orphaned", "Always").await;
+    let vmi = run_guest(&client, "orphaned", None).await;
+    vms.delete("orphaned", &DeleteParams::orphan())
+        .await
+        .unwrap();
+    wait_for("the VM to go", || async {
+        vms.get_opt("orphaned")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let kept = wait_for("the VMI without owner or VM finalizer", || async {
+        let v = vmis.get("orphaned").await.unwrap();
+        (v.owner_references().is_empty()
+            && !finalizers_of(&v).contains(&api::labels::VM_CONTROLLER_FINALIZER.to_owned()))
+        .then_some(v)
+    })
+    .await;
+    assert_eq!(kept.uid(), vmi.uid());
+    assert_eq!(kept.metadata.deletion_timestamp, None);
+    assert_eq!(phase(&kept).as_deref(), Some("Running"));
+    assert_eq!(pods_of(&client, &kept).await.len(), 1);
+}
+
+/// The controller is down between the VM's deletion and the end of its instance; the one that
+/// starts next finishes the job. A VMI found at start-up holding the old name of the VM
+/// controller's finalizer gets KubeVirt's, and one holding it with no VM left gets it released.
+#[tokio::test]
+async fn a_restarted_controller_finishes_deletions_and_migrates_finalizers() {
+    let (_server, client) = cluster().await;
+    let _kubelet = kubelet_removes_terminating_pods(&client);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let first = start(&client, "a", false);
+    for name in ["deleted", "legacy"] {
+        vms.create(&PostParams::default(), &vm_with(name, "Always"))
+            .await
+            .unwrap();
+        run_guest(&client, name, None).await;
+    }
+    drop(first);
+    vms.delete("deleted", &DeleteParams::default())
+        .await
+        .unwrap();
+    // What an older kubevirt-rs left: its finalizer name on a VM's instance, and on an
+    // instance whose VM is long gone.
+    let legacy = api::labels::LEGACY_VM_CONTROLLER_FINALIZER;
+    vmis.patch(
+        "legacy",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": [api::labels::VMI_FINALIZER, legacy]}})),
+    )
+    .await
+    .unwrap();
+    let mut stray = vmi("stray");
+    stray.metadata.finalizers = Some(vec![legacy.to_owned()]);
+    vmis.create(&PostParams::default(), &stray).await.unwrap();
+
+    let _second = start(&client, "b", false);
+    all_gone(&client, "deleted").await;
+    wait_for("the legacy name renamed", || async {
+        (finalizers_of(&vmis.get("legacy").await.unwrap())
+            == [
+                api::labels::VMI_FINALIZER,
+                api::labels::VM_CONTROLLER_FINALIZER,
+            ])
+        .then_some(())
+    })
+    .await;
+    wait_for("the ownerless VMI's VM finalizer released", || async {
+        let v = vmis.get("stray").await.unwrap();
+        (!finalizers_of(&v)
+            .iter()
+            .any(|f| f == legacy || f == api::labels::VM_CONTROLLER_FINALIZER))
+        .then_some(())
+    })
+    .await;
+}

@@ -1,68 +1,11 @@
-//! The guest agent's answers (QGA JSON as the launcher relays them) in KubeVirt's shapes:
+//! The guest agent's answers (`launcher_api::guest`, QGA's JSON) in KubeVirt's shapes:
 //! `VirtualMachineInstanceGuestAgentInfo`, `VirtualMachineInstanceGuestOSUserList`,
 //! `VirtualMachineInstanceFileSystemList` (`kubevirt.io/api/core/v1/types.go`). The api crate
 //! does not carry these subresource types, so they live here.
 
 use api::status::VirtualMachineInstanceGuestOsInfo;
-use serde::{Deserialize, Serialize};
-
-/// `guest-info`.
-#[derive(Debug, Clone, Deserialize)]
-pub struct QgaInfo {
-    pub version: String,
-    #[serde(default)]
-    pub supported_commands: Vec<QgaCommand>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-pub struct QgaCommand {
-    pub name: String,
-    pub enabled: bool,
-}
-
-/// `guest-get-osinfo`: every member is optional in QGA's schema.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct QgaOsInfo {
-    pub kernel_release: Option<String>,
-    pub kernel_version: Option<String>,
-    pub machine: Option<String>,
-    pub id: Option<String>,
-    pub name: Option<String>,
-    pub pretty_name: Option<String>,
-    pub version: Option<String>,
-    pub version_id: Option<String>,
-}
-
-/// One of `guest-get-users`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct QgaUser {
-    pub user: String,
-    pub domain: Option<String>,
-    pub login_time: f64,
-}
-
-/// One of `guest-get-fsinfo`.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct QgaFilesystem {
-    pub name: String,
-    pub mountpoint: String,
-    #[serde(rename = "type")]
-    pub type_: String,
-    pub used_bytes: Option<u64>,
-    pub total_bytes: Option<u64>,
-    #[serde(default)]
-    pub disk: Vec<QgaDisk>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct QgaDisk {
-    pub bus_type: String,
-    pub serial: Option<String>,
-}
+use launcher_api::guest::{QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
+use serde::Serialize;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]

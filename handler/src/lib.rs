@@ -2,7 +2,6 @@
 //! shutdown, heartbeats the node, talks to launchers over their unix sockets and serves VMI
 //! consoles and lifecycle calls over mTLS.
 
-pub mod client;
 pub mod deviceplugin;
 pub mod devices;
 pub mod events;

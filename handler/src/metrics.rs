@@ -13,9 +13,9 @@ use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
 use http::StatusCode;
-use launcher::domain::DiskStats;
+use launcher_api::client::LauncherClient;
+use launcher_api::domain::DiskStats;
 
-use crate::client::LauncherClient;
 use crate::node::Node;
 
 /// `/proc/<pid>/stat` counts CPU time in USER_HZ ticks, which Linux fixes at 100 for the ABI.

@@ -25,13 +25,13 @@ use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Resource as _, ResourceExt as _};
-use launcher::domain::Domain;
+use launcher_api::client::{ClientError, LauncherClient};
+use launcher_api::domain::Domain;
 use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use workqueue::Queue;
 
-use crate::client::{ClientError, LauncherClient, pod_socket};
 use crate::devices::{self, DeviceError};
 use crate::events::{Event, EventType};
 use crate::guestinfo;
@@ -213,6 +213,15 @@ fn pod_vmi_key(pod: &Pod) -> Option<String> {
         .flatten()
         .find(|o| o.controller == Some(true) && o.kind == "VirtualMachineInstance")
         .map(|o| key_of(ns, &o.name))
+}
+
+/// Where a pod's launcher socket is, seen from the handler: in the kubelet's directory of that
+/// pod's `sockets` emptyDir (KubeVirt mounts the kubelet pods dir as `/pods` in virt-handler).
+pub fn pod_socket(pods_dir: &Path, pod_uid: &str) -> PathBuf {
+    pods_dir
+        .join(pod_uid)
+        .join("volumes/kubernetes.io~empty-dir")
+        .join(launcher_api::SOCKET)
 }
 
 /// The active pod of `vmi` that runs on `node`.
@@ -650,7 +659,7 @@ impl Node {
         let generation = vmi.metadata.generation.unwrap_or_default();
         let synced = self.with_entry(key, uid, |e| e.synced_generation == Some(generation));
         if domain.state.is_final()
-            || (synced && domain.state != launcher::domain::DomainState::NoState)
+            || (synced && domain.state != launcher_api::domain::DomainState::NoState)
         {
             return Ok(None);
         }
@@ -697,7 +706,7 @@ impl Node {
         &self,
         vmi: &VirtualMachineInstance,
         socket: &Path,
-    ) -> Option<Vec<network::status::AgentInterface>> {
+    ) -> Option<Vec<launcher_api::guest::AgentInterface>> {
         match self.launcher(socket).guest_interfaces().await {
             Ok(ifaces) => Some(ifaces),
             Err(e) => {

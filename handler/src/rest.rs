@@ -4,8 +4,7 @@
 use api::status::VirtualMachineInstanceConditionType as Cond;
 use api::{ConditionStatus, VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use http::StatusCode;
-
-use crate::client::ClientError;
+use launcher_api::client::ClientError;
 
 /// The calls of `/v1/namespaces/{namespace}/virtualmachineinstances/{name}/...`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -124,7 +123,7 @@ pub fn from_client(e: &ClientError) -> Refusal {
 mod tests {
     use super::*;
     use api::status::Condition;
-    use launcher::domain::ApiError;
+    use launcher_api::domain::ApiError;
 
     fn vmi(phase: Option<Phase>, paused: bool, agent: bool) -> VirtualMachineInstance {
         let mut v = VirtualMachineInstance::new("vm", api::VirtualMachineInstanceSpec::default());

@@ -20,12 +20,12 @@ use futures::{SinkExt as _, StreamExt as _};
 use http::StatusCode;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
+use launcher_api::client::LauncherClient;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 
-use crate::client::LauncherClient;
 use crate::guestinfo;
 use crate::rest::{self, Action, Refusal};
 use crate::tls::ReloadingConfig;
@@ -161,8 +161,8 @@ impl From<Refusal> for Reply {
     }
 }
 
-impl From<crate::client::ClientError> for Reply {
-    fn from(e: crate::client::ClientError) -> Self {
+impl From<launcher_api::client::ClientError> for Reply {
+    fn from(e: launcher_api::client::ClientError) -> Self {
         Reply(rest::from_client(&e))
     }
 }

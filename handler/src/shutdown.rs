@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use launcher::domain::DomainState;
+use launcher_api::domain::DomainState;
 
 use crate::events::Event;
 use crate::status::DEFAULT_GRACE_SECONDS;

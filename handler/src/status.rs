@@ -12,8 +12,9 @@ use api::status::{
 };
 use api::{ConditionStatus, VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use launcher::domain::{Domain, DomainState, FsFreeze};
-use network::status::{AgentInterface, DomainInterface};
+use launcher_api::domain::{Domain, DomainState, FsFreeze};
+use launcher_api::guest::AgentInterface;
+use network::status::DomainInterface;
 
 use crate::events::{Event, EventType};
 
@@ -435,7 +436,7 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use launcher::domain::InterfaceStatus;
+    use launcher_api::domain::InterfaceStatus;
     use pretty_assertions::assert_eq;
 
     fn t(s: i64) -> Time {
@@ -1001,7 +1002,7 @@ mod tests {
         let d = LauncherView::Answering(Box::new(Domain {
             state: DomainState::Running,
             reason: "Booted".into(),
-            disks: vec![launcher::domain::DiskStatus {
+            disks: vec![launcher_api::domain::DiskStatus {
                 name: "hot".into(),
                 bus: "scsi".into(),
                 source: "/var/run/kubevirt/hotplug-disks/hot".into(),

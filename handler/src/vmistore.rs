@@ -8,8 +8,7 @@ use std::sync::Arc;
 
 use kube::ResourceExt as _;
 
-use crate::client::pod_socket;
-use crate::node::{Node, active_pod_on};
+use crate::node::{Node, active_pod_on, pod_socket};
 use crate::server::{LookupError, Target, Vmis};
 
 /// `server::Vmis` over the node loop.

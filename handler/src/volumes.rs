@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use api::VirtualMachineInstance;
 use api::common::Preserved;
 use api::status::VolumeStatus;
-use launcher::domain::DiskStatus;
+use launcher_api::domain::DiskStatus;
 
 use crate::events::Event;
 

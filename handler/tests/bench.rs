@@ -335,12 +335,12 @@ fn summary(what: &str, mut v: Vec<Duration>) -> Duration {
 async fn bench_rest_pause_unpause_latency() {
     let launcher = common::Launcher::start(true);
     let uid = "44444444-4444-4444-4444-444444444444";
-    let c = handler::client::LauncherClient::new(&launcher.socket, Duration::from_secs(60));
+    let c = launcher_api::client::LauncherClient::new(&launcher.socket, Duration::from_secs(60));
     c.sync(&common::kernel_vmi("bench", uid))
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", launcher.log()));
     let deadline = Instant::now() + common::BOOT;
-    while c.domain().await.expect("domain").state != launcher::domain::DomainState::Running {
+    while c.domain().await.expect("domain").state != launcher_api::domain::DomainState::Running {
         assert!(
             Instant::now() < deadline,
             "never Running\n{}",
@@ -373,7 +373,7 @@ async fn bench_rest_pause_unpause_latency() {
     }
     assert_eq!(
         c.domain().await.expect("domain").state,
-        launcher::domain::DomainState::Running
+        launcher_api::domain::DomainState::Running
     );
     let dp = summary("launcher client pause (baseline)", direct_pause);
     let du = summary("launcher client unpause (baseline)", direct_unpause);

@@ -601,7 +601,7 @@ async fn a_client_that_never_reads_stalls_nobody_else() {
 async fn guest_console_rest_and_agent_through_the_server() {
     let launcher = common::Launcher::start(true);
     let uid = "33333333-3333-3333-3333-333333333333";
-    let c = handler::client::LauncherClient::new(&launcher.socket, Duration::from_secs(60));
+    let c = launcher_api::client::LauncherClient::new(&launcher.socket, Duration::from_secs(60));
     c.sync(&common::kernel_vmi("real", uid))
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", launcher.log()));
@@ -681,14 +681,14 @@ async fn guest_console_rest_and_agent_through_the_server() {
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         c.domain().await.expect("domain").state,
-        launcher::domain::DomainState::Paused
+        launcher_api::domain::DomainState::Paused
     );
     let paused = serve(&[Cond::Paused]).await;
     let (status, body) = paused.call("PUT", "real", "unpause").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(
         c.domain().await.expect("domain").state,
-        launcher::domain::DomainState::Running
+        launcher_api::domain::DomainState::Running
     );
 
     let deadline = tokio::time::Instant::now() + common::BOOT;

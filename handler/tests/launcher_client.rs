@@ -5,9 +5,10 @@ mod common;
 use std::time::Duration;
 
 use futures::StreamExt as _;
-use handler::client::{ClientError, LauncherClient, pod_socket};
+use handler::node::pod_socket;
 use handler::status::{self, LauncherView, Observed, PodReady, PodView};
-use launcher::domain::DomainState;
+use launcher_api::client::{ClientError, LauncherClient};
+use launcher_api::domain::DomainState;
 
 fn client(l: &common::Launcher) -> LauncherClient {
     LauncherClient::new(&l.socket, Duration::from_secs(30))

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use api::VirtualMachineInstance;
-use handler::client::{LauncherClient, pod_socket};
 use handler::metrics;
+use handler::node::pod_socket;
 use handler::node::{self, Node};
 use handler::server::Vmis as _;
 use handler::status::SYNC_FAILED_REASON;
@@ -27,7 +27,8 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
-use launcher::domain::{Domain, DomainState, FsFreeze};
+use launcher_api::client::LauncherClient;
+use launcher_api::domain::{Domain, DomainState, FsFreeze};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 

@@ -1,10 +1,10 @@
-//! The launcher client: typed calls to a virt-launcher's command API (HTTP/1.1 + JSON on its
-//! unix socket) and its domain watch as a `Stream` of [`Domain`].
+//! virt-handler's client of the command API: a typed call per [`Action`] and the domain watch as a
+//! `Stream` of [`Domain`].
 //!
 //! One connection per call: the socket is local, connecting costs microseconds, and a fresh
 //! connection means a launcher restart never leaves a stale pooled one behind.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,24 +12,21 @@ use futures::{Stream, StreamExt as _, TryStreamExt as _};
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt as _, BodyStream, Full};
 use hyper_util::rt::TokioIo;
-use launcher::domain::{ApiError, DiskStats, Domain, Info};
 use serde::de::DeserializeOwned;
 use tokio::net::UnixStream;
 use tokio_util::codec::{FramedRead, LinesCodec};
 use tokio_util::io::StreamReader;
 
-use crate::guestinfo::{QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
+use crate::action::{
+    Action, Body, Freeze, Frozen, GetBlockStats, GetDomain, GetInfo, GuestFilesystems, GuestInfo,
+    GuestInterfaces, GuestOsInfo, GuestUsers, Kill, Pause, Ping, Reset, Screendump, Shutdown,
+    SoftReboot, SyncVmi, Thawed, Unfreeze, Unpause, WatchDomain,
+};
+use crate::domain::{ApiError, DiskStats, Domain, Info};
+use crate::guest::{AgentInterface, QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
 
 /// A domain line longer than this is not a domain.
 const MAX_WATCH_LINE: usize = 4 * 1024 * 1024;
-
-/// Where a pod's launcher socket is, seen from the handler: the kubelet's emptyDir `sockets`
-/// volume of that pod (KubeVirt mounts the kubelet pods dir as `/pods` in virt-handler).
-pub fn pod_socket(pods_dir: &Path, pod_uid: &str) -> PathBuf {
-    pods_dir
-        .join(pod_uid)
-        .join("volumes/kubernetes.io~empty-dir/sockets/launcher-sock")
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -107,10 +104,6 @@ impl LauncherClient {
         }
     }
 
-    pub fn socket(&self) -> &Path {
-        &self.socket
-    }
-
     async fn send(
         &self,
         method: Method,
@@ -182,14 +175,18 @@ impl LauncherClient {
             })?
     }
 
-    async fn call<T: DeserializeOwned>(
-        &self,
-        method: Method,
-        path: &str,
-        body: Option<Vec<u8>>,
-    ) -> Result<T, ClientError> {
-        let (status, bytes) = self.exchange(method, path, body).await?;
-        self.decode(path, status, &bytes)
+    /// One JSON action: its request encoded as both ends encode it, its answer decoded.
+    async fn call<A: Action>(&self, request: &A::Request) -> Result<A::Response, ClientError>
+    where
+        A::Response: DeserializeOwned,
+    {
+        let body = request.encode().map_err(|source| ClientError::Decode {
+            socket: self.socket.clone(),
+            path: A::PATH.to_owned(),
+            source,
+        })?;
+        let (status, bytes) = self.exchange(A::METHOD, A::PATH, body).await?;
+        self.decode(A::PATH, status, &bytes)
     }
 
     fn decode<T: DeserializeOwned>(
@@ -224,95 +221,88 @@ impl LauncherClient {
     }
 
     pub async fn ping(&self) -> Result<(), ClientError> {
-        self.call::<serde_json::Value>(Method::GET, "/v1/ping", None)
-            .await
-            .map(drop)
+        self.call::<Ping>(&()).await.map(drop)
     }
 
     pub async fn info(&self) -> Result<Info, ClientError> {
-        self.call(Method::GET, "/v1/info", None).await
+        self.call::<GetInfo>(&()).await
     }
 
     pub async fn domain(&self) -> Result<Domain, ClientError> {
-        self.call(Method::GET, "/v1/domain", None).await
+        self.call::<GetDomain>(&()).await
     }
 
     /// Each disk's I/O counters (QMP `query-blockstats`).
     pub async fn blockstats(&self) -> Result<Vec<DiskStats>, ClientError> {
-        self.call(Method::GET, "/v1/domain/blockstats", None).await
+        self.call::<GetBlockStats>(&()).await
     }
 
     /// Starts the VMI if it does not run yet, else applies what may change (hotplug).
     pub async fn sync(&self, vmi: &api::VirtualMachineInstance) -> Result<Domain, ClientError> {
-        let body = serde_json::to_vec(vmi).map_err(|source| ClientError::Decode {
-            socket: self.socket.clone(),
-            path: "/v1/sync".to_owned(),
-            source,
-        })?;
-        self.call(Method::PUT, "/v1/sync", Some(body)).await
+        self.call::<SyncVmi>(vmi).await
     }
 
     pub async fn pause(&self) -> Result<Domain, ClientError> {
-        self.call(Method::POST, "/v1/pause", None).await
+        self.call::<Pause>(&()).await
     }
 
     pub async fn unpause(&self) -> Result<Domain, ClientError> {
-        self.call(Method::POST, "/v1/unpause", None).await
+        self.call::<Unpause>(&()).await
     }
 
     /// ACPI power button.
     pub async fn shutdown(&self) -> Result<Domain, ClientError> {
-        self.call(Method::POST, "/v1/shutdown", None).await
+        self.call::<Shutdown>(&()).await
     }
 
     pub async fn kill(&self) -> Result<Domain, ClientError> {
-        self.call(Method::POST, "/v1/kill", None).await
+        self.call::<Kill>(&()).await
     }
 
     pub async fn reset(&self) -> Result<Domain, ClientError> {
-        self.call(Method::POST, "/v1/reset", None).await
+        self.call::<Reset>(&()).await
     }
 
     pub async fn soft_reboot(&self) -> Result<Domain, ClientError> {
-        self.call(Method::POST, "/v1/softreboot", None).await
+        self.call::<SoftReboot>(&()).await
     }
 
-    pub async fn freeze(&self) -> Result<serde_json::Value, ClientError> {
-        self.call(Method::POST, "/v1/freeze", None).await
+    pub async fn freeze(&self) -> Result<Frozen, ClientError> {
+        self.call::<Freeze>(&()).await
     }
 
-    pub async fn unfreeze(&self) -> Result<serde_json::Value, ClientError> {
-        self.call(Method::POST, "/v1/unfreeze", None).await
+    pub async fn unfreeze(&self) -> Result<Thawed, ClientError> {
+        self.call::<Unfreeze>(&()).await
     }
 
     pub async fn guest_info(&self) -> Result<QgaInfo, ClientError> {
-        self.call(Method::GET, "/v1/guest/info", None).await
+        self.call::<GuestInfo>(&()).await
     }
 
     pub async fn guest_osinfo(&self) -> Result<QgaOsInfo, ClientError> {
-        self.call(Method::GET, "/v1/guest/osinfo", None).await
+        self.call::<GuestOsInfo>(&()).await
     }
 
-    pub async fn guest_interfaces(
-        &self,
-    ) -> Result<Vec<network::status::AgentInterface>, ClientError> {
-        self.call(Method::GET, "/v1/guest/interfaces", None).await
+    pub async fn guest_interfaces(&self) -> Result<Vec<AgentInterface>, ClientError> {
+        self.call::<GuestInterfaces>(&()).await
     }
 
     pub async fn guest_users(&self) -> Result<Vec<QgaUser>, ClientError> {
-        self.call(Method::GET, "/v1/guest/users", None).await
+        self.call::<GuestUsers>(&()).await
     }
 
     pub async fn guest_filesystems(&self) -> Result<Vec<QgaFilesystem>, ClientError> {
-        self.call(Method::GET, "/v1/guest/filesystems", None).await
+        self.call::<GuestFilesystems>(&()).await
     }
 
     /// The guest's display as a PNG (QMP `screendump`).
     pub async fn screendump(&self) -> Result<Bytes, ClientError> {
-        const PATH: &str = "/v1/screendump";
-        match self.exchange(Method::GET, PATH, None).await? {
+        match self
+            .exchange(Screendump::METHOD, Screendump::PATH, None)
+            .await?
+        {
             (status, png) if status.is_success() => Ok(png),
-            (status, body) => Err(self.api_error(PATH, status, &body)),
+            (status, body) => Err(self.api_error(Screendump::PATH, status, &body)),
         }
     }
 
@@ -321,8 +311,8 @@ impl LauncherClient {
     pub async fn watch(
         &self,
     ) -> Result<impl Stream<Item = Result<Domain, ClientError>> + Send + 'static, ClientError> {
-        const PATH: &str = "/v1/domain/watch";
-        let resp = tokio::time::timeout(self.timeout, self.send(Method::GET, PATH, None))
+        const PATH: &str = WatchDomain::PATH;
+        let resp = tokio::time::timeout(self.timeout, self.send(WatchDomain::METHOD, PATH, None))
             .await
             .map_err(|_| ClientError::Timeout {
                 socket: self.socket.clone(),
@@ -358,5 +348,62 @@ impl LauncherClient {
                 source,
             })
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::net::UnixListener;
+
+    use super::*;
+
+    /// A launcher that answers every request with `reply`: the faults a real launcher does not
+    /// make (a body that is not its error shape, an answer in the wrong shape).
+    fn answering(reply: &'static str) -> (tempfile::TempDir, LauncherClient) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("launcher-sock");
+        let listener = UnixListener::bind(&socket).expect("bind");
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s.write_all(reply.as_bytes()).await;
+            }
+        });
+        (dir, LauncherClient::new(socket, Duration::from_secs(5)))
+    }
+
+    #[tokio::test]
+    async fn an_error_that_is_not_json_keeps_its_status_and_text() {
+        let (_dir, c) = answering(
+            "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 5\r\nconnection: close\r\n\r\noops!",
+        );
+        match c.pause().await.expect_err("refused") {
+            ClientError::Api {
+                path,
+                status,
+                error,
+                ..
+            } => {
+                assert_eq!((path.as_str(), status), (Pause::PATH, 500));
+                assert_eq!(error.code, "Internal Server Error");
+                assert_eq!(error.message, "oops!");
+            }
+            other => panic!("expected an API error, got {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_answer_in_another_shape_names_the_action() {
+        let (_dir, c) = answering(
+            "HTTP/1.1 200 OK\r\ncontent-length: 12\r\nconnection: close\r\n\r\n{\"nope\": 1}\n",
+        );
+        let e = c.info().await.expect_err("not an Info");
+        assert!(
+            matches!(&e, ClientError::Decode { path, .. } if path == GetInfo::PATH),
+            "{e}"
+        );
+        assert!(!e.is_unreachable());
     }
 }

@@ -1,4 +1,5 @@
-//! The domain state the launcher reports over its API: what virt-handler turns into VMI status.
+//! The domain state the launcher reports over its API (what virt-handler turns into VMI status),
+//! and the other JSON shapes of its answers.
 
 use serde::{Deserialize, Serialize};
 
@@ -87,8 +88,8 @@ pub struct Domain {
     pub sync_error: Option<String>,
 }
 
-/// `GET /v1/domain/blockstats`: one VMI disk's I/O counters since QEMU started, from QMP
-/// `query-blockstats` (what libvirt's block stats give KubeVirt).
+/// One VMI disk's I/O counters since QEMU started, from QMP `query-blockstats` (what libvirt's
+/// block stats give KubeVirt); [`GetBlockStats`](crate::action::GetBlockStats) answers one per disk.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DiskStats {
@@ -111,7 +112,7 @@ pub struct ApiError {
     pub message: String,
 }
 
-/// `GET /v1/info`.
+/// [`GetInfo`](crate::action::GetInfo)'s answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Info {

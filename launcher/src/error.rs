@@ -38,6 +38,11 @@ pub enum Error {
     AgentNotConnected,
     #[error("guest agent: {0}")]
     Agent(qmp::Error),
+    #[error("guest agent: the answer to {command} does not fit the command API: {source}")]
+    AgentAnswer {
+        command: &'static str,
+        source: serde_json::Error,
+    },
     #[error("hotplug of disk {disk}: {message}")]
     Hotplug { disk: String, message: String },
     #[error("network: {0}")]
@@ -64,7 +69,7 @@ impl Error {
             Error::QemuExited(_) => "QemuExited",
             Error::Qmp(_) => "QMPError",
             Error::AgentNotConnected => "AgentNotConnected",
-            Error::Agent(_) => "AgentError",
+            Error::Agent(_) | Error::AgentAnswer { .. } => "AgentError",
             Error::Hotplug { .. } => "HotplugFailed",
             Error::Network(_) => "NetworkFailed",
             Error::Io { .. } => "IOError",
@@ -78,7 +83,7 @@ impl Error {
             Error::UidMismatch { .. } | Error::WrongState { .. } => 409,
             Error::NoDomain => 404,
             Error::AgentNotConnected => 503,
-            Error::Qmp(_) | Error::Agent(_) => 502,
+            Error::Qmp(_) | Error::Agent(_) | Error::AgentAnswer { .. } => 502,
             Error::NoAccelerator(_)
             | Error::QemuStart { .. }
             | Error::QemuExited(_)

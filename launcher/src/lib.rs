@@ -5,7 +5,6 @@ pub mod accel;
 pub mod child;
 pub mod console;
 pub mod convert;
-pub mod domain;
 pub mod error;
 pub mod net;
 pub mod paths;

@@ -22,7 +22,7 @@ pub struct Dirs {
 
 impl Dirs {
     pub fn command_socket(&self) -> PathBuf {
-        self.share.join("sockets").join("launcher-sock")
+        self.share.join(launcher_api::SOCKET)
     }
 
     pub fn vm_dir(&self, uid: &str) -> PathBuf {

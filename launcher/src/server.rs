@@ -4,6 +4,7 @@
 //! "ready" (KubeVirt's convention).
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -12,11 +13,17 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{MethodFilter, on};
 use futures::StreamExt as _;
+use launcher_api::action::{
+    self, Action, Empty, Freeze, GetBlockStats, GetDomain, GetInfo, GuestFilesystems, GuestInfo,
+    GuestInterfaces, GuestOsInfo, GuestUsers, Kill, Pause, Ping, Reset, Screendump, Shutdown,
+    SoftReboot, SyncVmi, Unfreeze, Unpause, WatchDomain,
+};
+use launcher_api::domain::{ApiError, Info};
+use serde::Serialize;
 use tokio::net::UnixListener;
 
-use crate::domain::{ApiError, Info};
 use crate::error::Error;
 use crate::vm::Launcher;
 
@@ -33,75 +40,64 @@ impl IntoResponse for Error {
     }
 }
 
-type Reply<T> = Result<axum::Json<T>, Error>;
+fn method<A: Action>() -> MethodFilter {
+    MethodFilter::try_from(A::METHOD).expect("every action's method is one axum routes")
+}
+
+/// The router as it is built: by action, so that the launcher's method for one has to return
+/// that action's answer.
+struct Routes(Router<Arc<Launcher>>);
+
+impl Routes {
+    fn serve<A, F, Fut>(self, _: A, f: F) -> Self
+    where
+        A: Action + 'static,
+        A::Request: Send,
+        A::Response: Serialize,
+        F: Fn(Arc<Launcher>, A::Request) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<A::Response, Error>> + Send + 'static,
+    {
+        // The body is taken as bytes and decoded here so that a bad VMI gets our JSON error with
+        // serde's own description (line, column, field) rather than axum's plain-text rejection.
+        let handler = move |State(l): State<Arc<Launcher>>, body: Bytes| async move {
+            let request = <A::Request as action::Body>::decode(&body)
+                .map_err(|e| Error::BadRequest(e.to_string()))?;
+            f(l, request).await.map(axum::Json)
+        };
+        Routes(self.0.route(A::PATH, on(method::<A>(), handler)))
+    }
+}
 
 pub fn router(launcher: Arc<Launcher>) -> Router {
-    Router::new()
+    Routes(Router::new())
+        .serve(Ping, |_, ()| async { Ok(Empty {}) })
+        .serve(GetInfo, |l, ()| async move { Ok(info(&l)) })
+        .serve(SyncVmi, |l, vmi| async move { l.sync(&vmi).await })
+        .serve(GetDomain, |l, ()| async move { Ok(l.domain()) })
+        .serve(GetBlockStats, |l, ()| async move { l.blockstats().await })
+        .serve(Pause, |l, ()| async move { l.pause().await })
+        .serve(Unpause, |l, ()| async move { l.unpause().await })
+        .serve(Shutdown, |l, ()| async move { l.shutdown().await })
+        .serve(Kill, |l, ()| async move { l.kill().await })
+        .serve(Reset, |l, ()| async move { l.reset().await })
+        .serve(SoftReboot, |l, ()| async move { l.soft_reboot().await })
+        .serve(Freeze, |l, ()| async move { l.freeze().await })
+        .serve(Unfreeze, |l, ()| async move { l.unfreeze().await })
+        .serve(GuestInfo, |l, ()| async move { l.guest_info().await })
+        .serve(GuestOsInfo, |l, ()| async move { l.guest_osinfo().await })
+        .serve(GuestUsers, |l, ()| async move { l.guest_users().await })
+        .serve(GuestFilesystems, |l, ()| async move {
+            l.guest_filesystems().await
+        })
+        .serve(GuestInterfaces, |l, ()| async move {
+            l.guest_interfaces().await
+        })
+        .0
+        .route(WatchDomain::PATH, on(method::<WatchDomain>(), watch))
         .route(
-            "/v1/ping",
-            get(|| async { axum::Json(serde_json::json!({})) }),
+            Screendump::PATH,
+            on(method::<Screendump>().or(MethodFilter::POST), screendump),
         )
-        .route("/v1/info", get(info))
-        .route("/v1/sync", put(sync))
-        .route("/v1/domain", get(domain))
-        .route("/v1/domain/watch", get(watch))
-        .route(
-            "/v1/domain/blockstats",
-            get(|State(l): State<Arc<Launcher>>| async move { l.blockstats().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/pause",
-            post(|State(l): State<Arc<Launcher>>| async move { l.pause().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/unpause",
-            post(|State(l): State<Arc<Launcher>>| async move { l.unpause().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/shutdown",
-            post(|State(l): State<Arc<Launcher>>| async move { l.shutdown().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/kill",
-            post(|State(l): State<Arc<Launcher>>| async move { l.kill().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/reset",
-            post(|State(l): State<Arc<Launcher>>| async move { l.reset().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/softreboot",
-            post(|State(l): State<Arc<Launcher>>| async move { l.soft_reboot().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/freeze",
-            post(|State(l): State<Arc<Launcher>>| async move { l.freeze().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/unfreeze",
-            post(|State(l): State<Arc<Launcher>>| async move { l.unfreeze().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/guest/info",
-            get(|State(l): State<Arc<Launcher>>| async move { l.guest_info().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/guest/osinfo",
-            get(|State(l): State<Arc<Launcher>>| async move { l.guest_osinfo().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/guest/users",
-            get(|State(l): State<Arc<Launcher>>| async move { l.guest_users().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/guest/filesystems",
-            get(|State(l): State<Arc<Launcher>>| async move { l.guest_filesystems().await.map(axum::Json) }),
-        )
-        .route(
-            "/v1/guest/interfaces",
-            get(|State(l): State<Arc<Launcher>>| async move { l.guest_interfaces().await.map(axum::Json) }),
-        )
-        .route("/v1/screendump", get(screendump).post(screendump))
         .fallback(|| async {
             Error::BadRequest("no such endpoint; see docs/launcher.md for the /v1 API".into())
                 .into_response()
@@ -109,30 +105,18 @@ pub fn router(launcher: Arc<Launcher>) -> Router {
         .with_state(launcher)
 }
 
-async fn info(State(l): State<Arc<Launcher>>) -> axum::Json<Info> {
-    axum::Json(Info {
+fn info(l: &Launcher) -> Info {
+    Info {
         launcher_version: env!("CARGO_PKG_VERSION").to_owned(),
         qemu_binary: l.config().qemu_binary.display().to_string(),
         qemu_version: l.qemu_version(),
         uid: l.domain().uid,
-    })
-}
-
-async fn domain(State(l): State<Arc<Launcher>>) -> axum::Json<crate::domain::Domain> {
-    axum::Json(l.domain())
+    }
 }
 
 async fn screendump(State(l): State<Arc<Launcher>>) -> Result<Response, Error> {
     let png = l.screendump().await?;
     Ok(([(header::CONTENT_TYPE, "image/png")], png).into_response())
-}
-
-/// The body is taken as bytes and parsed here so that a bad VMI gets our JSON error with
-/// serde's own description (line, column, field) rather than axum's plain-text rejection.
-async fn sync(State(l): State<Arc<Launcher>>, body: Bytes) -> Reply<crate::domain::Domain> {
-    let vmi: api::VirtualMachineInstance =
-        serde_json::from_slice(&body).map_err(|e| Error::BadRequest(e.to_string()))?;
-    Ok(axum::Json(l.sync(&vmi).await?))
 }
 
 /// Newline-delimited JSON: the current state first, then every change. Ends after a final
@@ -171,4 +155,66 @@ pub fn bind(socket: &Path) -> std::io::Result<UnixListener> {
     let listener = UnixListener::bind(&tmp)?;
     std::fs::rename(&tmp, socket)?;
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::http::Request;
+    use http_body_util::BodyExt as _;
+    use tower::ServiceExt as _;
+
+    use super::*;
+    use crate::paths::Dirs;
+    use crate::vm::Config;
+
+    fn launcher() -> Arc<Launcher> {
+        let dir = |d: &str| std::path::PathBuf::from("/nonexistent").join(d);
+        Launcher::new(Config {
+            dirs: Dirs {
+                share: dir("share"),
+                private: dir("private"),
+                ephemeral: dir("ephemeral"),
+                container_disks: dir("container-disks"),
+                hotplug_disks: dir("hotplug"),
+                block_devices: dir("dev"),
+            },
+            qemu_binary: dir("qemu"),
+            qemu_img: dir("qemu-img"),
+            ovmf_dir: dir("ovmf"),
+            hugepages_dir: dir("hugepages"),
+            allow_emulation: true,
+            qemu_timeout: Duration::from_secs(1),
+            grace_period: Duration::from_secs(1),
+            fsfreeze_status_interval: Duration::from_secs(1),
+            uid: None,
+        })
+    }
+
+    /// Without a domain every action answers at once (most with `NoDomain`); what matters is that
+    /// none falls through to the fallback or is refused its method.
+    #[tokio::test]
+    async fn every_action_of_the_api_is_served() {
+        let router = router(launcher());
+        for (method, path) in action::ALL {
+            let req = Request::builder()
+                .method(method)
+                .uri(*path)
+                .body(Body::empty())
+                .expect("request");
+            let resp = router.clone().oneshot(req).await.expect("infallible");
+            let status = resp.status();
+            assert_ne!(status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+            if status.is_success() {
+                continue;
+            }
+            let body = resp.into_body().collect().await.expect("body").to_bytes();
+            let e: ApiError = serde_json::from_slice(&body).expect("an API error");
+            assert!(
+                !e.message.contains("no such endpoint"),
+                "{method} {path}: {e:?}"
+            );
+        }
+    }
 }

@@ -2,7 +2,7 @@
 
 use std::process::ExitStatus;
 
-use crate::domain::DomainState;
+use launcher_api::domain::DomainState;
 
 /// What the launcher itself asked QEMU to do last, so that the end it causes is not reported
 /// as a crash.

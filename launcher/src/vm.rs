@@ -11,6 +11,9 @@ use std::time::Duration;
 
 use api::VirtualMachineInstance;
 use api::vmi::VolumeSource;
+use launcher_api::action::{Frozen, Thawed};
+use launcher_api::domain::{DiskStats, DiskStatus, Domain, DomainState, FsFreeze, InterfaceStatus};
+use launcher_api::guest::{AgentInterface, QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value as Json, json};
@@ -20,7 +23,6 @@ use tokio::sync::{Mutex, OnceCell, watch};
 
 use crate::console::Console;
 use crate::convert::{self, Host};
-use crate::domain::{DiskStats, DiskStatus, Domain, DomainState, FsFreeze, InterfaceStatus};
 use crate::error::Error;
 use crate::paths::Dirs;
 use crate::prepare;
@@ -722,18 +724,22 @@ impl Launcher {
 
     /// Asks the agent again afterwards, whatever the answer: a freeze that timed out may still
     /// have frozen the guest, and the domain must say so.
-    pub async fn freeze(&self) -> Result<Json, Error> {
+    pub async fn freeze(&self) -> Result<Frozen, Error> {
         let agent = self.agent("freeze").await?;
         let n = agent.fsfreeze_freeze().await;
         self.refresh_fsfreeze(&agent).await;
-        Ok(json!({ "frozenFilesystems": n.map_err(Error::Agent)? }))
+        Ok(Frozen {
+            frozen_filesystems: n.map_err(Error::Agent)?,
+        })
     }
 
-    pub async fn unfreeze(&self) -> Result<Json, Error> {
+    pub async fn unfreeze(&self) -> Result<Thawed, Error> {
         let agent = self.agent("unfreeze").await?;
         let n = agent.fsfreeze_thaw().await;
         self.refresh_fsfreeze(&agent).await;
-        Ok(json!({ "thawedFilesystems": n.map_err(Error::Agent)? }))
+        Ok(Thawed {
+            thawed_filesystems: n.map_err(Error::Agent)?,
+        })
     }
 
     /// KubeVirt's agent poller for `guest-fsfreeze-status`: while the agent is connected, the
@@ -785,31 +791,31 @@ impl Launcher {
         });
     }
 
-    pub async fn guest_info(&self) -> Result<Json, Error> {
+    pub async fn guest_info(&self) -> Result<QgaInfo, Error> {
         let a = self.agent("guest info").await?;
-        to_json(a.info().await.map_err(Error::Agent)?)
+        relay("guest-info", a.info().await)
     }
 
-    pub async fn guest_osinfo(&self) -> Result<Json, Error> {
+    pub async fn guest_osinfo(&self) -> Result<QgaOsInfo, Error> {
         let a = self.agent("guest osinfo").await?;
-        to_json(a.osinfo().await.map_err(Error::Agent)?)
+        relay("guest-get-osinfo", a.osinfo().await)
     }
 
-    pub async fn guest_users(&self) -> Result<Json, Error> {
+    pub async fn guest_users(&self) -> Result<Vec<QgaUser>, Error> {
         let a = self.agent("guest users").await?;
-        to_json(a.users().await.map_err(Error::Agent)?)
+        relay("guest-get-users", a.users().await)
     }
 
-    pub async fn guest_filesystems(&self) -> Result<Json, Error> {
+    pub async fn guest_filesystems(&self) -> Result<Vec<QgaFilesystem>, Error> {
         let a = self.agent("guest filesystems").await?;
-        to_json(a.fsinfo().await.map_err(Error::Agent)?)
+        relay("guest-get-fsinfo", a.fsinfo().await)
     }
 
     /// `guest-network-get-interfaces`: names and addresses inside the guest, which virt-handler
     /// merges with the domain's NICs into `status.interfaces` (`network::status::merge`).
-    pub async fn guest_interfaces(&self) -> Result<Json, Error> {
+    pub async fn guest_interfaces(&self) -> Result<Vec<AgentInterface>, Error> {
         let a = self.agent("guest interfaces").await?;
-        to_json(a.network_interfaces().await.map_err(Error::Agent)?)
+        relay("guest-network-get-interfaces", a.network_interfaces().await)
     }
 
     /// Waits (briefly) until the exit handler has published the final state.
@@ -998,8 +1004,15 @@ impl Launcher {
     }
 }
 
-fn to_json(v: impl serde::Serialize) -> Result<Json, Error> {
-    serde_json::to_value(v).map_err(|e| Error::BadRequest(e.to_string()))
+/// An agent's answer in the API's shape. qapi's types and the API's are both qemu-ga's JSON, so
+/// the answer goes through that JSON rather than being copied member by member.
+fn relay<T: serde::de::DeserializeOwned>(
+    command: &'static str,
+    answer: Result<impl serde::Serialize, qmp::Error>,
+) -> Result<T, Error> {
+    serde_json::to_value(answer.map_err(Error::Agent)?)
+        .and_then(serde_json::from_value)
+        .map_err(|source| Error::AgentAnswer { command, source })
 }
 
 /// Removes the per-VM sockets a finished QEMU leaves behind.

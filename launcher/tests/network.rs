@@ -153,7 +153,7 @@ fn echo(s: &mut TcpStream, line: &str) -> String {
     String::from_utf8_lossy(&buf).trim().to_owned()
 }
 
-fn agent_interfaces(l: &Launcher) -> Vec<network::status::AgentInterface> {
+fn agent_interfaces(l: &Launcher) -> Vec<launcher_api::guest::AgentInterface> {
     common::wait_until(BOOT, "the agent's interfaces", || {
         let (code, v) = l.request("GET", "/v1/guest/interfaces", None);
         (code == 200).then(|| serde_json::from_value(v).unwrap())

@@ -1,11 +1,13 @@
 //! `status.interfaces`: what the domain says (the VMI's interfaces and their MACs) merged with
 //! what the guest agent says (`guest-network-get-interfaces`: names and addresses inside the
-//! guest), matched by MAC as KubeVirt does. Pure; the handler calls it with the launcher's
-//! `GET /v1/domain` interfaces and `GET /v1/guest/interfaces`.
+//! guest), matched by MAC as KubeVirt does. Pure; the handler calls it with the interfaces of the
+//! launcher's [`GetDomain`](launcher_api::action::GetDomain) and
+//! [`GuestInterfaces`](launcher_api::action::GuestInterfaces).
 
 use std::net::IpAddr;
 
 use api::status::VirtualMachineInstanceNetworkInterface;
+use launcher_api::guest::AgentInterface;
 use serde::{Deserialize, Serialize};
 
 pub const INFO_SOURCE_DOMAIN: &str = "domain";
@@ -22,25 +24,6 @@ pub struct DomainInterface {
     /// The pod interface behind it (`eth0` for the pod network), if known.
     #[serde(default)]
     pub pod_interface: Option<String>,
-}
-
-/// One entry of qemu-ga's `guest-network-get-interfaces`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AgentInterface {
-    pub name: String,
-    #[serde(rename = "hardware-address", default)]
-    pub hardware_address: Option<String>,
-    #[serde(rename = "ip-addresses", default)]
-    pub ip_addresses: Vec<AgentAddress>,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AgentAddress {
-    #[serde(rename = "ip-address-type")]
-    pub ip_address_type: String,
-    #[serde(rename = "ip-address")]
-    pub ip_address: String,
-    pub prefix: u8,
 }
 
 fn same_mac(a: &str, b: &str) -> bool {

@@ -43,6 +43,10 @@ pub const KUBEVIRT_GENERATION: &str = "kubevirt.io/generation";
 /// `app.kubernetes.io/managed-by` value on objects virt-operator manages.
 pub const MANAGED_BY_OPERATOR: &str = "virt-operator";
 
+/// VMI annotation: the launcher exits at once (KubeVirt's `FuncTestLauncherFailFastAnnotation`,
+/// how KubeVirt's own tests make a VM crash-loop).
+pub const FUNC_TEST_LAUNCHER_FAIL_FAST: &str = "kubevirt.io/func-test-virt-launcher-fail-fast";
+
 /// Finalizer on every VMI.
 pub const VMI_FINALIZER: &str = crate::defaults::VMI_FINALIZER;
 /// The finalizer older KubeVirt releases put on VMIs; still honoured.

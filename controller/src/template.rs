@@ -372,6 +372,14 @@ pub fn render_launcher_pod(
     if cluster.use_emulation {
         args.push("--allow-emulation".into());
     }
+    if vmi
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(api::labels::FUNC_TEST_LAUNCHER_FAIL_FAST))
+    {
+        args.push("--simulate-crash".into());
+    }
 
     // Volumes every launcher gets (KubeVirt's volume renderer).
     let mut volumes = vec![
@@ -740,6 +748,34 @@ spec:
                 .unwrap()
                 .contains(&"--allow-emulation".to_owned())
         );
+    }
+
+    #[test]
+    fn the_fail_fast_annotation_makes_the_launcher_crash() {
+        let args = |v: &VirtualMachineInstance| {
+            render_launcher_pod(v, &TemplateConfig::default(), &ClusterConfig::default())
+                .unwrap()
+                .spec
+                .unwrap()
+                .containers[0]
+                .args
+                .clone()
+                .unwrap()
+        };
+        let plain = vmi("
+metadata: {name: a, namespace: default, uid: u1}
+spec: {domain: {memory: {guest: 128Mi}, devices: {}}}
+");
+        assert!(!args(&plain).contains(&"--simulate-crash".to_owned()));
+        let failing = vmi("
+metadata:
+  name: a
+  namespace: default
+  uid: u1
+  annotations: {kubevirt.io/func-test-virt-launcher-fail-fast: \"\"}
+spec: {domain: {memory: {guest: 128Mi}, devices: {}}}
+");
+        assert!(args(&failing).contains(&"--simulate-crash".to_owned()));
     }
 
     #[test]

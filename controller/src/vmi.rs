@@ -95,6 +95,16 @@ fn pod_node(pod: &Pod) -> Option<&str> {
         .filter(|n| !n.is_empty())
 }
 
+/// KubeVirt's `isComputeContainerDown`: the launcher has exited, whatever the pod's other
+/// containers (the container-disk ones keep running) still do.
+fn compute_terminated(pod: &Pod) -> bool {
+    pod.status
+        .iter()
+        .flat_map(|s| s.container_statuses.iter().flatten())
+        .find(|c| c.name == "compute")
+        .is_some_and(|c| c.state.as_ref().is_some_and(|s| s.terminated.is_some()))
+}
+
 /// KubeVirt's `IsPodReady`: the pod runs and every container but `compute` is ready; the
 /// compute container becomes ready only once virt-handler synced the VMI.
 pub fn launcher_ready(pod: &Pod) -> bool {
@@ -306,6 +316,7 @@ pub fn sync(
     };
 
     let pod_over = matches!(pod_phase(pod), "Failed" | "Succeeded")
+        || compute_terminated(pod)
         || pod.metadata.deletion_timestamp.is_some();
     let before_running = matches!(
         phase,
@@ -384,7 +395,8 @@ mod tests {
     use super::*;
     use api::VirtualMachineInstanceSpec;
     use k8s_openapi::api::core::v1::{
-        ContainerState, ContainerStateWaiting, ContainerStatus, PodCondition, PodSpec, PodStatus,
+        ContainerState, ContainerStateTerminated, ContainerStateWaiting, ContainerStatus,
+        PodCondition, PodSpec, PodStatus,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
     use pretty_assertions::assert_eq;
@@ -590,6 +602,32 @@ mod tests {
             Some(Ph::Scheduled),
             "compute may be unready"
         );
+    }
+
+    #[test]
+    fn an_exited_launcher_fails_the_vmi_while_the_pod_still_runs() {
+        let mut p = pod("Running", Some("n1"));
+        p.status.as_mut().unwrap().container_statuses = Some(vec![
+            ContainerStatus {
+                name: "compute".into(),
+                state: Some(ContainerState {
+                    terminated: Some(ContainerStateTerminated {
+                        exit_code: 1,
+                        ..ContainerStateTerminated::default()
+                    }),
+                    ..ContainerState::default()
+                }),
+                ..ContainerStatus::default()
+            },
+            ContainerStatus {
+                name: "volumedisk".into(),
+                ready: true,
+                ..ContainerStatus::default()
+            },
+        ]);
+        let out = sync(&vmi(Some(Ph::Scheduled)), &[p], &[], now());
+        assert_eq!(out.status.phase, Some(Ph::Failed));
+        assert_eq!(out.status.reason.as_deref(), Some("PodFailed"));
     }
 
     #[test]

@@ -76,6 +76,13 @@ pub enum StackError {
     },
 }
 
+/// A virt-handler pod: its name and IP (its console and REST server listen there on 8186).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandlerPod {
+    pub name: String,
+    pub ip: String,
+}
+
 /// A running localcluster with virt-controller and virt-handler deployed; stopped on drop.
 pub struct Stack {
     dir: tempfile::TempDir,
@@ -140,6 +147,20 @@ fn run(cmd: &mut Command, input: Option<&str>) -> Result<String, StackError> {
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
         })
     }
+}
+
+/// `spec.domain.firmware` booting the test guest's kernel and initrd straight from
+/// localcluster's `kubevirt-rs/test-guest-kernel` image (kernelBoot), on the serial console.
+pub fn test_guest_firmware() -> serde_json::Value {
+    serde_json::json!({"kernelBoot": {
+        "kernelArgs": "console=ttyS0",
+        "container": {
+            "image": "kubevirt-rs/test-guest-kernel:latest",
+            "kernelPath": "/boot/vmlinuz",
+            "initrdPath": "/boot/initrd.img",
+            "imagePullPolicy": "IfNotPresent",
+        },
+    }})
 }
 
 /// Polls `probe` until it gives a value or `timeout` passes; `probe` also describes what it saw
@@ -459,6 +480,43 @@ impl Stack {
             "-o",
             "name",
         ])
+    }
+
+    /// The virt-handler pod that is Ready and not being deleted, if there is one.
+    pub fn ready_handler_pod(&self) -> Result<Option<HandlerPod>, String> {
+        let out = self
+            .kubectl(&[
+                "-n",
+                "kubevirt",
+                "get",
+                "pods",
+                "-l",
+                "kubevirt.io=virt-handler",
+                "-o",
+                "json",
+            ])
+            .map_err(|e| e.to_string())?;
+        let pods: serde_json::Value = serde_json::from_str(&out).map_err(|e| e.to_string())?;
+        let ready = pods["items"].as_array().into_iter().flatten().find(|p| {
+            p["metadata"]["deletionTimestamp"].is_null()
+                && p["status"]["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+        });
+        Ok(ready.and_then(|p| {
+            Some(HandlerPod {
+                name: p["metadata"]["name"].as_str()?.to_owned(),
+                ip: p["status"]["podIP"].as_str()?.to_owned(),
+            })
+        }))
+    }
+
+    /// `kubectl apply` of one object; panics naming it if kubectl refuses.
+    pub fn apply(&self, manifest: &serde_json::Value) {
+        self.kubectl_with_input(&["apply", "-f", "-"], &manifest.to_string())
+            .unwrap_or_else(|e| panic!("kubectl apply {}: {e}", manifest["metadata"]["name"]));
     }
 
     /// Runs kubectl with `input` on its stdin.

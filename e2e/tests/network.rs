@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use e2e::{Stack, wait_for};
+use e2e::{Stack, test_guest_firmware, wait_for};
 use serde_json::{Value, json};
 
 const BOOT: Duration = Duration::from_secs(480);
@@ -53,15 +53,7 @@ fn vmi_manifest(name: &str, binding: &str, ports: &[u16], peer_ip: &str) -> Valu
             "domain": {
                 "cpu": {"cores": 1},
                 "memory": {"guest": "256Mi"},
-                "firmware": {"kernelBoot": {
-                    "kernelArgs": "console=ttyS0",
-                    "container": {
-                        "image": "kubevirt-rs/test-guest-kernel:latest",
-                        "kernelPath": "/boot/vmlinuz",
-                        "initrdPath": "/boot/initrd.img",
-                        "imagePullPolicy": "IfNotPresent",
-                    },
-                }},
+                "firmware": test_guest_firmware(),
                 "devices": {
                     "interfaces": [{"name": "default", binding: {}, "ports": ports}],
                     "disks": [{"name": "cloudinitdisk", "disk": {"bus": "virtio"}}],
@@ -90,12 +82,6 @@ fn peer_manifest() -> Value {
             }],
         },
     })
-}
-
-fn apply(stack: &Stack, manifest: &Value) {
-    stack
-        .kubectl_with_input(&["apply", "-f", "-"], &manifest.to_string())
-        .unwrap_or_else(|e| panic!("kubectl apply {}: {e}", manifest["metadata"]["name"]));
 }
 
 fn get(stack: &Stack, resource: &str, name: &str) -> Result<Value, String> {
@@ -267,48 +253,20 @@ fn in_pod_netns(netns: &std::path::Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn handler_pod(stack: &Stack) -> Result<Option<String>, String> {
-    let out = stack
-        .kubectl(&[
-            "-n",
-            "kubevirt",
-            "get",
-            "pods",
-            "-l",
-            "kubevirt.io=virt-handler",
-            "-o",
-            "json",
-        ])
-        .map_err(|e| e.to_string())?;
-    let pods: Value = serde_json::from_str(&out).map_err(|e| e.to_string())?;
-    let ready = pods["items"].as_array().into_iter().flatten().find(|p| {
-        p["metadata"]["deletionTimestamp"].is_null()
-            && p["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|c| c["type"] == "Ready" && c["status"] == "True")
-    });
-    Ok(ready.and_then(|p| p["metadata"]["name"].as_str().map(str::to_owned)))
-}
-
 #[test]
 fn guest_masquerade_and_bridge_through_the_stack() {
     let before = host_network_leftovers();
     let stack = Stack::up().expect("the stack comes up");
 
-    apply(&stack, &peer_manifest());
+    stack.apply(&peer_manifest());
     let peer_ip = wait_for("the peer pod's IP", Duration::from_secs(120), || {
         let pod = get(&stack, "pod", "peer")?;
         Ok(pod["status"]["podIP"].as_str().map(str::to_owned))
     })
     .expect("the peer pod runs");
 
-    apply(
-        &stack,
-        &vmi_manifest("masq", "masquerade", &[8080, 8082], &peer_ip),
-    );
-    apply(&stack, &vmi_manifest("bridged", "bridge", &[], &peer_ip));
+    stack.apply(&vmi_manifest("masq", "masquerade", &[8080, 8082], &peer_ip));
+    stack.apply(&vmi_manifest("bridged", "bridge", &[], &peer_ip));
     let masq = running(&stack, "masq");
     let bridged = running(&stack, "bridged");
 
@@ -382,7 +340,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
     // The node is schedulable as soon as virt-handler runs; its pod is Ready only after the
     // readiness probe's initial delay (15 s).
     let old_handler = wait_for("a ready virt-handler", Duration::from_secs(120), || {
-        handler_pod(&stack)
+        stack.ready_handler_pod().map(|p| p.map(|p| p.name))
     })
     .expect("a ready virt-handler");
     stack
@@ -398,7 +356,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
     wait_for(
         "a new ready virt-handler",
         Duration::from_secs(180),
-        || match handler_pod(&stack)? {
+        || match stack.ready_handler_pod()?.map(|p| p.name) {
             Some(p) if p != old_handler => Ok(Some(())),
             p => Err(format!("ready handler {p:?}")),
         },

@@ -61,6 +61,10 @@ struct Flags {
     /// Keep serving the API after QEMU has ended (until SIGTERM), instead of exiting.
     #[arg(long)]
     keep_after_shutdown: bool,
+    /// Exit with an error at once: KubeVirt's flag, set for VMIs annotated
+    /// `kubevirt.io/func-test-virt-launcher-fail-fast`, how tests make a VM crash-loop.
+    #[arg(long)]
+    simulate_crash: bool,
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -89,6 +93,10 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let f = Flags::parse();
+    anyhow::ensure!(
+        !f.simulate_crash,
+        "simulated virt-launcher crash (--simulate-crash)"
+    );
     let dirs = Dirs {
         share: f.kubevirt_share_dir,
         private: f.private_dir,

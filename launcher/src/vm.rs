@@ -830,16 +830,28 @@ impl Launcher {
 
     /// The launcher is being terminated: ACPI power-down, the grace period, `quit`, then
     /// SIGKILL. Returns once QEMU is gone and the final state is published.
+    ///
+    /// The grace period is waited out without holding the command lock: virt-handler counts
+    /// the VMI's own (shorter) grace period and sends `kill` when it is over, which must not
+    /// queue behind this wait.
     pub async fn terminate(&self) {
-        let mut ops = self.ops.lock().await;
-        let Some(vm) = ops.vm.as_mut() else {
-            return;
+        let mut exit = {
+            let mut ops = self.ops.lock().await;
+            let Some(vm) = ops.vm.as_mut() else {
+                return;
+            };
+            if !vm.exited() {
+                tracing::info!(grace = ?self.cfg.grace_period, "powering the guest down");
+                vm.request(Requested::Powerdown);
+                let _ = vm.qmp.execute(qmp::qapi::qmp::system_powerdown {}).await;
+            }
+            vm.exit.clone()
         };
-        if !vm.exited() {
-            tracing::info!(grace = ?self.cfg.grace_period, "powering the guest down");
-            vm.request(Requested::Powerdown);
-            let _ = vm.qmp.execute(qmp::qapi::qmp::system_powerdown {}).await;
-            if !vm.wait_exit(self.cfg.grace_period).await {
+        let powered_down =
+            tokio::time::timeout(self.cfg.grace_period, exit.wait_for(Option::is_some)).await;
+        if powered_down.is_err() {
+            let mut ops = self.ops.lock().await;
+            if let Some(vm) = ops.vm.as_mut().filter(|vm| !vm.exited()) {
                 tracing::info!("grace period over; quitting QEMU");
                 vm.request(Requested::Quit);
                 let _ = vm.qmp.execute(qmp::qapi::qmp::quit {}).await;
@@ -851,7 +863,6 @@ impl Launcher {
                 }
             }
         }
-        drop(ops);
         self.settle().await;
     }
 

@@ -337,6 +337,53 @@ fn guest_q35_efi_disk_boot_sigterm() {
     assert!(!l.socket.exists(), "the command socket is removed on exit");
 }
 
+/// After SIGTERM the launcher waits out its grace period for the guest to power down, but a
+/// `kill` (virt-handler sends one when the VMI's own, shorter grace period is over) is served
+/// at once rather than after that wait. The guest is paused, so it cannot power down by itself.
+#[test]
+fn guest_kill_is_served_while_sigterm_waits_for_the_guest() {
+    let mut l = Launcher::start_with(&["--grace-period-seconds", "600"], |root| {
+        common::place_container_disk(root, 0);
+    });
+    let id = uid();
+    let v = vmi(
+        "killed",
+        &id,
+        json!({
+            "domain": {
+                "resources": {"requests": {"memory": "128Mi"}},
+                "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]},
+            },
+            "volumes": [{"name": "root", "containerDisk": {"image": "guest"}}],
+        }),
+    );
+    let (status, d) = l.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    let pid = d["qemuPid"].as_i64().unwrap();
+    l.post("/v1/pause");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(l.pid()).unwrap()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    common::wait_until(BOOT, "the launcher to log its power-down", || {
+        l.log().contains("powering the guest down").then_some(())
+    });
+    let socket = l.socket.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(common::http(&socket, "POST", "/v1/kill", None));
+    });
+    // Far below the 600 s grace period: a kill queued behind it would not be back by then.
+    let (status, d) = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("kill was not served during the grace period\n{}", l.log()));
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    let status = l.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "{}", l.log());
+    assert!(!common::process_alive(pid), "QEMU left behind");
+}
+
 /// Every device kind the converter emits, in one machine: QEMU 7.2 must accept the command line
 /// (secure-boot EFI with SMM, sata and scsi disks and cdroms, read-only, serials, cache modes,
 /// rng, balloon, VNC) and run it. Whether the guest boots is not waited for:

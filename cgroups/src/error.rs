@@ -48,13 +48,6 @@ pub enum CgroupError {
         #[source]
         source: io::Error,
     },
-    #[error("{op} in {path}")]
-    CgroupsRs {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: cgroups_rs::fs::error::Error,
-    },
     #[error("bpf {op} for cgroup {path}")]
     Bpf {
         op: &'static str,

@@ -4,7 +4,6 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use cgroups_rs::fs::memory::MemController;
 use tracing::debug;
 
 use crate::cpuset::{self, CpuList, Placement, Step};
@@ -198,26 +197,27 @@ impl Manager {
         Ok((bytes < 1 << 62).then_some(bytes))
     }
 
-    /// Sets the memory limit; `None` lifts it.
+    /// Sets the memory limit; `None` lifts it (`max` on cgroup2, `-1` on v1).
     pub fn set_memory_limit(&self, bytes: Option<u64>) -> Result<()> {
-        let limit = match bytes {
-            Some(b) => i64::try_from(b).map_err(|_| CgroupError::Parse {
-                path: self.memory.path.clone(),
-                message: format!("memory limit {b} is out of range"),
-            })?,
-            None => -1,
+        let (file, value) = match (self.memory.v2, bytes) {
+            (true, None) => ("memory.max", "max".to_owned()),
+            (false, None) => ("memory.limit_in_bytes", "-1".to_owned()),
+            (v2, Some(b)) => {
+                if i64::try_from(b).is_err() {
+                    return Err(CgroupError::Parse {
+                        path: self.memory.path.clone(),
+                        message: format!("memory limit {b} is out of range"),
+                    });
+                }
+                let file = if v2 {
+                    "memory.max"
+                } else {
+                    "memory.limit_in_bytes"
+                };
+                (file, b.to_string())
+            }
         };
-        MemController::new(
-            self.memory.path.clone(),
-            self.memory.path.clone(),
-            self.memory.v2,
-        )
-        .set_limit(limit)
-        .map_err(|source| CgroupError::CgroupsRs {
-            op: "setting the memory limit",
-            path: self.memory.path.clone(),
-            source,
-        })
+        write(&self.memory.path.join(file), &value)
     }
 
     /// Undoes what this manager added: threads go back to the pod's cpuset cgroup, the

@@ -1,20 +1,19 @@
 //! Device rules through the cgroup v1 devices controller.
 
+use std::fs;
 use std::path::{Path, PathBuf};
-
-use cgroups_rs::fs::devices::{DevicePermissions, DeviceType, DevicesController};
 
 use crate::devices::{self, Access, DeviceEntry, DeviceKind, DeviceRule};
 use crate::error::{CgroupError, Result};
 
 /// One cgroup's v1 device rules.
 ///
-/// cgroups-rs writes and parses the `devices.*` files; it has no notion of moving between two
-/// rule sets, which `devices::v1_transition` plans here.
+/// The kernel's `devices.allow` / `devices.deny` / `devices.list` files are written and read
+/// directly, one line per entry in their `c 1:3 rwm` spelling; moving between two rule sets is
+/// planned by `devices::v1_transition`.
 #[derive(Debug)]
 pub struct V1Devices {
     dir: PathBuf,
-    controller: DevicesController,
 }
 
 /// What a v1 devices cgroup currently grants.
@@ -31,7 +30,6 @@ impl V1Devices {
     pub fn new(dir: &Path) -> Self {
         Self {
             dir: dir.to_owned(),
-            controller: DevicesController::new(dir.to_owned(), dir.to_owned()),
         }
     }
 
@@ -41,30 +39,21 @@ impl V1Devices {
 
     /// Reads `devices.list` back from the kernel.
     pub fn state(&self) -> Result<V1State> {
-        let list = self
-            .controller
-            .allowed_devices()
-            .map_err(|source| self.err("reading devices.list", source))?;
+        let path = self.dir.join("devices.list");
+        let text = fs::read_to_string(&path).map_err(|source| CgroupError::Read {
+            path: path.clone(),
+            source,
+        })?;
         let mut entries = Vec::new();
-        for resource in list {
-            let access = resource
-                .access
-                .iter()
-                .fold(Access::NONE, |acc, p| acc.union(access_of(*p)));
-            let number = |n: i64| u32::try_from(n).ok();
-            match resource.devtype {
-                DeviceType::All => return Ok(V1State::AllowAll),
-                DeviceType::Char | DeviceType::Block => entries.push(DeviceEntry {
-                    kind: if resource.devtype == DeviceType::Char {
-                        DeviceKind::Char
-                    } else {
-                        DeviceKind::Block
-                    },
-                    major: number(resource.major),
-                    minor: number(resource.minor),
-                    access,
-                }),
+        for line in text.lines() {
+            let entry = parse_list_line(line).map_err(|message| CgroupError::Parse {
+                path: path.clone(),
+                message,
+            })?;
+            if entry.kind == DeviceKind::All {
+                return Ok(V1State::AllowAll);
             }
+            entries.push(entry);
         }
         Ok(V1State::Allowed(entries))
     }
@@ -77,83 +66,98 @@ impl V1Devices {
         let wanted = devices::effective(rules)?;
         let current = match self.state()? {
             V1State::AllowAll => {
-                self.write(false, DeviceType::All, None, None, Access::ALL)?;
+                self.write(
+                    false,
+                    DeviceEntry {
+                        kind: DeviceKind::All,
+                        major: None,
+                        minor: None,
+                        access: Access::ALL,
+                    },
+                )?;
                 Vec::new()
             }
             V1State::Allowed(entries) => entries,
         };
         let (allows, denies) = devices::v1_transition(&current, &wanted);
         for e in allows {
-            self.write(true, device_type(e.kind), e.major, e.minor, e.access)?;
+            self.write(true, e)?;
         }
         for e in denies {
-            self.write(false, device_type(e.kind), e.major, e.minor, e.access)?;
+            self.write(false, e)?;
         }
         Ok(())
     }
 
-    fn write(
-        &self,
-        allow: bool,
-        kind: DeviceType,
-        major: Option<u32>,
-        minor: Option<u32>,
-        access: Access,
-    ) -> Result<()> {
-        let number = |n: Option<u32>| n.map_or(-1, i64::from);
-        let perms = permissions(access);
-        let result = if allow {
-            self.controller
-                .allow_device(kind, number(major), number(minor), &perms)
-        } else {
-            self.controller
-                .deny_device(kind, number(major), number(minor), &perms)
-        };
-        result.map_err(|source| {
-            self.err(
-                if allow {
-                    "writing devices.allow"
-                } else {
-                    "writing devices.deny"
-                },
-                source,
-            )
+    /// One line to `devices.allow` or `devices.deny`; the kernel takes one entry per write.
+    fn write(&self, allow: bool, entry: DeviceEntry) -> Result<()> {
+        let file = if allow { "devices.allow" } else { "devices.deny" };
+        let path = self.dir.join(file);
+        let value = entry.to_string();
+        fs::write(&path, &value).map_err(|source| CgroupError::Write {
+            path,
+            value,
+            source,
         })
     }
+}
 
-    fn err(&self, op: &'static str, source: cgroups_rs::fs::error::Error) -> CgroupError {
-        CgroupError::CgroupsRs {
-            op,
-            path: self.dir.clone(),
-            source,
+/// One `devices.list` line, `c 1:3 rwm` (`*` for any number, `a` for both types).
+fn parse_list_line(line: &str) -> Result<DeviceEntry, String> {
+    let bad = || format!("{line:?} is not a device entry (expected like \"c 1:3 rwm\")");
+    let mut fields = line.split(' ');
+    let (Some(kind), Some(numbers), Some(access), None) =
+        (fields.next(), fields.next(), fields.next(), fields.next())
+    else {
+        return Err(bad());
+    };
+    let kind = match kind {
+        "a" => DeviceKind::All,
+        "c" => DeviceKind::Char,
+        "b" => DeviceKind::Block,
+        _ => return Err(bad()),
+    };
+    let (major, minor) = numbers.split_once(':').ok_or_else(bad)?;
+    let number = |n: &str| -> Result<Option<u32>, String> {
+        if n == "*" {
+            Ok(None)
+        } else {
+            n.parse().map(Some).map_err(|_| bad())
+        }
+    };
+    Ok(DeviceEntry {
+        kind,
+        major: number(major)?,
+        minor: number(minor)?,
+        access: access.parse()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_lines_round_trip() {
+        for line in ["a *:* rwm", "c 1:3 rwm", "b 8:* r", "c *:5 wm", "c 136:0 "] {
+            let entry = parse_list_line(line).unwrap();
+            assert_eq!(entry.to_string(), line);
+        }
+        assert_eq!(
+            parse_list_line("c 1:3 rw").unwrap(),
+            DeviceEntry {
+                kind: DeviceKind::Char,
+                major: Some(1),
+                minor: Some(3),
+                access: Access::READ.union(Access::WRITE),
+            }
+        );
+    }
+
+    #[test]
+    fn bad_list_lines_are_refused() {
+        for line in ["", "c 1:3", "x 1:3 r", "c 1-3 r", "c a:3 r", "c 1:3 rx", "c 1:3 r extra"] {
+            assert!(parse_list_line(line).is_err(), "{line:?}");
         }
     }
-}
-
-fn device_type(kind: DeviceKind) -> DeviceType {
-    match kind {
-        DeviceKind::All => DeviceType::All,
-        DeviceKind::Char => DeviceType::Char,
-        DeviceKind::Block => DeviceType::Block,
-    }
-}
-
-fn access_of(p: DevicePermissions) -> Access {
-    match p {
-        DevicePermissions::Read => Access::READ,
-        DevicePermissions::Write => Access::WRITE,
-        DevicePermissions::MkNod => Access::MKNOD,
-    }
-}
-
-fn permissions(access: Access) -> Vec<DevicePermissions> {
-    [
-        (Access::READ, DevicePermissions::Read),
-        (Access::WRITE, DevicePermissions::Write),
-        (Access::MKNOD, DevicePermissions::MkNod),
-    ]
-    .into_iter()
-    .filter(|(a, _)| access.contains(*a))
-    .map(|(_, p)| p)
-    .collect()
 }

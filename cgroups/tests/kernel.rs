@@ -313,7 +313,7 @@ fn bpf_errors_name_the_cgroup() {
 fn v1_errors_name_the_cgroup() {
     let devices = V1Devices::new(&Path::new(V1_DEVICES).join("kvrs-test-does-not-exist"));
     let err = devices.set_rules(&null_only()).unwrap_err();
-    assert!(matches!(err, CgroupError::CgroupsRs { .. }), "{err:?}");
+    assert!(matches!(err, CgroupError::Read { .. }), "{err:?}");
     assert!(
         err.to_string().contains("kvrs-test-does-not-exist"),
         "{err}"

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use jiff::Timestamp;
 use serde_json::{Value, json};
 
 pub const LABEL_SCHEDULABLE: &str = "kubevirt.io/schedulable";
@@ -18,7 +18,7 @@ pub const JITTER_FACTOR: f64 = 1.2;
 
 /// The merge patch for the node. `schedulable` is false at start, on SIGTERM and while the
 /// device plugins are not yet registered.
-pub fn node_patch(schedulable: bool, cpu_manager: bool, now: DateTime<Utc>) -> Value {
+pub fn node_patch(schedulable: bool, cpu_manager: bool, now: Timestamp) -> Value {
     json!({
         "metadata": {
             "labels": {
@@ -28,7 +28,7 @@ pub fn node_patch(schedulable: bool, cpu_manager: bool, now: DateTime<Utc>) -> V
             },
             "annotations": {
                 // metav1.Time's JSON form: RFC 3339, whole seconds, `Z`.
-                ANNOTATION_HEARTBEAT: now.to_rfc3339_opts(SecondsFormat::Secs, true),
+                ANNOTATION_HEARTBEAT: format!("{now:.0}"),
             },
         }
     })
@@ -43,7 +43,7 @@ pub fn next_delay(unit: f64) -> Duration {
 /// A cheap uniform sample in [0, 1) for the jitter; it only spreads handlers apart, so the
 /// clock's nanoseconds are random enough and no RNG crate is needed.
 pub fn jitter_sample() -> f64 {
-    let nanos = Utc::now().timestamp_subsec_nanos();
+    let nanos = Timestamp::now().subsec_nanosecond();
     f64::from(nanos) / 1e9
 }
 
@@ -63,7 +63,7 @@ impl NodePatcher {
     }
 
     pub async fn patch(&self, schedulable: bool) -> Result<(), kube::Error> {
-        let patch = node_patch(schedulable, false, Utc::now());
+        let patch = node_patch(schedulable, false, Timestamp::now());
         self.nodes
             .patch(
                 &self.node,
@@ -113,15 +113,12 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chrono::TimeZone as _;
     use pretty_assertions::assert_eq;
 
     #[test]
     fn patch_has_kubevirt_keys_and_time_format() {
-        let now = Utc
-            .with_ymd_and_hms(2026, 11, 22, 4, 5, 6)
-            .single()
-            .expect("valid");
+        // Fractional seconds are cut, not rounded.
+        let now: Timestamp = "2026-11-22T04:05:06.9Z".parse().expect("valid");
         assert_eq!(
             node_patch(true, false, now),
             json!({"metadata": {

@@ -419,8 +419,8 @@ pub fn parse_log_query(query: &str, now: SystemTime) -> Result<LogQuery, String>
                 q.since = now.checked_sub(Duration::from_secs(secs));
             }
             "sinceTime" => {
-                let t = chrono::DateTime::parse_from_rfc3339(&v).map_err(|_| bad())?;
-                q.since = Some(SystemTime::from(t.with_timezone(&chrono::Utc)));
+                let t: jiff::Timestamp = v.parse().map_err(|_| bad())?;
+                q.since = Some(SystemTime::from(t));
             }
             _ => {}
         }

@@ -256,7 +256,7 @@ pub struct Kubelet {
 }
 
 fn now() -> String {
-    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    format!("{:.0}", jiff::Timestamp::now())
 }
 
 fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> KubeletError {
@@ -479,7 +479,7 @@ async fn heartbeat_loop(shared: Arc<Shared>) {
         {
             tracing::warn!(node = %config.name, error = %e, "node status heartbeat");
         }
-        let micro = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        let micro = format!("{:.6}", jiff::Timestamp::now());
         let lease = json!({
             "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
             "metadata": {"name": config.name, "namespace": "kube-node-lease"},

@@ -11,7 +11,7 @@
 //! ```
 //! use api::{ClusterConfig, VirtualMachineInstance, defaults, validation};
 //!
-//! let mut vmi: VirtualMachineInstance = serde_yaml::from_str(r"
+//! let mut vmi: VirtualMachineInstance = serde_saphyr::from_str(r"
 //! apiVersion: kubevirt.io/v1
 //! kind: VirtualMachineInstance
 //! metadata: {name: demo}

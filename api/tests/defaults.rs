@@ -440,7 +440,7 @@ fn vmi_metadata_and_status_on_create() {
 
 #[test]
 fn cluster_config_reads_the_kubevirt_cr() {
-    let kv: api::KubeVirt = serde_yaml::from_str(
+    let kv: api::KubeVirt = serde_saphyr::from_str(
         r"
 apiVersion: kubevirt.io/v1
 kind: KubeVirt

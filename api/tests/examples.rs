@@ -19,7 +19,7 @@ fn examples() -> Vec<(String, serde_json::Value)> {
         if path.extension().is_some_and(|e| e == "yaml") {
             let text = std::fs::read_to_string(&path).unwrap();
             let value: serde_json::Value =
-                serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             out.push((
                 path.file_name().unwrap().to_string_lossy().into_owned(),
                 value,

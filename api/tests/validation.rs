@@ -646,9 +646,9 @@ spec:
 
 #[test]
 fn unsupported_kubevirt_features_are_refused_by_name() {
-    let vmi: VirtualMachineInstance = serde_yaml::from_str(UNSUPPORTED_MANIFEST).unwrap();
+    let vmi: VirtualMachineInstance = serde_saphyr::from_str(UNSUPPORTED_MANIFEST).unwrap();
     // Nothing was dropped on the way in.
-    let original: Value = serde_yaml::from_str(UNSUPPORTED_MANIFEST).unwrap();
+    let original: Value = serde_saphyr::from_str(UNSUPPORTED_MANIFEST).unwrap();
     assert_eq!(serde_json::to_value(&vmi).unwrap(), original);
 
     let errs = validation::validate_vmi(&vmi, &ClusterConfig::default());

@@ -684,7 +684,7 @@ mod tests {
     use super::*;
 
     fn vmi(yaml: &str) -> VirtualMachineInstance {
-        let mut v: VirtualMachineInstance = serde_yaml::from_str(yaml).unwrap();
+        let mut v: VirtualMachineInstance = serde_saphyr::from_str(yaml).unwrap();
         v.metadata.uid = Some("1234-abcd".into());
         v
     }

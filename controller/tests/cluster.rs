@@ -60,7 +60,7 @@ async fn cluster_with(scheduler: bool) -> (Cluster, Client) {
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         let crd: CustomResourceDefinition =
-            serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            serde_saphyr::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         crds.create(&PostParams::default(), &crd).await.unwrap();
     }
     let ns: Api<Namespace> = Api::all(client.clone());

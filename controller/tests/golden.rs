@@ -14,13 +14,15 @@ fn dir() -> PathBuf {
 
 fn check(vmi_file: &str, golden_file: &str, cluster: &ClusterConfig) {
     let vmi: VirtualMachineInstance =
-        serde_yaml::from_str(&std::fs::read_to_string(dir().join(vmi_file)).unwrap()).unwrap();
+        serde_saphyr::from_str(&std::fs::read_to_string(dir().join(vmi_file)).unwrap()).unwrap();
     let cfg = TemplateConfig {
         launcher_image: "registry.example/kubevirt-rs/virt-launcher:v0.1.0".into(),
         ..TemplateConfig::default()
     };
     let pod = render_launcher_pod(&vmi, &cfg, cluster).unwrap();
-    let rendered = serde_yaml::to_string(&pod).unwrap();
+    // Long lines stay whole (not folded), as in the checked-in CRDs.
+    let options = serde_saphyr::ser_options! { folded_wrap_chars: usize::MAX };
+    let rendered = serde_saphyr::to_string_with_options(&pod, options).unwrap();
     let golden = dir().join(golden_file);
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::write(&golden, &rendered).unwrap();

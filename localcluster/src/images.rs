@@ -29,7 +29,7 @@ pub enum ImageError {
     #[error("parsing the image table {path}")]
     Parse {
         path: String,
-        source: serde_yaml::Error,
+        source: serde_saphyr::Error,
     },
     #[error("image table {path}: entry {image:?} has an empty rootfs")]
     EmptyRoot { path: String, image: String },
@@ -61,7 +61,7 @@ impl ImageTable {
     /// Parses a table; `origin` names it in errors and relative directories are taken from `base`.
     pub fn parse(text: &str, origin: &str, base: &Path) -> Result<Self, ImageError> {
         let raw: BTreeMap<String, Entry> =
-            serde_yaml::from_str(text).map_err(|source| ImageError::Parse {
+            serde_saphyr::from_str(text).map_err(|source| ImageError::Parse {
                 path: origin.into(),
                 source,
             })?;

@@ -341,7 +341,7 @@ mod tests {
             )
             .unwrap();
         let kc = kubeconfig("https://127.0.0.1:1", &pki.ca().cert_pem, "admin", &admin);
-        let parsed: serde_yaml::Value = serde_yaml::from_str(&kc).unwrap();
+        let parsed: serde_json::Value = serde_saphyr::from_str(&kc).unwrap();
         assert_eq!(parsed["users"][0]["name"], "admin");
         assert!(
             parsed["users"][0]["user"]["client-key-data"]

@@ -235,7 +235,8 @@ pub async fn install_crds(client: &kube::Client) {
     for entry in std::fs::read_dir(&dir).expect("manifests/crds") {
         let path = entry.expect("entry").path();
         let crd: CustomResourceDefinition =
-            serde_yaml::from_str(&std::fs::read_to_string(&path).expect("read")).expect("CRD yaml");
+            serde_saphyr::from_str(&std::fs::read_to_string(&path).expect("read"))
+                .expect("CRD yaml");
         crds.create(&PostParams::default(), &crd)
             .await
             .expect("create CRD");

@@ -36,6 +36,7 @@ pub mod crds;
 pub mod defaults;
 pub mod kubevirt;
 pub mod labels;
+pub mod metrics;
 pub mod migration;
 pub mod quantity;
 pub mod replicaset;

@@ -3,14 +3,13 @@
 //! Ready). Plain HTTP: KubeVirt serves them over TLS with the operator's certificate, which
 //! kubevirt-rs has no operator to issue yet.
 //!
-//! The Prometheus text is written by hand: five metric families whose values are read from
-//! the controllers' caches at scrape time need no client library's registry.
+//! The Prometheus text is written with `api::metrics`, as virt-handler's is.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
+use api::metrics::{self, Exposition, Kind};
 use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -84,89 +83,52 @@ impl Health {
     }
 }
 
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// One metric family: its header and one sample per (labels, value); `labels` is the text
-/// inside the braces, empty for none.
-fn family(
-    out: &mut String,
-    name: &str,
-    kind: &str,
-    help: &str,
-    samples: impl IntoIterator<Item = (String, String)>,
-) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    for (labels, value) in samples {
-        if labels.is_empty() {
-            let _ = writeln!(out, "{name} {value}");
-        } else {
-            let _ = writeln!(out, "{name}{{{labels}}} {value}");
-        }
-    }
-}
-
 /// The exposition text. `snapshot`: the running controllers' state, `None` when they do not
 /// run (a follower, or caches not synced yet).
 pub fn render(leading: bool, snapshot: Option<&Snapshot>) -> String {
-    let mut out = String::new();
-    let flag = |v: bool| [(String::new(), u8::from(v).to_string())];
-    family(
-        &mut out,
+    let mut text = Exposition::new();
+    text.family(
         "kubevirt_virt_controller_leading_status",
-        "gauge",
+        Kind::Gauge,
         "Indication for an operating virt-controller (1 when it holds the leader Lease).",
-        flag(leading),
-    );
-    family(
-        &mut out,
+    )
+    .sample(&[], u8::from(leading));
+    text.family(
         "kubevirt_virt_controller_ready_status",
-        "gauge",
+        Kind::Gauge,
         "Indication for a virt-controller that is ready to take the lead (controllers running on synced caches).",
-        flag(snapshot.is_some()),
-    );
+    )
+    .sample(&[], u8::from(snapshot.is_some()));
     let Some(s) = snapshot else {
-        return out;
+        return text.finish();
     };
-    family(
-        &mut out,
-        "kubevirt_vmi_phase_count",
-        "gauge",
-        "Sum of VMIs per phase and node.",
-        s.vmi_phases.iter().map(|((phase, node), n)| {
-            (
-                format!(
-                    "node=\"{}\",phase=\"{}\"",
-                    label(node),
-                    label(&phase.to_lowercase())
-                ),
-                n.to_string(),
-            )
-        }),
-    );
-    let by_queue = |f: fn(&QueueStat) -> String| {
-        s.queues
+    metrics::vmi_phase_count(
+        &mut text,
+        s.vmi_phases
             .iter()
-            .map(move |q| (format!("name=\"{}\"", q.name), f(q)))
-    };
-    family(
-        &mut out,
-        "kubevirt_workqueue_depth",
-        "gauge",
-        "Current depth of workqueue.",
-        by_queue(|q| q.depth.to_string()),
+            .map(|((phase, node), n)| (node.as_str(), phase.as_str(), *n)),
     );
-    family(
-        &mut out,
-        "kubevirt_workqueue_adds_total",
-        "counter",
-        "Total number of adds handled by workqueue.",
-        by_queue(|q| q.adds.to_string()),
-    );
-    out
+    let queues = [
+        (
+            "kubevirt_workqueue_depth",
+            Kind::Gauge,
+            "Current depth of workqueue.",
+            (|q| q.depth.to_string()) as fn(&QueueStat) -> String,
+        ),
+        (
+            "kubevirt_workqueue_adds_total",
+            Kind::Counter,
+            "Total number of adds handled by workqueue.",
+            |q| q.adds.to_string(),
+        ),
+    ];
+    for (name, kind, help, value) in queues {
+        let mut family = text.family(name, kind, help);
+        for q in &s.queues {
+            family.sample(&[("name", q.name)], value(q));
+        }
+    }
+    text.finish()
 }
 
 /// `/healthz` (the process serves), `/leader` (200 only on the leader with running
@@ -188,7 +150,7 @@ pub fn router(health: Arc<Health>) -> Router {
             "/metrics",
             get(|State(h): State<Arc<Health>>| async move {
                 (
-                    [("content-type", "text/plain; version=0.0.4")],
+                    [("content-type", metrics::CONTENT_TYPE)],
                     render(h.leading(), h.snapshot().as_ref()),
                 )
             }),

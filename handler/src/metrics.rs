@@ -5,10 +5,10 @@
 //! `query-blockstats`).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
+use api::metrics::{self, Exposition, Kind};
 use axum::Router;
 use axum::extract::State;
 use axum::routing::get;
@@ -162,17 +162,10 @@ const DISK_METRICS: [Counter<DiskStats, f64>; 8] = [
     ),
 ];
 
-/// Escapes a label value as the text format wants.
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
 /// One counter family per table entry, with a line per VMI and per item of it (an interface,
-/// a drive) labelled `key`. `node` is already escaped.
+/// a drive) labelled `key`.
 fn counters<T, V: std::fmt::Display>(
-    out: &mut String,
+    text: &mut Exposition,
     node: &str,
     vmis: &[VmiSample],
     table: &[Counter<T, V>],
@@ -180,16 +173,17 @@ fn counters<T, V: std::fmt::Display>(
     items: Items<T>,
 ) {
     for (metric, help, value) in table {
-        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
+        let mut family = text.family(metric, Kind::Counter, help);
         for v in vmis {
             for (item, c) in items(v) {
-                let _ = writeln!(
-                    out,
-                    "{metric}{{namespace=\"{}\",name=\"{}\",node=\"{node}\",{key}=\"{}\"}} {}",
-                    label(&v.namespace),
-                    label(&v.name),
-                    label(item),
-                    value(c)
+                family.sample(
+                    &[
+                        ("namespace", &v.namespace),
+                        ("name", &v.name),
+                        ("node", node),
+                        (key, item),
+                    ],
+                    value(c),
                 );
             }
         }
@@ -198,57 +192,54 @@ fn counters<T, V: std::fmt::Display>(
 
 /// The exposition text. `phases`: VMI count per phase (KubeVirt lower-cases the phase).
 pub fn render(node: &str, phases: &BTreeMap<String, usize>, vmis: &[VmiSample]) -> String {
-    let node = label(node);
-    let mut out = String::new();
-    out.push_str(
-        "# HELP kubevirt_vmi_phase_count Sum of VMIs per phase and node.\n\
-         # TYPE kubevirt_vmi_phase_count gauge\n",
+    let mut text = Exposition::new();
+    metrics::vmi_phase_count(
+        &mut text,
+        phases.iter().map(|(phase, n)| (node, phase.as_str(), *n)),
     );
-    for (phase, n) in phases {
-        let _ = writeln!(
-            out,
-            "kubevirt_vmi_phase_count{{node=\"{node}\",phase=\"{}\"}} {n}",
-            label(&phase.to_lowercase())
-        );
-    }
-    out.push_str(
-        "# HELP kubevirt_vmi_memory_resident_bytes Resident set size of the process running the domain.\n\
-         # TYPE kubevirt_vmi_memory_resident_bytes gauge\n",
+    let mut family = text.family(
+        "kubevirt_vmi_memory_resident_bytes",
+        Kind::Gauge,
+        "Resident set size of the process running the domain.",
     );
     for v in vmis {
         if let Some(rss) = v.resident_bytes {
-            let _ = writeln!(
-                out,
-                "kubevirt_vmi_memory_resident_bytes{{namespace=\"{}\",name=\"{}\",node=\"{node}\"}} {rss}",
-                label(&v.namespace),
-                label(&v.name)
+            family.sample(
+                &[
+                    ("namespace", &v.namespace),
+                    ("name", &v.name),
+                    ("node", node),
+                ],
+                rss,
             );
         }
     }
-    out.push_str(
-        "# HELP kubevirt_vmi_vcpu_seconds_total Total amount of time spent in each state by each vcpu (cpu_time excluding hypervisor time).\n\
-         # TYPE kubevirt_vmi_vcpu_seconds_total counter\n",
+    let mut family = text.family(
+        "kubevirt_vmi_vcpu_seconds_total",
+        Kind::Counter,
+        "Total amount of time spent in each state by each vcpu (cpu_time excluding hypervisor time).",
     );
     for v in vmis {
         for c in &v.vcpus {
-            let _ = writeln!(
-                out,
-                "kubevirt_vmi_vcpu_seconds_total{{namespace=\"{}\",name=\"{}\",node=\"{node}\",id=\"{}\",state=\"{}\"}} {}",
-                label(&v.namespace),
-                label(&v.name),
-                c.id,
-                c.state,
-                c.seconds
+            family.sample(
+                &[
+                    ("namespace", &v.namespace),
+                    ("name", &v.name),
+                    ("node", node),
+                    ("id", &c.id.to_string()),
+                    ("state", c.state),
+                ],
+                c.seconds,
             );
         }
     }
-    counters(&mut out, &node, vmis, &NET_METRICS, "interface", |v| {
+    counters(&mut text, node, vmis, &NET_METRICS, "interface", |v| {
         v.interfaces.iter().map(|(i, c)| (i.as_str(), c)).collect()
     });
-    counters(&mut out, &node, vmis, &DISK_METRICS, "drive", |v| {
+    counters(&mut text, node, vmis, &DISK_METRICS, "drive", |v| {
         v.disks.iter().map(|d| (d.name.as_str(), d)).collect()
     });
-    out
+    text.finish()
 }
 
 /// The counters of each device in a `/proc/<pid>/net/dev` table (the network namespace of

@@ -16,25 +16,34 @@ use api::{VirtualMachine, VirtualMachineInstance};
 /// What the VMI's finalizers become, `None` when they stay as they are. `release_vmi`: the VMI
 /// is final and its pods are gone, so the VMI controller's own finalizer goes;
 /// `release_vm_controller`: the VM controller's finalizer goes (the VM has recorded the final
-/// status, or there is no VM left to record it). The legacy name is renamed on the way.
+/// status, or there is no VM left to record it). Old names are renamed on the way.
+///
+/// A live VMI that lacks the VMI controller's finalizer gets it: virt-api's mutating webhook
+/// adds it on create in KubeVirt, and until kubevirt-rs has that webhook nothing else does.
+/// Without it a deleted VMI would vanish while its guest still runs, and its VM would start a
+/// second guest next to the first.
 pub fn vmi(
     vmi: &VirtualMachineInstance,
     release_vmi: bool,
     release_vm_controller: bool,
 ) -> Option<Vec<String>> {
     let current = vmi.metadata.finalizers.as_deref().unwrap_or_default();
-    let mut next: Vec<String> = Vec::with_capacity(current.len());
+    let live = vmi.metadata.deletion_timestamp.is_none() && !crate::vmi::is_final(vmi);
+    let mut next: Vec<String> = Vec::with_capacity(current.len() + 1);
     for f in current {
-        let f = if f == LEGACY_VM_CONTROLLER_FINALIZER {
-            VM_CONTROLLER_FINALIZER
-        } else {
-            f.as_str()
+        let f = match f.as_str() {
+            LEGACY_VM_CONTROLLER_FINALIZER => VM_CONTROLLER_FINALIZER,
+            DEPRECATED_VMI_FINALIZER => VMI_FINALIZER,
+            other => other,
         };
-        let released = (release_vmi && (f == VMI_FINALIZER || f == DEPRECATED_VMI_FINALIZER))
+        let released = (release_vmi && f == VMI_FINALIZER)
             || (release_vm_controller && f == VM_CONTROLLER_FINALIZER);
         if !released && !next.iter().any(|n| n == f) {
             next.push(f.to_owned());
         }
+    }
+    if live && !release_vmi && !next.iter().any(|n| n == VMI_FINALIZER) {
+        next.insert(0, VMI_FINALIZER.to_owned());
     }
     (next != current).then_some(next)
 }
@@ -118,6 +127,25 @@ mod tests {
     fn the_deprecated_vmi_finalizer_goes_with_the_current_one() {
         let v = vmi_with(&[DEPRECATED_VMI_FINALIZER, VMI_FINALIZER]);
         assert_eq!(vmi(&v, true, false).unwrap(), Vec::<String>::new());
+        assert_eq!(vmi(&v, false, false).unwrap(), [VMI_FINALIZER]);
+    }
+
+    #[test]
+    fn a_live_vmi_gets_the_vmi_finalizer_and_a_deleted_or_final_one_does_not() {
+        let v = vmi_with(&[VM_CONTROLLER_FINALIZER]);
+        assert_eq!(
+            vmi(&v, false, false).unwrap(),
+            [VMI_FINALIZER, VM_CONTROLLER_FINALIZER]
+        );
+        let mut deleted = v.clone();
+        deleted.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        assert_eq!(vmi(&deleted, false, false), None);
+        let mut failed = v;
+        failed.status = Some(api::VirtualMachineInstanceStatus {
+            phase: Some(api::VirtualMachineInstancePhase::Failed),
+            ..Default::default()
+        });
+        assert_eq!(vmi(&failed, false, false), None);
     }
 
     #[test]
@@ -129,7 +157,10 @@ mod tests {
         );
         assert_eq!(vmi(&v, false, true).unwrap(), [VMI_FINALIZER]);
         let both = vmi_with(&[LEGACY_VM_CONTROLLER_FINALIZER, VM_CONTROLLER_FINALIZER]);
-        assert_eq!(vmi(&both, false, false).unwrap(), [VM_CONTROLLER_FINALIZER]);
+        assert_eq!(
+            vmi(&both, false, false).unwrap(),
+            [VMI_FINALIZER, VM_CONTROLLER_FINALIZER]
+        );
     }
 
     #[test]

@@ -6,7 +6,6 @@
 //! `Controller` needs kube's unstable stream features. A reflector per kind and a client-go
 //! style work queue per controller is all the machinery this needs.
 
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -15,13 +14,16 @@ use api::{
     ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
     VirtualMachineInstanceReplicaSet,
 };
-use futures::StreamExt as _;
+use informer::{
+    Seen, cas_status_patch, controller_owner, controller_ref, key_of, obj_key, reflect, split_key,
+    status_patch,
+};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt as _};
 use serde_json::json;
 use tokio::task::JoinSet;
@@ -118,88 +120,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn key_of(ns: Option<&str>, name: &str) -> String {
-    match ns {
-        Some(ns) => format!("{ns}/{name}"),
-        None => name.to_owned(),
-    }
-}
-
-fn obj_key<K: Resource>(o: &K) -> String {
-    key_of(o.meta().namespace.as_deref(), &o.name_any())
-}
-
-fn split_key(key: &str) -> (&str, &str) {
-    key.split_once('/').unwrap_or(("", key))
-}
-
 /// The trim of every cached kind but pods: metadata the controllers never read.
 fn trim_meta<K: Resource>(o: &mut K) {
     cache::trim_meta(o.meta_mut());
-}
-
-fn controller_owner<'a, K: Resource>(o: &'a K, kind: &str) -> Option<&'a str> {
-    o.meta()
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|r| r.controller == Some(true) && r.kind == kind)
-        .map(|r| r.name.as_str())
-}
-
-/// What a watch event means to the expectations: a first sighting or a deletion.
-enum Seen<'a, K> {
-    Added(&'a K),
-    Deleted(&'a K),
-    Changed(&'a K),
-}
-
-/// Runs a reflector for `api`, caching objects as `trim` leaves them; `on` sees each object
-/// after the cache holds it.
-fn reflect<K>(
-    tasks: &mut JoinSet<()>,
-    api: Api<K>,
-    wc: watcher::Config,
-    trim: fn(&mut K),
-    on: impl Fn(Seen<'_, K>) + Send + 'static,
-) -> Store<K>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let (reader, writer) = reflector::store();
-    let seen: Mutex<HashSet<String>> = Mutex::new(HashSet::new());
-    // What the controllers never read is kept out of the caches, as kube-runtime suggests.
-    let objects = watcher(api, wc).modify(trim);
-    let stream = reflector::reflector(writer, objects).default_backoff();
-    tasks.spawn(async move {
-        futures::pin_mut!(stream);
-        while let Some(ev) = stream.next().await {
-            let Ok(ev) = ev else { continue };
-            let mut seen = lock(&seen);
-            match &ev {
-                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
-                    let uid = o.uid().unwrap_or_default();
-                    if seen.insert(uid) {
-                        on(Seen::Added(o));
-                    } else {
-                        on(Seen::Changed(o));
-                    }
-                }
-                watcher::Event::Delete(o) => {
-                    seen.remove(&o.uid().unwrap_or_default());
-                    on(Seen::Deleted(o));
-                }
-                watcher::Event::Init | watcher::Event::InitDone => {}
-            }
-        }
-    });
-    reader
 }
 
 struct Shared {
@@ -538,20 +461,6 @@ pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(
     result
 }
 
-/// A merge patch taking `old` to `new`: changed fields as they are now, and `null` for fields
-/// that went away (an omitted field would be left in place by a merge patch).
-fn status_patch<T: serde::Serialize>(old: &T, new: &T) -> serde_json::Value {
-    let (Ok(serde_json::Value::Object(old)), Ok(serde_json::Value::Object(mut new))) =
-        (serde_json::to_value(old), serde_json::to_value(new))
-    else {
-        return serde_json::to_value(new).unwrap_or_default();
-    };
-    for k in old.keys() {
-        new.entry(k.clone()).or_insert(serde_json::Value::Null);
-    }
-    serde_json::Value::Object(new)
-}
-
 fn cluster_config(s: &Shared) -> ClusterConfig {
     s.kubevirts
         .state()
@@ -791,13 +700,7 @@ async fn sync_vmi(s: &Shared, key: &str) {
 
 /// The VMI's controller is a VM that is still in the cache, with the uid the reference names.
 fn owner_vm_live(s: &Shared, vmi: &VirtualMachineInstance) -> bool {
-    let Some(owner) = vmi
-        .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|r| r.controller == Some(true) && r.kind == "VirtualMachine")
-    else {
+    let Some(owner) = controller_ref(vmi).filter(|r| r.kind == "VirtualMachine") else {
         return false;
     };
     let ns = vmi.namespace().unwrap_or_default();
@@ -834,15 +737,7 @@ async fn sync_vm(s: &Shared, key: &str) {
     };
     // Claim by name (KubeVirt's `ClaimVirtualMachineByName`): ours, or an orphan we adopt.
     let vm_uid = vm.metadata.uid.clone().unwrap_or_default();
-    let mut vmi = vmi.filter(|v| {
-        let owner = v
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .find(|r| r.controller == Some(true));
-        owner.is_none_or(|o| o.uid == vm_uid)
-    });
+    let mut vmi = vmi.filter(|v| controller_ref(v.as_ref()).is_none_or(|o| o.uid == vm_uid));
     if let Some(v) = vmi
         .as_ref()
         .filter(|v| controller_owner(v.as_ref(), "VirtualMachine").is_none())
@@ -990,12 +885,9 @@ async fn sync_vm(s: &Shared, key: &str) {
     }
     if Some(&status) != vm.status.as_ref() {
         let old = vm.status.clone().unwrap_or_default();
-        // The whole status goes, stateChangeRequests included: the resourceVersion makes it a
-        // compare-and-swap, so a request someone queued since this copy is never dropped.
-        let patch = json!({
-            "metadata": {"resourceVersion": vm.metadata.resource_version},
-            "status": status_patch(&old, &status),
-        });
+        // The resourceVersion makes it a compare-and-swap, so a request someone queued in
+        // stateChangeRequests since this copy is never dropped.
+        let patch = cas_status_patch(vm.metadata.resource_version.as_deref(), &old, &status);
         if let Err(e) = vm_api
             .patch_status(name, &PatchParams::default(), &Patch::Merge(patch))
             .await
@@ -1207,32 +1099,5 @@ async fn sync_node(s: &Shared, name: &str) {
             }
             Err(e) => retry_later(&s.node_q, name, "failing a VMI of an unresponsive node", &e),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn status_patch_nulls_fields_that_went_away() {
-        let old = api::VirtualMachineStatus {
-            created: Some(true),
-            start_failure: Some(api::vm::VirtualMachineStartFailure::default()),
-            state_change_requests: vec![api::vm::VirtualMachineStateChangeRequest {
-                action: api::vm::StateChangeRequestAction::Start,
-                data: std::collections::BTreeMap::new(),
-                uid: None,
-            }],
-            ..Default::default()
-        };
-        let new = api::VirtualMachineStatus {
-            created: Some(false),
-            ..Default::default()
-        };
-        assert_eq!(
-            status_patch(&old, &new),
-            json!({"created": false, "startFailure": null, "stateChangeRequests": null})
-        );
     }
 }

@@ -18,16 +18,16 @@ use std::time::{Duration, Instant};
 
 use api::{VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use futures::StreamExt as _;
+use informer::{Seen, cas_status_patch, controller_owner, keep_all, key_of, reflect, split_key};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::events::{Recorder, Reporter};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt as _, watcher};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
 use kube::{Resource as _, ResourceExt as _};
 use launcher_api::client::{ClientError, LauncherClient};
 use launcher_api::domain::Domain;
-use serde_json::{Value, json};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use workqueue::Queue;
@@ -196,23 +196,10 @@ impl std::fmt::Debug for Node {
     }
 }
 
-fn key_of(namespace: &str, name: &str) -> String {
-    format!("{namespace}/{name}")
-}
-
-fn split_key(key: &str) -> (&str, &str) {
-    key.split_once('/').unwrap_or(("", key))
-}
-
 /// The VMI key of a launcher pod: its controller owner reference.
 fn pod_vmi_key(pod: &Pod) -> Option<String> {
     let ns = pod.metadata.namespace.as_deref()?;
-    pod.metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| o.controller == Some(true) && o.kind == "VirtualMachineInstance")
-        .map(|o| key_of(ns, &o.name))
+    controller_owner(pod, "VirtualMachineInstance").map(|vmi| key_of(Some(ns), vmi))
 }
 
 /// Where a pod's launcher socket is, seen from the handler: in the kubelet's directory of that
@@ -253,33 +240,6 @@ pub fn pod_view(pod: Option<&Pod>) -> PodView {
             message: c.message.clone(),
         });
     PodView::Running { ready }
-}
-
-/// A merge patch of the status keys that changed (`null` for those that went away), with the
-/// resourceVersion read as a precondition: a concurrent write makes it fail with 409 instead of
-/// being overwritten. The VMI CRD has no status subresource, so the main resource is patched.
-pub fn status_patch(
-    resource_version: Option<&str>,
-    old: &api::VirtualMachineInstanceStatus,
-    new: &api::VirtualMachineInstanceStatus,
-) -> Value {
-    let (Ok(Value::Object(old)), Ok(Value::Object(new))) =
-        (serde_json::to_value(old), serde_json::to_value(new))
-    else {
-        unreachable!("a status serializes to an object");
-    };
-    let mut changed = serde_json::Map::new();
-    for (k, v) in &new {
-        if old.get(k) != Some(v) {
-            changed.insert(k.clone(), v.clone());
-        }
-    }
-    for k in old.keys() {
-        if !new.contains_key(k) {
-            changed.insert(k.clone(), Value::Null);
-        }
-    }
-    json!({"metadata": {"resourceVersion": resource_version}, "status": changed})
 }
 
 fn now() -> Time {
@@ -329,7 +289,7 @@ impl Node {
     /// The launcher pid of the VMI with this uid, once detected.
     pub fn launcher_pid(&self, namespace: &str, name: &str, uid: &str) -> Option<i32> {
         self.lock()
-            .get(&key_of(namespace, name))
+            .get(&key_of(Some(namespace), name))
             .filter(|e| e.uid == uid)
             .and_then(|e| e.pid)
     }
@@ -472,7 +432,9 @@ impl Node {
                 return Ok(());
             }
             let old = current.status.clone().unwrap_or_default();
-            let patch = status_patch(
+            // The VMI CRD has no status subresource: the main resource is patched, the
+            // resourceVersion making it a compare-and-swap.
+            let patch = cas_status_patch(
                 current.metadata.resource_version.as_deref(),
                 &old,
                 &out.status,
@@ -994,44 +956,13 @@ async fn worker(node: Arc<Node>) {
     }
 }
 
-/// Runs a reflector of `api`, queueing the key `key_of` gives for each changed object.
-fn reflect<K>(
-    tasks: &mut JoinSet<()>,
-    api: Api<K>,
-    wc: watcher::Config,
-    queue: Arc<Queue>,
-    key_of: fn(&K) -> Option<String>,
-) -> Store<K>
-where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-{
-    let (reader, writer) = reflector::store();
-    let stream = reflector::reflector(writer, watcher(api, wc)).default_backoff();
-    tasks.spawn(async move {
-        futures::pin_mut!(stream);
-        while let Some(ev) = stream.next().await {
-            match ev {
-                Ok(
-                    watcher::Event::Apply(o)
-                    | watcher::Event::InitApply(o)
-                    | watcher::Event::Delete(o),
-                ) => {
-                    if let Some(k) = key_of(&o) {
-                        queue.add(&k);
-                    }
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "watch failed; retrying"),
-            }
+/// A watch handler queueing the key `key_of` gives for each changed object.
+fn queue_key<K>(queue: Arc<Queue>, key_of: fn(&K) -> Option<String>) -> impl Fn(Seen<'_, K>) {
+    move |seen| {
+        if let Some(k) = key_of(seen.object()) {
+            queue.add(&k);
         }
-    });
-    reader
+    }
 }
 
 /// The keys a resync queues: each VMI and each launcher entry, once.
@@ -1044,7 +975,7 @@ fn resync_keys(
 
 fn vmi_key(v: &VirtualMachineInstance) -> Option<String> {
     Some(key_of(
-        v.metadata.namespace.as_deref()?,
+        Some(v.metadata.namespace.as_deref()?),
         v.metadata.name.as_deref()?,
     ))
 }
@@ -1063,8 +994,8 @@ pub async fn start(
         &mut tasks,
         Api::<VirtualMachineInstance>::all(client.clone()),
         watcher::Config::default().labels(&format!("{NODE_NAME_LABEL}={}", cfg.node)),
-        Arc::clone(&queue),
-        vmi_key,
+        keep_all,
+        queue_key(Arc::clone(&queue), vmi_key),
     );
     let pods = reflect(
         &mut tasks,
@@ -1072,8 +1003,8 @@ pub async fn start(
         watcher::Config::default()
             .labels(&format!("{APP_LABEL}=virt-launcher"))
             .fields(&format!("spec.nodeName={}", cfg.node)),
-        Arc::clone(&queue),
-        pod_vmi_key,
+        keep_all,
+        queue_key(Arc::clone(&queue), pod_vmi_key),
     );
     let ready = tokio::select! {
         () = stop.cancelled() => None,
@@ -1137,6 +1068,7 @@ pub async fn start(
 mod tests {
     use super::*;
     use pretty_assertions::assert_eq;
+    use serde_json::{Value, json};
 
     #[test]
     fn status_patch_sends_changed_keys_nulls_and_the_resource_version() {
@@ -1152,7 +1084,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            status_patch(Some("42"), &old, &new),
+            cas_status_patch(Some("42"), &old, &new),
             json!({"metadata": {"resourceVersion": "42"}, "status": {"phase": "Running", "reason": null}})
         );
     }

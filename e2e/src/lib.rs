@@ -525,13 +525,9 @@ impl Stack {
     }
 
     fn run_kubectl(&self, args: &[&str], input: Option<&str>) -> Result<String, StackError> {
-        run(
-            Command::new("kubectl")
-                .env("KUBECONFIG", self.kubeconfig())
-                .env("KUBECACHEDIR", self.dir.path().join("kubectl-cache"))
-                .args(args),
-            input,
-        )
+        let kubectl = localcluster::kubectl::Kubectl::new(self.kubeconfig())
+            .cache_dir(self.dir.path().join("kubectl-cache"));
+        run(&mut kubectl.command(args), input)
     }
 
     /// An object as JSON, or `None` when it does not exist.

@@ -6,6 +6,7 @@
 
 pub mod controlplane;
 pub mod images;
+pub mod kubectl;
 pub mod kubelet;
 pub mod nsexec;
 pub mod pki;

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use localcluster::kubectl::Kubectl;
+
 const BIN: &str = env!("CARGO_BIN_EXE_localcluster");
 
 /// Kills the `up` process if the test ends early.
@@ -93,15 +95,8 @@ fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
         kubeconfig.exists()
     });
     assert!(pid_file.exists());
-    let kubectl = |args: &[&str]| {
-        Command::new("kubectl")
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .args(args)
-            .env("KUBECACHEDIR", dir.path().join("kubectl-cache"))
-            .output()
-            .expect("running kubectl")
-    };
+    let runner = Kubectl::new(&kubeconfig).cache_dir(dir.path().join("kubectl-cache"));
+    let kubectl = |args: &[&str]| runner.output(args, None).expect("running kubectl");
     let get = kubectl(&["get", "namespace", "default", "-o", "name"]);
     assert!(
         get.status.success(),

@@ -411,9 +411,8 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
         full
     };
     let run = |args: Vec<String>| async move {
-        let out = tokio::process::Command::new("kubectl")
-            .args(&args)
-            .output()
+        let out = localcluster::kubectl::Kubectl::bare()
+            .output_async(&args, None)
             .await
             .expect("running kubectl");
         (

@@ -7,11 +7,8 @@ use std::path::Path;
 /// Runs the real `kubectl` against `kubeconfig`; panics with its output when it fails.
 /// Async, so that the test's own tasks (controllers, heartbeats) keep running meanwhile.
 pub async fn kubectl(kubeconfig: &Path, args: &[&str]) -> String {
-    let out = tokio::process::Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(args)
-        .output()
+    let out = localcluster::kubectl::Kubectl::new(kubeconfig)
+        .output_async(args, None)
         .await
         .expect("running kubectl (is it on PATH?)");
     assert!(

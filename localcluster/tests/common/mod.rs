@@ -120,39 +120,24 @@ impl Cluster {
 
     /// Runs kubectl (the test namespace, the administrator's kubeconfig); its whole output.
     pub async fn kubectl_output(&self, args: &[&str], stdin: Option<&str>) -> std::process::Output {
-        use tokio::io::AsyncWriteExt as _;
-        let mut child = self
-            .kubectl_command(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("running kubectl");
-        let mut input = child.stdin.take().expect("stdin");
-        if let Some(text) = stdin {
-            input
-                .write_all(text.as_bytes())
-                .await
-                .expect("writing kubectl stdin");
-        }
-        drop(input);
-        tokio::time::timeout(Duration::from_secs(120), child.wait_with_output())
-            .await
-            .expect("kubectl finished within 120 s")
-            .expect("kubectl output")
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            self.kubectl_runner().output_async(args, stdin),
+        )
+        .await
+        .expect("kubectl finished within 120 s")
+        .expect("running kubectl")
     }
 
     /// `kubectl --kubeconfig <admin> --namespace <test namespace> <args>`, not started.
     pub fn kubectl_command(&self, args: &[&str]) -> tokio::process::Command {
-        let mut cmd = tokio::process::Command::new("kubectl");
-        cmd.arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .arg("--namespace")
-            .arg(&self.namespace)
-            .args(args)
-            .env("KUBECACHEDIR", self.plane.dir().join("kubectl-cache"));
-        cmd
+        self.kubectl_runner().async_command(args)
+    }
+
+    fn kubectl_runner(&self) -> localcluster::kubectl::Kubectl {
+        localcluster::kubectl::Kubectl::new(&self.kubeconfig)
+            .namespace(&self.namespace)
+            .cache_dir(self.plane.dir().join("kubectl-cache"))
     }
 }
 

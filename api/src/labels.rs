@@ -1,57 +1,81 @@
-//! Well-known label, annotation and finalizer keys of KubeVirt, so every component spells them
-//! as KubeVirt does (tools and users select on them).
+//! Well-known label, annotation, finalizer and pod condition keys of KubeVirt, so every component
+//! spells them as KubeVirt does (tools and users select on them). Each names the Go constant of
+//! `kubevirt.io/api/core/v1` (`types.go`) it mirrors.
 
-/// Marks every KubeVirt resource; value is the component (`virt-launcher`, `virt-handler`...).
+/// `AppLabel`: marks every KubeVirt resource; the value is the component (`virt-launcher`,
+/// `virt-handler`...).
 pub const APP: &str = "kubevirt.io";
-/// UID of the VMI a launcher pod was created for.
+/// `CreatedByLabel`: launcher pod label, the UID of the VMI the pod was created for.
 pub const CREATED_BY: &str = "kubevirt.io/created-by";
-/// Node a VMI runs on (virt-handler watches VMIs by this label).
+/// `NodeNameLabel`: the node a VMI runs on (virt-handler watches VMIs by this label).
 pub const NODE_NAME: &str = "kubevirt.io/nodeName";
-/// Launcher pod annotation: the VMI's name.
+/// `DomainAnnotation`: launcher pod annotation, the name of the VMI (domain) the pod runs.
 pub const DOMAIN: &str = "kubevirt.io/domain";
-/// Node label: whether virt-handler on the node accepts VMIs.
+/// `NodeSchedulable`: node label, whether virt-handler on the node accepts VMIs.
 pub const NODE_SCHEDULABLE: &str = "kubevirt.io/schedulable";
-/// Node annotation: virt-handler's last heartbeat.
+/// `VirtHandlerHeartbeat`: node annotation, virt-handler's last heartbeat.
 pub const VIRT_HANDLER_HEARTBEAT: &str = "kubevirt.io/heartbeat";
-/// Target pod label of a migration: the migration's UID.
+/// `CPUManager`: node label, whether the kubelet's static CPU manager policy is on.
+pub const CPU_MANAGER: &str = "kubevirt.io/cpumanager";
+/// `DeprecatedCPUManager`: the older spelling of [`CPU_MANAGER`]; KubeVirt still sets both.
+pub const DEPRECATED_CPU_MANAGER: &str = "cpumanager";
+/// `MigrationJobLabel`: target pod label, the migration's UID.
 pub const MIGRATION_JOB_UID: &str = "kubevirt.io/migrationJobUID";
-/// Label: name of the migration.
+/// `MigrationNameLabel`: name of the migration.
 pub const MIGRATION_NAME: &str = "kubevirt.io/migrationName";
-/// VMI label: node a migration goes to.
+/// `MigrationTargetNodeNameLabel`: VMI label, the node a migration goes to.
 pub const MIGRATION_TARGET_NODE_NAME: &str = "kubevirt.io/migrationTargetNodeName";
-/// Label on a VMI whose launcher image is older than the installed one.
+/// `MigrationTransportUnixAnnotation`: launcher pod annotation, migrations go over unix
+/// sockets proxied by virt-handler.
+pub const MIGRATION_TRANSPORT_UNIX: &str = "kubevirt.io/migrationTransportUnix";
+/// `OutdatedLauncherImageLabel`: on a VMI whose launcher image is older than the installed one.
 pub const OUTDATED_LAUNCHER_IMAGE: &str = "kubevirt.io/outdatedLauncherImage";
-/// Annotation: memory overhead of the launcher, in bytes.
+/// `MemoryOverheadAnnotationBytes`: memory overhead of the launcher, in bytes.
 pub const MEMORY_OVERHEAD_BYTES: &str = "kubevirt.io/memory-overhead-bytes";
-/// Annotation: PCI topology version of a VMI.
+/// `PciTopologyVersionAnnotation`: PCI topology version of a VMI.
 pub const PCI_TOPOLOGY_VERSION: &str = crate::defaults::PCI_TOPOLOGY_VERSION_ANNOTATION;
-/// Launcher pod label: the VM's name (deprecated in KubeVirt in favour of [`VMI_ID`]).
+/// `DeprecatedVirtualMachineNameLabel`: launcher pod label, the VMI's host name (deprecated in
+/// KubeVirt in favour of [`VMI_ID`], still set).
 pub const VM_NAME: &str = "vm.kubevirt.io/name";
-/// Launcher pod label: a stable id of the VMI for service selectors (the name, hashed when
-/// longer than 63 characters).
+/// `VirtualMachineInstanceIDLabel`: launcher pod label, a stable id of the VMI for service
+/// selectors (the name, truncated and hashed when longer than 63 characters).
 pub const VMI_ID: &str = "vmi.kubevirt.io/id";
-/// Label of objects an install strategy created.
+/// `VirtualMachineGenerationAnnotation`: VMI annotation, the generation of the VM it was
+/// started from.
+pub const VM_GENERATION: &str = "kubevirt.io/vm-generation";
+/// `ControllerAPILatestVersionObservedAnnotation`: kept off launcher pods.
+pub const CONTROLLER_API_LATEST_VERSION_OBSERVED: &str = "kubevirt.io/latest-observed-api-version";
+/// `ControllerAPIStorageVersionObservedAnnotation`: kept off launcher pods.
+pub const CONTROLLER_API_STORAGE_VERSION_OBSERVED: &str =
+    "kubevirt.io/storage-observed-api-version";
+/// `VirtualMachineUnpaused`: the launcher pod's readiness gate and pod condition type,
+/// `True` while the guest is not paused.
+pub const VIRTUAL_MACHINE_UNPAUSED: &str = "kubevirt.io/virtual-machine-unpaused";
+/// `InstallStrategyLabel`: on objects an install strategy created.
 pub const INSTALL_STRATEGY: &str = "kubevirt.io/install-strategy";
-/// Annotation: version of the install strategy.
+/// `InstallStrategyVersionAnnotation`: version of the install strategy.
 pub const INSTALL_STRATEGY_VERSION: &str = "kubevirt.io/install-strategy-version";
-/// Annotation: registry of the install strategy.
+/// `InstallStrategyRegistryAnnotation`: registry of the install strategy.
 pub const INSTALL_STRATEGY_REGISTRY: &str = "kubevirt.io/install-strategy-registry";
-/// Annotation: identifier of the install strategy.
+/// `InstallStrategyIdentifierAnnotation`: identifier of the install strategy.
 pub const INSTALL_STRATEGY_IDENTIFIER: &str = "kubevirt.io/install-strategy-identifier";
-/// Annotation: generation of the KubeVirt CR an object was made for.
+/// `KubeVirtGenerationAnnotation`: generation of the KubeVirt CR an object was made for.
 pub const KUBEVIRT_GENERATION: &str = "kubevirt.io/generation";
-/// `app.kubernetes.io/managed-by` value on objects virt-operator manages.
+/// `ManagedByLabelOperatorValue`: `app.kubernetes.io/managed-by` value on objects virt-operator
+/// manages.
 pub const MANAGED_BY_OPERATOR: &str = "virt-operator";
 
-/// VMI annotation: the launcher exits at once (KubeVirt's `FuncTestLauncherFailFastAnnotation`,
-/// how KubeVirt's own tests make a VM crash-loop).
+/// `FuncTestLauncherFailFastAnnotation`: VMI annotation, the launcher exits at once (how
+/// KubeVirt's own tests make a VM crash-loop).
 pub const FUNC_TEST_LAUNCHER_FAIL_FAST: &str = "kubevirt.io/func-test-virt-launcher-fail-fast";
 
-/// Finalizer on every VMI.
+/// `VirtualMachineInstanceFinalizer`: finalizer on every VMI.
 pub const VMI_FINALIZER: &str = crate::defaults::VMI_FINALIZER;
-/// The finalizer older KubeVirt releases put on VMIs; still honoured.
+/// `DeprecatedVirtualMachineInstanceFinalizer`: the finalizer older KubeVirt releases put on
+/// VMIs; still honoured.
 pub const DEPRECATED_VMI_FINALIZER: &str = "foregroundDeleteVirtualMachine";
-/// Finalizer the VM controller puts on VMs and on the VMIs it starts.
+/// `VirtualMachineControllerFinalizer`: finalizer the VM controller puts on VMs and on the VMIs
+/// it starts.
 pub const VM_CONTROLLER_FINALIZER: &str = "kubevirt.io/virtualMachineControllerFinalize";
 /// The name kubevirt-rs gave [`VM_CONTROLLER_FINALIZER`] before it matched KubeVirt's; objects
 /// that still carry it are given the right name.
@@ -59,7 +83,7 @@ pub const LEGACY_VM_CONTROLLER_FINALIZER: &str = "kubevirt.io/virtualMachineCont
 /// Kubernetes' finalizer on an object deleted with `propagationPolicy: Orphan`: the garbage
 /// collector strips its dependents' owner references before it goes.
 pub const ORPHAN_DEPENDENTS_FINALIZER: &str = "orphan";
-/// Finalizer on migrations.
+/// `VirtualMachineInstanceMigrationFinalizer`: finalizer on migrations.
 pub const MIGRATION_FINALIZER: &str = "kubevirt.io/migrationJobFinalize";
-/// Finalizer virt-operator puts on the KubeVirt CR.
+/// `VirtOperatorComponentFinalizer`: finalizer virt-operator puts on the KubeVirt CR.
 pub const OPERATOR_FINALIZER: &str = "kubevirt.io/virtOperatorFinalizer";

@@ -4,15 +4,13 @@
 
 use std::time::Duration;
 
+use api::labels;
 use api::{VirtualMachineInstance, VirtualMachineInstancePhase};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::jiff::Timestamp;
 
-use crate::template::SCHEDULABLE_LABEL;
-use crate::vmi::{NODE_NAME_LABEL, is_final, is_launcher_of};
+use crate::vmi::{is_final, is_launcher_of};
 
-/// Annotation virt-handler refreshes on its node.
-pub const HEARTBEAT_ANNOTATION: &str = "kubevirt.io/heartbeat";
 /// How old a heartbeat may get (KubeVirt's default).
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5 * 60);
 
@@ -22,7 +20,7 @@ pub fn last_heartbeat(node: &Node) -> Option<Timestamp> {
         .metadata
         .annotations
         .as_ref()?
-        .get(HEARTBEAT_ANNOTATION)?;
+        .get(labels::VIRT_HANDLER_HEARTBEAT)?;
     raw.parse().ok()
 }
 
@@ -33,7 +31,7 @@ pub fn is_unresponsive(node: &Node, now: Timestamp, timeout: Duration) -> bool {
         .metadata
         .labels
         .as_ref()
-        .and_then(|l| l.get(SCHEDULABLE_LABEL))
+        .and_then(|l| l.get(labels::NODE_SCHEDULABLE))
         .is_some_and(|v| v == "true");
     if !schedulable {
         return false;
@@ -53,7 +51,7 @@ pub fn vmis_to_fail<'a>(
             v.metadata
                 .labels
                 .as_ref()
-                .and_then(|l| l.get(NODE_NAME_LABEL))
+                .and_then(|l| l.get(labels::NODE_NAME))
                 .is_some_and(|n| n == node)
         })
         .filter(|v| {
@@ -82,9 +80,11 @@ mod tests {
         Node {
             metadata: ObjectMeta {
                 name: Some("n1".into()),
-                labels: Some([(SCHEDULABLE_LABEL.to_owned(), schedulable.to_owned())].into()),
+                labels: Some(
+                    [(labels::NODE_SCHEDULABLE.to_owned(), schedulable.to_owned())].into(),
+                ),
                 annotations: heartbeat
-                    .map(|h| [(HEARTBEAT_ANNOTATION.to_owned(), h.to_owned())].into()),
+                    .map(|h| [(labels::VIRT_HANDLER_HEARTBEAT.to_owned(), h.to_owned())].into()),
                 ..ObjectMeta::default()
             },
             ..Node::default()
@@ -127,7 +127,7 @@ mod tests {
         let vmi = |name: &str, uid: &str, node: &str, phase: VirtualMachineInstancePhase| {
             let mut v = VirtualMachineInstance::new(name, VirtualMachineInstanceSpec::default());
             v.metadata.uid = Some(uid.into());
-            v.metadata.labels = Some([(NODE_NAME_LABEL.to_owned(), node.to_owned())].into());
+            v.metadata.labels = Some([(labels::NODE_NAME.to_owned(), node.to_owned())].into());
             v.status = Some(api::VirtualMachineInstanceStatus {
                 phase: Some(phase),
                 ..Default::default()

@@ -234,7 +234,7 @@ pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunErr
     let pods = reflect(
         &mut tasks,
         Api::<Pod>::all(client.clone()),
-        watcher::Config::default().labels("kubevirt.io=virt-launcher"),
+        watcher::Config::default().labels(&format!("{}=virt-launcher", api::labels::APP)),
         cache::trim_pod,
         move |s| {
             let (o, added, deleted) = match s {
@@ -667,7 +667,7 @@ async fn sync_vmi(s: &Shared, key: &str) {
         patch.insert("status".into(), status_patch(&old_status, &status));
     }
     if let Some(node) = out.node_label {
-        metadata.insert("labels".into(), json!({vmi::NODE_NAME_LABEL: node}));
+        metadata.insert("labels".into(), json!({api::labels::NODE_NAME: node}));
     }
     // Without a live VM owning it nothing else would ever release the VM controller's
     // finalizer (KubeVirt's `hasOwnerVM`); KubeVirt waits for the VMI to be final, but with
@@ -1061,7 +1061,7 @@ async fn sync_node(s: &Shared, name: &str) {
         return;
     }
     let nodes: Api<Node> = Api::all(s.client.clone());
-    let patch = json!({"metadata": {"labels": {crate::template::SCHEDULABLE_LABEL: "false"}}});
+    let patch = json!({"metadata": {"labels": {api::labels::NODE_SCHEDULABLE: "false"}}});
     if let Err(e) = nodes
         .patch(name, &PatchParams::default(), &Patch::Merge(patch))
         .await

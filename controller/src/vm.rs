@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use api::common::ConditionStatus;
+use api::labels;
 use api::status::{VirtualMachineInstanceCondition, VirtualMachineInstanceConditionType};
 use api::vm::{
     RunStrategy, StateChangeRequestAction, VirtualMachineCondition, VirtualMachineConditionType,
@@ -25,8 +26,6 @@ use crate::vmi::{is_final, phase_of};
 pub const MAX_CRASH_LOOP_BACKOFF: Duration = Duration::from_secs(300);
 /// The back-off unit: the n-th failure in a row waits `n² x` this (plus jitter).
 pub const CRASH_LOOP_BACKOFF_UNIT: Duration = Duration::from_secs(10);
-/// Annotation holding the VM generation an instance was started from (KubeVirt's).
-pub const VM_GENERATION_ANNOTATION: &str = "kubevirt.io/vm-generation";
 
 /// What to do about a VM's instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -213,7 +212,7 @@ pub fn vmi_from_vm(vm: &VirtualMachine) -> VirtualMachineInstance {
     let template_meta = vm.spec.template.metadata.clone().unwrap_or_default();
     let mut annotations = template_meta.annotations.unwrap_or_default();
     if let Some(generation) = vm.metadata.generation {
-        annotations.insert(VM_GENERATION_ANNOTATION.to_owned(), generation.to_string());
+        annotations.insert(labels::VM_GENERATION.to_owned(), generation.to_string());
     }
     let metadata = ObjectMeta {
         name: vm.metadata.name.clone(),
@@ -1108,10 +1107,7 @@ mod tests {
         assert_eq!(i.metadata.name.as_deref(), Some("vm1"));
         assert_eq!(i.metadata.namespace.as_deref(), Some("ns"));
         assert_eq!(i.metadata.labels.unwrap()["app"], "x");
-        assert_eq!(
-            i.metadata.annotations.unwrap()[VM_GENERATION_ANNOTATION],
-            "3"
-        );
+        assert_eq!(i.metadata.annotations.unwrap()[labels::VM_GENERATION], "3");
         let owner = &i.metadata.owner_references.unwrap()[0];
         assert_eq!(
             (owner.kind.as_str(), owner.uid.as_str(), owner.controller),

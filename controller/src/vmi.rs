@@ -4,6 +4,7 @@
 //! virt-handler owns the VMI); a pod that fails or vanishes before the guest runs -> Failed.
 
 use api::common::ConditionStatus;
+use api::labels;
 use api::status::{
     PhaseTransitionTimestamp, VirtualMachineInstanceCondition, VirtualMachineInstanceConditionType,
 };
@@ -14,10 +15,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 
 use crate::events;
-use crate::template::UNPAUSED_READINESS_GATE;
 
-/// Label naming the node a VMI was scheduled to (virt-handler selects its VMIs by it).
-pub const NODE_NAME_LABEL: &str = "kubevirt.io/nodeName";
 /// Reason of the condition a VMI that failed validation gets.
 pub const FAILED_VALIDATION: &str = "FailedValidation";
 /// Condition type Kubernetes uses for pod scheduling, mirrored onto the VMI.
@@ -222,14 +220,14 @@ pub fn unpaused_condition(
         .and_then(|s| s.conditions.as_ref())
         .into_iter()
         .flatten()
-        .any(|c| c.type_ == UNPAUSED_READINESS_GATE && c.status == "True");
+        .any(|c| c.type_ == labels::VIRTUAL_MACHINE_UNPAUSED && c.status == "True");
     let (cond_status, reason, message) = match (paused, unpaused_now) {
         (true, true) => ("False", "Paused", "the virtual machine is paused"),
         (false, false) => ("True", "NotPaused", "the virtual machine is not paused"),
         _ => return None,
     };
     Some(PodCondition {
-        type_: UNPAUSED_READINESS_GATE.into(),
+        type_: labels::VIRTUAL_MACHINE_UNPAUSED.into(),
         status: cond_status.into(),
         reason: Some(reason.into()),
         message: Some(message.into()),
@@ -735,7 +733,7 @@ mod tests {
 
     fn with_unpaused(mut p: Pod, status: &str) -> Pod {
         p.status.get_or_insert_default().conditions = Some(vec![PodCondition {
-            type_: UNPAUSED_READINESS_GATE.into(),
+            type_: labels::VIRTUAL_MACHINE_UNPAUSED.into(),
             status: status.into(),
             ..PodCondition::default()
         }]);
@@ -798,7 +796,7 @@ mod tests {
             let out = sync(&v, &[p], &[], now());
             let got = out.pod_condition.map(|(pod_name, c)| {
                 assert_eq!(pod_name, "virt-launcher-a-xyz12", "{name}");
-                assert_eq!(c.type_, UNPAUSED_READINESS_GATE, "{name}");
+                assert_eq!(c.type_, labels::VIRTUAL_MACHINE_UNPAUSED, "{name}");
                 assert_eq!(
                     c.reason.as_deref(),
                     Some(if c.status == "True" {

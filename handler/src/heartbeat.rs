@@ -7,10 +7,10 @@ use std::time::Duration;
 use jiff::Timestamp;
 use serde_json::{Value, json};
 
-pub const LABEL_SCHEDULABLE: &str = "kubevirt.io/schedulable";
-pub const ANNOTATION_HEARTBEAT: &str = "kubevirt.io/heartbeat";
-pub const LABEL_CPU_MANAGER: &str = "kubevirt.io/cpumanager";
-pub const LABEL_CPU_MANAGER_DEPRECATED: &str = "cpumanager";
+pub use api::labels::{
+    CPU_MANAGER as LABEL_CPU_MANAGER, DEPRECATED_CPU_MANAGER as LABEL_CPU_MANAGER_DEPRECATED,
+    NODE_SCHEDULABLE as LABEL_SCHEDULABLE, VIRT_HANDLER_HEARTBEAT as ANNOTATION_HEARTBEAT,
+};
 
 /// KubeVirt's heartbeat period and jitter factor (`wait.JitterUntil(…, 1m, 1.2, …)`).
 pub const INTERVAL: Duration = Duration::from_secs(60);

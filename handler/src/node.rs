@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use api::labels;
 use api::{VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use futures::StreamExt as _;
 use informer::{Seen, cas_status_patch, controller_owner, keep_all, key_of, reflect, split_key};
@@ -39,11 +40,6 @@ use crate::mounts::{self, MountConfig, MountError, Prepared};
 use crate::shutdown::{self, Action, DomainPresence};
 use crate::status::{self, LauncherView, Observed, PodReady, PodView};
 
-/// The label virt-controller puts on a VMI once it is scheduled to a node.
-pub const NODE_NAME_LABEL: &str = "kubevirt.io/nodeName";
-/// Launcher pods carry `kubevirt.io=virt-launcher` and `kubevirt.io/created-by=<vmi uid>`.
-pub const APP_LABEL: &str = "kubevirt.io";
-pub const CREATED_BY_LABEL: &str = "kubevirt.io/created-by";
 /// Status writes that lost a race with another writer are recomputed this often at most.
 const MAX_CONFLICTS: usize = 5;
 /// How often a launcher whose socket has not appeared yet is looked for.
@@ -480,7 +476,8 @@ impl Node {
         let api: Api<Pod> =
             Api::namespaced(self.client.clone(), &vmi.namespace().unwrap_or_default());
         let lp = ListParams::default().labels(&format!(
-            "{CREATED_BY_LABEL}={}",
+            "{}={}",
+            labels::CREATED_BY,
             vmi.metadata.uid.as_deref().unwrap_or_default()
         ));
         Ok(api
@@ -993,7 +990,7 @@ pub async fn start(
     let vmis = reflect(
         &mut tasks,
         Api::<VirtualMachineInstance>::all(client.clone()),
-        watcher::Config::default().labels(&format!("{NODE_NAME_LABEL}={}", cfg.node)),
+        watcher::Config::default().labels(&format!("{}={}", labels::NODE_NAME, cfg.node)),
         keep_all,
         queue_key(Arc::clone(&queue), vmi_key),
     );
@@ -1001,7 +998,7 @@ pub async fn start(
         &mut tasks,
         Api::<Pod>::all(client.clone()),
         watcher::Config::default()
-            .labels(&format!("{APP_LABEL}=virt-launcher"))
+            .labels(&format!("{}=virt-launcher", labels::APP))
             .fields(&format!("spec.nodeName={}", cfg.node)),
         keep_all,
         queue_key(Arc::clone(&queue), pod_vmi_key),

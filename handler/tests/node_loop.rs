@@ -193,7 +193,7 @@ impl Harness {
             "kind": "VirtualMachineInstance",
             "metadata": {
                 "name": name,
-                "labels": {node::NODE_NAME_LABEL: node},
+                "labels": {api::labels::NODE_NAME: node},
                 "finalizers": [FINALIZER],
             },
             "spec": {"terminationGracePeriodSeconds": grace, "domain": domain, "volumes": volumes,
@@ -211,7 +211,7 @@ impl Harness {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {
                 "name": format!("virt-launcher-{name}"),
-                "labels": {node::APP_LABEL: "virt-launcher", node::CREATED_BY_LABEL: uid},
+                "labels": {api::labels::APP: "virt-launcher", api::labels::CREATED_BY: uid},
                 "ownerReferences": [{"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
                     "name": name, "uid": uid, "controller": true, "blockOwnerDeletion": true}],
             },

@@ -1,5 +1,12 @@
 //! VMI -> [`QemuConfig`] plus the files that must exist before QEMU starts. Pure: host facts
 //! (accelerator, firmware paths, which volumes are block devices) come in as arguments.
+//!
+//! [`convert`] assembles the pieces, one function per device family, in the order the typed
+//! config in `crate::qemu` has them: machine, CPU and memory ([`machine_kind`], `smm`, `cpu`,
+//! `memory`, `smbios`), firmware (`firmware`, `kernel_boot`), disks (`disks` places and numbers
+//! what [`disk_for`] builds from a disk and its volume, one `Vol` method per volume source),
+//! interfaces (`nic`), then the consoles, agent channel, RNG and balloon. File preparations are
+//! collected in that order, and the first problem found is the one reported.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -7,7 +14,8 @@ use std::path::{Path, PathBuf};
 use api::VirtualMachineInstance;
 use api::vmi::{
     BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskTargetKind,
-    HostDiskType, InterfaceBinding, InterfaceModel, VolumeSource,
+    EmptyDiskSource, HostDisk, HostDiskType, Interface, InterfaceBinding, InterfaceModel,
+    VolumeSource,
 };
 
 use crate::paths::Dirs;
@@ -65,28 +73,6 @@ pub struct Plan {
     pub hotpluggable: BTreeSet<String>,
 }
 
-pub fn machine_kind(vmi: &VirtualMachineInstance) -> Result<MachineKind, ConvertError> {
-    let ty = vmi
-        .spec
-        .domain
-        .machine
-        .as_ref()
-        .and_then(|m| m.machine_type.as_deref())
-        .unwrap_or("q35");
-    // KubeVirt's defaults name RHEL machine types (pc-q35-rhel9.4.0); upstream QEMU has no such
-    // versions, so the family is what counts.
-    if ty == "q35" || ty.starts_with("pc-q35") {
-        Ok(MachineKind::Q35)
-    } else if ty == "pc" || ty.starts_with("pc-i440fx") {
-        Ok(MachineKind::Pc)
-    } else {
-        Err(err(
-            "spec.domain.machine.type",
-            format!("machine type {ty:?} is not supported: use q35 or pc"),
-        ))
-    }
-}
-
 pub fn convert(
     vmi: &VirtualMachineInstance,
     dirs: &Dirs,
@@ -104,264 +90,32 @@ pub fn convert(
         .namespace
         .clone()
         .unwrap_or_else(|| "default".into());
-    let spec = &vmi.spec;
-    let domain = &spec.domain;
     let kind = machine_kind(vmi)?;
     let mut preps = Vec::new();
-
-    let firmware = match domain
-        .firmware
-        .as_ref()
-        .and_then(|f| f.bootloader.as_ref())
-        .and_then(api::vmi::Bootloader::kind)
-    {
-        None | Some(BootloaderKind::Bios(_)) => Firmware::Bios,
-        Some(BootloaderKind::Efi(efi)) => {
-            let secure_boot = efi.secure_boot_enabled();
-            if secure_boot && kind == MachineKind::Pc {
-                return Err(err(
-                    "spec.domain.firmware.bootloader.efi.secureBoot",
-                    "secure boot needs SMM, which OVMF supports on q35 only: use machine type \
-                     q35 or set secureBoot: false",
-                ));
-            }
-            let smm_off = domain
-                .features
-                .as_ref()
-                .and_then(|f| f.smm.as_ref())
-                .is_some_and(|s| s.enabled == Some(false));
-            if secure_boot && smm_off {
-                return Err(err(
-                    "spec.domain.features.smm.enabled",
-                    "secure boot needs SMM: enable it or set secureBoot: false",
-                ));
-            }
-            let (code, vars_template) = if secure_boot {
-                ("OVMF_CODE_4M.secboot.fd", "OVMF_VARS_4M.ms.fd")
-            } else {
-                ("OVMF_CODE_4M.fd", "OVMF_VARS_4M.fd")
-            };
-            let code = host.ovmf_dir.join(code);
-            let vars = dirs.efi_vars(&uid);
-            preps.push(Prep::RequireFile {
-                path: code.clone(),
-                field: "spec.domain.firmware.bootloader.efi".into(),
-            });
-            preps.push(Prep::CopyFile {
-                from: host.ovmf_dir.join(vars_template),
-                to: vars.clone(),
-                field: "spec.domain.firmware.bootloader.efi".into(),
-            });
-            Firmware::Efi {
-                code,
-                vars,
-                secure_boot,
-            }
-        }
+    let firmware = firmware(vmi, kind, &uid, dirs, host, &mut preps)?;
+    let machine = Machine {
+        kind,
+        accel: host.accel,
+        smm: smm(vmi, &firmware),
     };
-    let smm = match (
-        &firmware,
-        domain.features.as_ref().and_then(|f| f.smm.as_ref()),
-    ) {
-        (
-            Firmware::Efi {
-                secure_boot: true, ..
-            },
-            _,
-        ) => Some(true),
-        (_, Some(s)) => Some(s.enabled.unwrap_or(true)),
-        _ => None,
-    };
-
     let cpu = cpu(vmi, host.accel);
-    let (memory, hugepages_prep) = memory(vmi, host)?;
-    preps.extend(hugepages_prep);
-
-    // QEMU wants a real UUID; Kubernetes uids are, and so must firmware.uuid be.
-    let (uuid_field, uuid) = match domain.firmware.as_ref().and_then(|f| f.uuid.clone()) {
-        Some(u) => ("spec.domain.firmware.uuid", u),
-        None => ("metadata.uid", uid.clone()),
-    };
-    if uuid::Uuid::parse_str(&uuid).is_err() {
-        return Err(err(uuid_field, format!("{uuid:?} is not a UUID")));
-    }
-    let smbios = Smbios {
-        uuid,
-        serial: domain.firmware.as_ref().and_then(|f| f.serial.clone()),
-        manufacturer: "KubeVirt".into(),
-        product: "None".into(),
-        family: "KubeVirt".into(),
-    };
-
-    let kernel_boot = match spec.kernel_boot() {
-        None => None,
-        Some(kb) => {
-            let field = "spec.domain.firmware.kernelBoot.container";
-            let c = kb.container.as_ref().ok_or_else(|| {
-                err(
-                    field,
-                    "kernelBoot needs a container with kernelPath and/or initrdPath",
-                )
-            })?;
-            let artifact = |p: &Option<String>, what: &str| -> Result<Option<PathBuf>, _> {
-                match p.as_deref() {
-                    None | Some("") => Ok(None),
-                    Some(p) => {
-                        let base = Path::new(p).file_name().ok_or_else(|| {
-                            err(format!("{field}.{what}"), format!("{p:?} names no file"))
-                        })?;
-                        Ok(Some(dirs.container_disks.join("kernel-boot").join(base)))
-                    }
-                }
-            };
-            let kernel = artifact(&c.kernel_path, "kernelPath")?
-                .ok_or_else(|| err(format!("{field}.kernelPath"), "is required"))?;
-            let initrd = artifact(&c.initrd_path, "initrdPath")?;
-            preps.push(Prep::RequireFile {
-                path: kernel.clone(),
-                field: format!("{field}.kernelPath"),
-            });
-            if let Some(i) = &initrd {
-                preps.push(Prep::RequireFile {
-                    path: i.clone(),
-                    field: format!("{field}.initrdPath"),
-                });
-            }
-            Some(KernelBoot {
-                kernel,
-                initrd,
-                cmdline: kb.kernel_args.clone(),
-            })
-        }
-    };
-
-    let mut controllers = Controllers::default();
-    let mut disks = Vec::new();
-    let mut hotpluggable = BTreeSet::new();
-    let mut sata_units = 0u32;
-    let mut scsi_luns = 0u32;
-    let mut ports_used = 0usize;
-    for (i, d) in domain.devices.disks.iter().enumerate() {
-        let field = format!("spec.domain.devices.disks[{i}]");
-        let (mut disk, plug, prep) = disk_for(vmi, d, &field, dirs, host, &namespace, &name)?;
-        preps.extend(prep);
-        match disk.frontend {
-            Frontend::Sata { .. } | Frontend::SataCdrom { .. } => {
-                if sata_units >= SATA_PORTS {
-                    return Err(err(
-                        format!("{field}.bus"),
-                        format!("at most {SATA_PORTS} disks fit on the sata bus"),
-                    ));
-                }
-                disk.frontend = if matches!(disk.frontend, Frontend::Sata { .. }) {
-                    Frontend::Sata { unit: sata_units }
-                } else {
-                    Frontend::SataCdrom { unit: sata_units }
-                };
-                sata_units += 1;
-                controllers.sata = true;
-            }
-            Frontend::Scsi { .. } | Frontend::ScsiCdrom { .. } => {
-                disk.frontend = if matches!(disk.frontend, Frontend::Scsi { .. }) {
-                    Frontend::Scsi { lun: scsi_luns }
-                } else {
-                    Frontend::ScsiCdrom { lun: scsi_luns }
-                };
-                scsi_luns += 1;
-                controllers.scsi = true;
-            }
-            Frontend::Virtio => {
-                // Devices on q35's root complex cannot be unplugged; those that may be get a
-                // root port of their own.
-                if plug && kind == MachineKind::Q35 {
-                    disk.pci_bus = Some(hotplug_port(ports_used));
-                    ports_used += 1;
-                }
-            }
-        }
-        if plug {
-            hotpluggable.insert(disk.name.clone());
-        }
-        disks.push(disk);
-    }
-    // A SCSI controller is always there (unless hotplug is disabled) so that SCSI disks can be
-    // hotplugged later, as in KubeVirt.
-    if !domain.devices.disable_hotplug.unwrap_or(false) {
-        controllers.scsi = true;
-    }
-    if kind == MachineKind::Q35 {
-        controllers.hotplug_ports = (0..ports_used + SPARE_HOTPLUG_PORTS)
-            .map(hotplug_port)
-            .collect();
-    }
-
+    let memory = memory(vmi, host, &mut preps)?;
+    let smbios = smbios(vmi, &uid)?;
+    let kernel_boot = kernel_boot(vmi, dirs, &mut preps)?;
+    let Storage {
+        controllers,
+        disks,
+        hotpluggable,
+    } = disks(vmi, kind, dirs, host, &namespace, &name, &mut preps)?;
     let mut nics = Vec::new();
-    for (i, iface) in domain.devices.interfaces.iter().enumerate() {
-        let field = format!("spec.domain.devices.interfaces[{i}]");
-        if spec.network(&iface.name).is_none() {
-            return Err(err(
-                format!("{field}.name"),
-                format!("no network named {:?} in spec.networks", iface.name),
-            ));
-        }
-        match iface.binding_method() {
-            Some(InterfaceBinding::Bridge | InterfaceBinding::Masquerade) => {}
-            Some(other) => {
-                return Err(err(
-                    format!("{field}.{}", other.field()),
-                    "binding is not supported by this launcher: use bridge or masquerade",
-                ));
-            }
-            None => {
-                return Err(err(
-                    field,
-                    "needs exactly one binding (bridge or masquerade)",
-                ));
-            }
-        }
-        let model = match iface.model_or_default() {
-            InterfaceModel::Virtio => NicModel::Virtio,
-            InterfaceModel::E1000 => NicModel::E1000,
-            InterfaceModel::E1000e => NicModel::E1000e,
-            InterfaceModel::Rtl8139 => NicModel::Rtl8139,
-            other => {
-                return Err(err(
-                    format!("{field}.model"),
-                    format!("model {other} is not supported: use virtio, e1000, e1000e or rtl8139"),
-                ));
-            }
-        };
-        let tap = format!("tap{i}");
-        preps.push(Prep::RequireTap {
-            name: tap.clone(),
-            field: field.clone(),
-        });
-        let cached = host.network.get(&iface.name);
-        let mac = network::plan::guest_mac(&uid, &iface.name, iface.mac_address.as_deref(), cached)
-            .ok_or_else(|| {
-                err(
-                    format!("{field}.macAddress"),
-                    "is not a MAC address (e.g. de:ad:00:00:be:af)",
-                )
-            })?;
-        nics.push(Nic {
-            name: iface.name.clone(),
-            model,
-            tap,
-            mac: Some(network::plan::format_mac(mac)),
-            mtu: cached.map(|c| c.mtu),
-            boot_index: iface.boot_order,
-        });
+    for (i, iface) in vmi.spec.domain.devices.interfaces.iter().enumerate() {
+        nics.push(nic(vmi, i, iface, &uid, host, &mut preps)?);
     }
 
-    let devices = &domain.devices;
+    let devices = &vmi.spec.domain.devices;
     let config = QemuConfig {
         name: format!("{namespace}_{name}"),
-        machine: Machine {
-            kind,
-            accel: host.accel,
-            smm,
-        },
+        machine,
         cpu,
         memory,
         smbios,
@@ -396,6 +150,51 @@ pub fn convert(
     })
 }
 
+// ---- machine, CPU, memory ----
+
+pub fn machine_kind(vmi: &VirtualMachineInstance) -> Result<MachineKind, ConvertError> {
+    let ty = vmi
+        .spec
+        .domain
+        .machine
+        .as_ref()
+        .and_then(|m| m.machine_type.as_deref())
+        .unwrap_or("q35");
+    // KubeVirt's defaults name RHEL machine types (pc-q35-rhel9.4.0); upstream QEMU has no such
+    // versions, so the family is what counts.
+    if ty == "q35" || ty.starts_with("pc-q35") {
+        Ok(MachineKind::Q35)
+    } else if ty == "pc" || ty.starts_with("pc-i440fx") {
+        Ok(MachineKind::Pc)
+    } else {
+        Err(err(
+            "spec.domain.machine.type",
+            format!("machine type {ty:?} is not supported: use q35 or pc"),
+        ))
+    }
+}
+
+/// SMM: on for secure boot (OVMF's secure build needs it), otherwise as `features.smm` says
+/// (enabled unless it says `false`), and QEMU's default when the VMI says nothing.
+fn smm(vmi: &VirtualMachineInstance, firmware: &Firmware) -> Option<bool> {
+    let feature = vmi
+        .spec
+        .domain
+        .features
+        .as_ref()
+        .and_then(|f| f.smm.as_ref());
+    match (firmware, feature) {
+        (
+            Firmware::Efi {
+                secure_boot: true, ..
+            },
+            _,
+        ) => Some(true),
+        (_, Some(s)) => Some(s.enabled.unwrap_or(true)),
+        _ => None,
+    }
+}
+
 /// Under TCG there is no host CPU to pass through; `max` enables every feature TCG emulates,
 /// which is the closest meaning of "as much of the host as possible".
 fn cpu(vmi: &VirtualMachineInstance, accel: Accel) -> Cpu {
@@ -417,7 +216,8 @@ fn cpu(vmi: &VirtualMachineInstance, accel: Accel) -> Cpu {
 fn memory(
     vmi: &VirtualMachineInstance,
     host: &Host,
-) -> Result<(Memory, Option<Prep>), ConvertError> {
+    preps: &mut Vec<Prep>,
+) -> Result<Memory, ConvertError> {
     let domain = &vmi.spec.domain;
     let (field, q) = if let Some(g) = domain.memory.as_ref().and_then(|m| m.guest.as_ref()) {
         ("spec.domain.memory.guest", g)
@@ -436,7 +236,6 @@ fn memory(
     if size_mib < 16 {
         return Err(err(field, format!("{} is too little for a guest", q.0)));
     }
-    let mut prep = None;
     let hugepages = match domain.memory.as_ref().and_then(|m| m.hugepages.as_ref()) {
         None => None,
         Some(h) => {
@@ -449,7 +248,7 @@ fn memory(
                     format!("{} is not a multiple of the hugepage size", q.0),
                 ));
             }
-            prep = Some(Prep::RequireHugetlbfs {
+            preps.push(Prep::RequireHugetlbfs {
                 path: host.hugepages_dir.clone(),
                 page_size: page,
                 field: "spec.domain.memory.hugepages".into(),
@@ -457,13 +256,221 @@ fn memory(
             Some(host.hugepages_dir.clone())
         }
     };
-    Ok((
-        Memory {
-            size_mib,
-            hugepages,
-        },
-        prep,
-    ))
+    Ok(Memory {
+        size_mib,
+        hugepages,
+    })
+}
+
+/// SMBIOS system information. QEMU wants a real UUID; Kubernetes uids are, and so must
+/// firmware.uuid be.
+fn smbios(vmi: &VirtualMachineInstance, uid: &str) -> Result<Smbios, ConvertError> {
+    let firmware = vmi.spec.domain.firmware.as_ref();
+    let (uuid_field, uuid) = match firmware.and_then(|f| f.uuid.clone()) {
+        Some(u) => ("spec.domain.firmware.uuid", u),
+        None => ("metadata.uid", uid.to_owned()),
+    };
+    if uuid::Uuid::parse_str(&uuid).is_err() {
+        return Err(err(uuid_field, format!("{uuid:?} is not a UUID")));
+    }
+    Ok(Smbios {
+        uuid,
+        serial: firmware.and_then(|f| f.serial.clone()),
+        manufacturer: "KubeVirt".into(),
+        product: "None".into(),
+        family: "KubeVirt".into(),
+    })
+}
+
+// ---- firmware ----
+
+/// BIOS, or OVMF with a per-VM copy of its variable store. Secure boot needs SMM, which OVMF
+/// supports on q35 only.
+fn firmware(
+    vmi: &VirtualMachineInstance,
+    kind: MachineKind,
+    uid: &str,
+    dirs: &Dirs,
+    host: &Host,
+    preps: &mut Vec<Prep>,
+) -> Result<Firmware, ConvertError> {
+    let domain = &vmi.spec.domain;
+    let efi = match domain
+        .firmware
+        .as_ref()
+        .and_then(|f| f.bootloader.as_ref())
+        .and_then(api::vmi::Bootloader::kind)
+    {
+        None | Some(BootloaderKind::Bios(_)) => return Ok(Firmware::Bios),
+        Some(BootloaderKind::Efi(efi)) => efi,
+    };
+    let secure_boot = efi.secure_boot_enabled();
+    if secure_boot && kind == MachineKind::Pc {
+        return Err(err(
+            "spec.domain.firmware.bootloader.efi.secureBoot",
+            "secure boot needs SMM, which OVMF supports on q35 only: use machine type \
+             q35 or set secureBoot: false",
+        ));
+    }
+    let smm_off = domain
+        .features
+        .as_ref()
+        .and_then(|f| f.smm.as_ref())
+        .is_some_and(|s| s.enabled == Some(false));
+    if secure_boot && smm_off {
+        return Err(err(
+            "spec.domain.features.smm.enabled",
+            "secure boot needs SMM: enable it or set secureBoot: false",
+        ));
+    }
+    let (code, vars_template) = if secure_boot {
+        ("OVMF_CODE_4M.secboot.fd", "OVMF_VARS_4M.ms.fd")
+    } else {
+        ("OVMF_CODE_4M.fd", "OVMF_VARS_4M.fd")
+    };
+    let code = host.ovmf_dir.join(code);
+    let vars = dirs.efi_vars(uid);
+    preps.push(Prep::RequireFile {
+        path: code.clone(),
+        field: "spec.domain.firmware.bootloader.efi".into(),
+    });
+    preps.push(Prep::CopyFile {
+        from: host.ovmf_dir.join(vars_template),
+        to: vars.clone(),
+        field: "spec.domain.firmware.bootloader.efi".into(),
+    });
+    Ok(Firmware::Efi {
+        code,
+        vars,
+        secure_boot,
+    })
+}
+
+/// Direct kernel boot: the kernel and initrd virt-handler copied out of the kernelBoot
+/// container into `<container-disk-dir>/kernel-boot/`.
+fn kernel_boot(
+    vmi: &VirtualMachineInstance,
+    dirs: &Dirs,
+    preps: &mut Vec<Prep>,
+) -> Result<Option<KernelBoot>, ConvertError> {
+    let Some(kb) = vmi.spec.kernel_boot() else {
+        return Ok(None);
+    };
+    let field = "spec.domain.firmware.kernelBoot.container";
+    let c = kb.container.as_ref().ok_or_else(|| {
+        err(
+            field,
+            "kernelBoot needs a container with kernelPath and/or initrdPath",
+        )
+    })?;
+    let artifact = |p: &Option<String>, what: &str| -> Result<Option<PathBuf>, _> {
+        match p.as_deref() {
+            None | Some("") => Ok(None),
+            Some(p) => {
+                let base = Path::new(p).file_name().ok_or_else(|| {
+                    err(format!("{field}.{what}"), format!("{p:?} names no file"))
+                })?;
+                Ok(Some(dirs.container_disks.join("kernel-boot").join(base)))
+            }
+        }
+    };
+    let kernel = artifact(&c.kernel_path, "kernelPath")?
+        .ok_or_else(|| err(format!("{field}.kernelPath"), "is required"))?;
+    let initrd = artifact(&c.initrd_path, "initrdPath")?;
+    preps.push(Prep::RequireFile {
+        path: kernel.clone(),
+        field: format!("{field}.kernelPath"),
+    });
+    if let Some(i) = &initrd {
+        preps.push(Prep::RequireFile {
+            path: i.clone(),
+            field: format!("{field}.initrdPath"),
+        });
+    }
+    Ok(Some(KernelBoot {
+        kernel,
+        initrd,
+        cmdline: kb.kernel_args.clone(),
+    }))
+}
+
+// ---- disks ----
+
+/// The VMI's disks in spec order, numbered on their buses, and the controllers they need.
+struct Storage {
+    controllers: Controllers,
+    disks: Vec<Disk>,
+    hotpluggable: BTreeSet<String>,
+}
+
+/// Converts every disk and places it: SATA units and SCSI LUNs in spec order, a root port of
+/// its own for each hotpluggable virtio disk on q35, and spare ports for disks plugged later.
+fn disks(
+    vmi: &VirtualMachineInstance,
+    kind: MachineKind,
+    dirs: &Dirs,
+    host: &Host,
+    namespace: &str,
+    name: &str,
+    preps: &mut Vec<Prep>,
+) -> Result<Storage, ConvertError> {
+    let devices = &vmi.spec.domain.devices;
+    let mut controllers = Controllers::default();
+    let mut disks = Vec::new();
+    let mut hotpluggable = BTreeSet::new();
+    let mut sata_units = 0u32;
+    let mut scsi_luns = 0u32;
+    let mut ports_used = 0usize;
+    for (i, d) in devices.disks.iter().enumerate() {
+        let field = format!("spec.domain.devices.disks[{i}]");
+        let (mut disk, plug, prep) = disk_for(vmi, d, &field, dirs, host, namespace, name)?;
+        preps.extend(prep);
+        match disk.frontend {
+            Frontend::Sata { .. } | Frontend::SataCdrom { .. } => {
+                if sata_units >= SATA_PORTS {
+                    return Err(err(
+                        format!("{field}.bus"),
+                        format!("at most {SATA_PORTS} disks fit on the sata bus"),
+                    ));
+                }
+                disk.frontend = disk.frontend.numbered(sata_units);
+                sata_units += 1;
+                controllers.sata = true;
+            }
+            Frontend::Scsi { .. } | Frontend::ScsiCdrom { .. } => {
+                disk.frontend = disk.frontend.numbered(scsi_luns);
+                scsi_luns += 1;
+                controllers.scsi = true;
+            }
+            Frontend::Virtio => {
+                // Devices on q35's root complex cannot be unplugged; those that may be get a
+                // root port of their own.
+                if plug && kind == MachineKind::Q35 {
+                    disk.pci_bus = Some(hotplug_port(ports_used));
+                    ports_used += 1;
+                }
+            }
+        }
+        if plug {
+            hotpluggable.insert(disk.name.clone());
+        }
+        disks.push(disk);
+    }
+    // A SCSI controller is always there (unless hotplug is disabled) so that SCSI disks can be
+    // hotplugged later, as in KubeVirt.
+    if !devices.disable_hotplug.unwrap_or(false) {
+        controllers.scsi = true;
+    }
+    if kind == MachineKind::Q35 {
+        controllers.hotplug_ports = (0..ports_used + SPARE_HOTPLUG_PORTS)
+            .map(hotplug_port)
+            .collect();
+    }
+    Ok(Storage {
+        controllers,
+        disks,
+        hotpluggable,
+    })
 }
 
 fn cache(d: &VmiDisk) -> CacheMode {
@@ -489,7 +496,6 @@ pub fn disk_for(
     namespace: &str,
     name: &str,
 ) -> Result<(Disk, bool, Vec<Prep>), ConvertError> {
-    let spec = &vmi.spec;
     if d.name.is_empty()
         || !d
             .name
@@ -504,7 +510,8 @@ pub fn disk_for(
             ),
         ));
     }
-    let (vol_index, volume) = spec
+    let (vol_index, volume) = vmi
+        .spec
         .volumes
         .iter()
         .enumerate()
@@ -515,7 +522,76 @@ pub fn disk_for(
                 format!("no volume named {:?} in spec.volumes", d.name),
             )
         })?;
-    let vfield = format!("spec.volumes[{vol_index}]");
+    let (frontend, mut read_only) = frontend(d, field)?;
+    let vol = Vol {
+        dirs,
+        host,
+        name: &volume.name,
+        index: vol_index,
+        field: format!("spec.volumes[{vol_index}]"),
+    };
+    let source = volume.source().ok_or_else(|| {
+        err(
+            vol.field.clone(),
+            format!(
+                "needs exactly one source, has {}",
+                volume
+                    .sources()
+                    .iter()
+                    .map(VolumeSource::field)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        )
+    })?;
+    let mut preps = Vec::new();
+    let mut hotplug = false;
+    let source = match source {
+        VolumeSource::ContainerDisk(_) => vol.container_disk(&mut preps),
+        VolumeSource::EmptyDisk(e) => vol.empty_disk(e, &mut preps)?,
+        VolumeSource::HostDisk(h) => vol.host_disk(h, &mut preps)?,
+        VolumeSource::PersistentVolumeClaim(p) => {
+            hotplug = p.hotpluggable.unwrap_or(false);
+            read_only |= p.read_only.unwrap_or(false);
+            vol.claim(hotplug, "persistentVolumeClaim", &mut preps)
+        }
+        VolumeSource::DataVolume(dv) => {
+            hotplug = dv.hotpluggable.unwrap_or(false);
+            vol.claim(hotplug, "dataVolume", &mut preps)
+        }
+        VolumeSource::Ephemeral(_) => vol.ephemeral(&mut preps),
+        VolumeSource::CloudInitNoCloud(src) | VolumeSource::CloudInitConfigDrive(src) => {
+            let config_drive = matches!(source, VolumeSource::CloudInitConfigDrive(_));
+            let sfield = format!("{}.{}", vol.field, source.field());
+            let seed = cloud_init_seed(vmi, src, config_drive, &sfield, name, namespace)?;
+            vol.cloud_init(seed, sfield, namespace, name, &mut preps)
+        }
+        other => {
+            return Err(err(
+                format!("{}.{}", vol.field, other.field()),
+                "this volume source is not supported by this launcher",
+            ));
+        }
+    };
+    Ok((
+        Disk {
+            name: d.name.clone(),
+            source,
+            frontend,
+            read_only,
+            cache: cache(d),
+            boot_index: d.boot_order,
+            serial: d.serial.clone(),
+            pci_bus: None,
+        },
+        hotplug,
+        preps,
+    ))
+}
+
+/// The device the guest sees (SATA units and SCSI LUNs 0, numbered by the caller) and whether
+/// the target makes it read-only. A cdrom defaults to sata, a disk to virtio.
+fn frontend(d: &VmiDisk, field: &str) -> Result<(Frontend, bool), ConvertError> {
     let default_target = api::vmi::DiskTarget::default();
     let target = d.target().unwrap_or(DiskTargetKind::Disk(&default_target));
     let cdrom = match target {
@@ -556,186 +632,192 @@ pub fn disk_for(
             ));
         }
     };
-    let mut read_only = target.readonly();
-    let mut preps = Vec::new();
-    let mut hotplug = false;
-    let source = volume.source().ok_or_else(|| {
-        err(
-            vfield.clone(),
-            format!(
-                "needs exactly one source, has {}",
-                volume
-                    .sources()
-                    .iter()
-                    .map(VolumeSource::field)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        )
-    })?;
-    let vol = volume.name.as_str();
-    let pvc_source = |claim_hot: bool| -> DiskSource {
-        let block = host.block_volumes.contains(vol);
-        let path = match (claim_hot, block) {
-            (true, true) => dirs.hotplug_block(vol),
-            (true, false) => dirs.hotplug_file(vol),
-            (false, true) => dirs.pvc_block(vol),
-            (false, false) => dirs.pvc_file(vol),
+    Ok((frontend, target.readonly()))
+}
+
+/// One volume on its way to a [`DiskSource`]: where its files go and the field that names it.
+/// Each method is one volume source and adds the preparations that source needs.
+struct Vol<'a> {
+    dirs: &'a Dirs,
+    host: &'a Host,
+    /// The volume's name: its files are named after it.
+    name: &'a str,
+    /// Its index in `spec.volumes`: container disks are numbered by it.
+    index: usize,
+    /// `spec.volumes[<index>]`.
+    field: String,
+}
+
+impl Vol<'_> {
+    /// A container disk: a qcow2 overlay over the image virt-handler mounted, which stays as
+    /// it is.
+    fn container_disk(&self, preps: &mut Vec<Prep>) -> DiskSource {
+        let overlay = self.dirs.container_disk_overlay(self.name);
+        preps.push(Prep::Overlay {
+            path: overlay.clone(),
+            backing: self.dirs.container_disk(self.index),
+            backing_format: None,
+            field: format!("{}.containerDisk", self.field),
+        });
+        DiskSource {
+            path: overlay,
+            block_device: false,
+            format: ImageFormat::Qcow2,
+        }
+    }
+
+    /// An empty disk: a new qcow2 image of the capacity asked for.
+    fn empty_disk(
+        &self,
+        e: &EmptyDiskSource,
+        preps: &mut Vec<Prep>,
+    ) -> Result<DiskSource, ConvertError> {
+        let size = quantity::bytes(&e.capacity.0)
+            .map_err(|m| err(format!("{}.emptyDisk.capacity", self.field), m))?;
+        let path = self.dirs.empty_disk(self.name);
+        preps.push(Prep::EmptyDisk {
+            path: path.clone(),
+            size,
+            field: format!("{}.emptyDisk", self.field),
+        });
+        Ok(DiskSource {
+            path,
+            block_device: false,
+            format: ImageFormat::Qcow2,
+        })
+    }
+
+    /// A raw image on the node, which must exist (`Disk`) or is created sparse when it does
+    /// not (`DiskOrCreate`).
+    fn host_disk(&self, h: &HostDisk, preps: &mut Vec<Prep>) -> Result<DiskSource, ConvertError> {
+        let hfield = format!("{}.hostDisk", self.field);
+        if !Path::new(&h.path).is_absolute() {
+            return Err(err(format!("{hfield}.path"), "must be an absolute path"));
+        }
+        match &h.disk_type {
+            HostDiskType::Disk => preps.push(Prep::RequireFile {
+                path: h.path.clone().into(),
+                field: format!("{hfield}.path"),
+            }),
+            HostDiskType::DiskOrCreate => {
+                let cap = h.capacity.as_ref().ok_or_else(|| {
+                    err(format!("{hfield}.capacity"), "is required for DiskOrCreate")
+                })?;
+                let size =
+                    quantity::bytes(&cap.0).map_err(|m| err(format!("{hfield}.capacity"), m))?;
+                preps.push(Prep::RawIfMissing {
+                    path: h.path.clone().into(),
+                    size,
+                    field: hfield.clone(),
+                });
+            }
+            HostDiskType::Other(t) => {
+                return Err(err(
+                    format!("{hfield}.type"),
+                    format!("{t:?} is not a host disk type: use Disk or DiskOrCreate"),
+                ));
+            }
+        }
+        Ok(DiskSource {
+            path: h.path.clone().into(),
+            block_device: false,
+            format: ImageFormat::Raw,
+        })
+    }
+
+    /// Where a claimed volume (PVC or DataVolume) appears: a block device or the image in its
+    /// file system, under the hotplug dir when virt-handler plugs it in later.
+    fn claim_source(&self, hot: bool) -> DiskSource {
+        let block = self.host.block_volumes.contains(self.name);
+        let path = match (hot, block) {
+            (true, true) => self.dirs.hotplug_block(self.name),
+            (true, false) => self.dirs.hotplug_file(self.name),
+            (false, true) => self.dirs.pvc_block(self.name),
+            (false, false) => self.dirs.pvc_file(self.name),
         };
         DiskSource {
             path,
             block_device: block,
             format: ImageFormat::Raw,
         }
+    }
+
+    /// A PVC or DataVolume (`source` names which), used in place; it must be there.
+    fn claim(&self, hot: bool, source: &str, preps: &mut Vec<Prep>) -> DiskSource {
+        let s = self.claim_source(hot);
+        preps.push(Prep::RequireFile {
+            path: s.path.clone(),
+            field: format!("{}.{source}", self.field),
+        });
+        s
+    }
+
+    /// An ephemeral volume: a qcow2 overlay over the PVC, which the guest never writes.
+    fn ephemeral(&self, preps: &mut Vec<Prep>) -> DiskSource {
+        let base = self.claim_source(false);
+        let overlay = self.dirs.ephemeral_pvc_overlay(self.name);
+        preps.push(Prep::Overlay {
+            path: overlay.clone(),
+            backing: base.path,
+            backing_format: Some(ImageFormat::Raw),
+            field: format!("{}.ephemeral", self.field),
+        });
+        DiskSource {
+            path: overlay,
+            block_device: false,
+            format: ImageFormat::Qcow2,
+        }
+    }
+
+    /// A cloud-init NoCloud or ConfigDrive seed image, written before QEMU starts.
+    fn cloud_init(
+        &self,
+        seed: Seed,
+        field: String,
+        namespace: &str,
+        name: &str,
+        preps: &mut Vec<Prep>,
+    ) -> DiskSource {
+        let path = self
+            .dirs
+            .cloud_init_seed(namespace, name, seed.config_drive);
+        preps.push(Prep::CloudInit {
+            path: path.clone(),
+            seed,
+            field,
+        });
+        DiskSource {
+            path,
+            block_device: false,
+            format: ImageFormat::Raw,
+        }
+    }
+}
+
+/// What a cloud-init seed holds: KubeVirt's instance id (the VMI's uid for ConfigDrive,
+/// `<name>.<namespace>` for NoCloud), the hostname, and the inline user and network data.
+fn cloud_init_seed(
+    vmi: &VirtualMachineInstance,
+    src: &CloudInitNoCloudSource,
+    config_drive: bool,
+    field: &str,
+    name: &str,
+    namespace: &str,
+) -> Result<Seed, ConvertError> {
+    let (user_data, network_data) = cloud_init_data(src, field)?;
+    let hostname = vmi.spec.hostname.clone().unwrap_or_else(|| name.to_owned());
+    let instance_id = if config_drive {
+        vmi.metadata.uid.clone().unwrap_or_default()
+    } else {
+        format!("{name}.{namespace}")
     };
-    let source = match source {
-        VolumeSource::ContainerDisk(_) => {
-            let overlay = dirs.container_disk_overlay(vol);
-            preps.push(Prep::Overlay {
-                path: overlay.clone(),
-                backing: dirs.container_disk(vol_index),
-                backing_format: None,
-                field: format!("{vfield}.containerDisk"),
-            });
-            DiskSource {
-                path: overlay,
-                block_device: false,
-                format: ImageFormat::Qcow2,
-            }
-        }
-        VolumeSource::EmptyDisk(e) => {
-            let size = quantity::bytes(&e.capacity.0)
-                .map_err(|m| err(format!("{vfield}.emptyDisk.capacity"), m))?;
-            let path = dirs.empty_disk(vol);
-            preps.push(Prep::EmptyDisk {
-                path: path.clone(),
-                size,
-                field: format!("{vfield}.emptyDisk"),
-            });
-            DiskSource {
-                path,
-                block_device: false,
-                format: ImageFormat::Qcow2,
-            }
-        }
-        VolumeSource::HostDisk(h) => {
-            let hfield = format!("{vfield}.hostDisk");
-            if !Path::new(&h.path).is_absolute() {
-                return Err(err(format!("{hfield}.path"), "must be an absolute path"));
-            }
-            match &h.disk_type {
-                HostDiskType::Disk => preps.push(Prep::RequireFile {
-                    path: h.path.clone().into(),
-                    field: format!("{hfield}.path"),
-                }),
-                HostDiskType::DiskOrCreate => {
-                    let cap = h.capacity.as_ref().ok_or_else(|| {
-                        err(format!("{hfield}.capacity"), "is required for DiskOrCreate")
-                    })?;
-                    let size = quantity::bytes(&cap.0)
-                        .map_err(|m| err(format!("{hfield}.capacity"), m))?;
-                    preps.push(Prep::RawIfMissing {
-                        path: h.path.clone().into(),
-                        size,
-                        field: hfield.clone(),
-                    });
-                }
-                HostDiskType::Other(t) => {
-                    return Err(err(
-                        format!("{hfield}.type"),
-                        format!("{t:?} is not a host disk type: use Disk or DiskOrCreate"),
-                    ));
-                }
-            }
-            DiskSource {
-                path: h.path.clone().into(),
-                block_device: false,
-                format: ImageFormat::Raw,
-            }
-        }
-        VolumeSource::PersistentVolumeClaim(p) => {
-            hotplug = p.hotpluggable.unwrap_or(false);
-            read_only |= p.read_only.unwrap_or(false);
-            let s = pvc_source(hotplug);
-            preps.push(Prep::RequireFile {
-                path: s.path.clone(),
-                field: format!("{vfield}.persistentVolumeClaim"),
-            });
-            s
-        }
-        VolumeSource::DataVolume(dv) => {
-            hotplug = dv.hotpluggable.unwrap_or(false);
-            let s = pvc_source(hotplug);
-            preps.push(Prep::RequireFile {
-                path: s.path.clone(),
-                field: format!("{vfield}.dataVolume"),
-            });
-            s
-        }
-        VolumeSource::Ephemeral(_) => {
-            let base = pvc_source(false);
-            let overlay = dirs.ephemeral_pvc_overlay(vol);
-            preps.push(Prep::Overlay {
-                path: overlay.clone(),
-                backing: base.path,
-                backing_format: Some(ImageFormat::Raw),
-                field: format!("{vfield}.ephemeral"),
-            });
-            DiskSource {
-                path: overlay,
-                block_device: false,
-                format: ImageFormat::Qcow2,
-            }
-        }
-        VolumeSource::CloudInitNoCloud(src) | VolumeSource::CloudInitConfigDrive(src) => {
-            let config_drive = matches!(source, VolumeSource::CloudInitConfigDrive(_));
-            let sfield = format!("{vfield}.{}", source.field());
-            let (user_data, network_data) = cloud_init_data(src, &sfield)?;
-            let path = dirs.cloud_init_seed(namespace, name, config_drive);
-            let hostname = spec.hostname.clone().unwrap_or_else(|| name.to_owned());
-            let instance_id = if config_drive {
-                vmi.metadata.uid.clone().unwrap_or_default()
-            } else {
-                format!("{name}.{namespace}")
-            };
-            preps.push(Prep::CloudInit {
-                path: path.clone(),
-                seed: Seed {
-                    config_drive,
-                    instance_id,
-                    hostname,
-                    user_data,
-                    network_data,
-                },
-                field: sfield,
-            });
-            DiskSource {
-                path,
-                block_device: false,
-                format: ImageFormat::Raw,
-            }
-        }
-        other => {
-            return Err(err(
-                format!("{vfield}.{}", other.field()),
-                "this volume source is not supported by this launcher",
-            ));
-        }
-    };
-    Ok((
-        Disk {
-            name: d.name.clone(),
-            source,
-            frontend,
-            read_only,
-            cache: cache(d),
-            boot_index: d.boot_order,
-            serial: d.serial.clone(),
-            pci_bus: None,
-        },
-        hotplug,
-        preps,
-    ))
+    Ok(Seed {
+        config_drive,
+        instance_id,
+        hostname,
+        user_data,
+        network_data,
+    })
 }
 
 fn cloud_init_data(
@@ -765,6 +847,75 @@ fn cloud_init_data(
         (None, None) => None,
     };
     Ok((user, network))
+}
+
+// ---- interfaces ----
+
+/// One interface to a NIC on the tap phase 1 made for it (`tap<i>`, by position), with the
+/// MAC and MTU phase 1 cached.
+fn nic(
+    vmi: &VirtualMachineInstance,
+    i: usize,
+    iface: &Interface,
+    uid: &str,
+    host: &Host,
+    preps: &mut Vec<Prep>,
+) -> Result<Nic, ConvertError> {
+    let field = format!("spec.domain.devices.interfaces[{i}]");
+    if vmi.spec.network(&iface.name).is_none() {
+        return Err(err(
+            format!("{field}.name"),
+            format!("no network named {:?} in spec.networks", iface.name),
+        ));
+    }
+    match iface.binding_method() {
+        Some(InterfaceBinding::Bridge | InterfaceBinding::Masquerade) => {}
+        Some(other) => {
+            return Err(err(
+                format!("{field}.{}", other.field()),
+                "binding is not supported by this launcher: use bridge or masquerade",
+            ));
+        }
+        None => {
+            return Err(err(
+                field,
+                "needs exactly one binding (bridge or masquerade)",
+            ));
+        }
+    }
+    let model = match iface.model_or_default() {
+        InterfaceModel::Virtio => NicModel::Virtio,
+        InterfaceModel::E1000 => NicModel::E1000,
+        InterfaceModel::E1000e => NicModel::E1000e,
+        InterfaceModel::Rtl8139 => NicModel::Rtl8139,
+        other => {
+            return Err(err(
+                format!("{field}.model"),
+                format!("model {other} is not supported: use virtio, e1000, e1000e or rtl8139"),
+            ));
+        }
+    };
+    let tap = format!("tap{i}");
+    preps.push(Prep::RequireTap {
+        name: tap.clone(),
+        field: field.clone(),
+    });
+    let cached = host.network.get(&iface.name);
+    let mac = network::plan::guest_mac(uid, &iface.name, iface.mac_address.as_deref(), cached)
+        .ok_or_else(|| {
+            err(
+                format!("{field}.macAddress"),
+                "is not a MAC address (e.g. de:ad:00:00:be:af)",
+            )
+        })?;
+    Ok(Nic {
+        name: iface.name.clone(),
+        model,
+        tap,
+        mac: Some(network::plan::format_mac(mac)),
+        mtu: cached.map(|c| c.mtu),
+        boot_index: iface.boot_order,
+    })
 }
 
 #[cfg(test)]

@@ -188,73 +188,10 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
             backing,
             backing_format,
             field,
-        } => {
-            if !backing.exists() {
-                return Err(PrepareError::Missing {
-                    field: field.clone(),
-                    path: backing.clone(),
-                });
-            }
-            let format =
-                match backing_format {
-                    Some(f) => f.as_str().to_owned(),
-                    None => probe_format(bin, backing).await.map_err(|message| {
-                        PrepareError::BadImage {
-                            field: field.clone(),
-                            path: backing.clone(),
-                            message,
-                        }
-                    })?,
-                };
-            ensure_parent(path, field)?;
-            match std::fs::remove_file(path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(io(field, path)(e));
-                }
-                _ => {}
-            }
-            qemu_img(
-                bin,
-                &[
-                    "create".as_ref(),
-                    "-q".as_ref(),
-                    "-f".as_ref(),
-                    "qcow2".as_ref(),
-                    "-F".as_ref(),
-                    format.as_ref(),
-                    "-b".as_ref(),
-                    backing.as_os_str(),
-                    path.as_os_str(),
-                ],
-            )
-            .await
-            .map_err(|message| PrepareError::BadImage {
-                field: field.clone(),
-                path: backing.clone(),
-                message,
-            })?;
-        }
+        } => overlay(bin, path, backing, *backing_format, field).await?,
         Prep::EmptyDisk { path, size, field } => {
             if !path.exists() {
-                ensure_parent(path, field)?;
-                let size = size.to_string();
-                qemu_img(
-                    bin,
-                    &[
-                        "create".as_ref(),
-                        "-q".as_ref(),
-                        "-f".as_ref(),
-                        "qcow2".as_ref(),
-                        path.as_os_str(),
-                        size.as_ref(),
-                    ],
-                )
-                .await
-                .map_err(|message| PrepareError::QemuImg {
-                    field: field.clone(),
-                    path: path.clone(),
-                    message,
-                })?;
+                empty_disk(bin, path, *size, field).await?;
             }
         }
         Prep::RawIfMissing { path, size, field } => {
@@ -264,34 +201,7 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
                 f.set_len(*size).map_err(io(field, path))?;
             }
         }
-        Prep::CloudInit { path, seed, field } => {
-            ensure_parent(path, field)?;
-            let r = if seed.config_drive {
-                cloudinit::write_config_drive(
-                    path,
-                    &cloudinit::ConfigDriveSeed {
-                        instance_id: seed.instance_id.clone(),
-                        hostname: seed.hostname.clone(),
-                        user_data: seed.user_data.clone(),
-                        network_data: seed.network_data.clone(),
-                    },
-                )
-            } else {
-                cloudinit::write_nocloud(
-                    path,
-                    &cloudinit::NoCloudSeed {
-                        instance_id: seed.instance_id.clone(),
-                        hostname: seed.hostname.clone(),
-                        user_data: seed.user_data.clone(),
-                        network_config: seed.network_data.clone(),
-                    },
-                )
-            };
-            r.map_err(|source| PrepareError::Seed {
-                field: field.clone(),
-                source,
-            })?;
-        }
+        Prep::CloudInit { path, seed, field } => cloud_init(path, seed, field)?,
         Prep::RequireTap { name, field } => {
             // Asked of the kernel in our network namespace: /sys/class/net shows the namespace
             // of whoever mounted sysfs, which in a pod without its own sysfs is the host's.
@@ -306,26 +216,134 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
             path,
             page_size,
             field,
-        } => {
-            let found = match nix::sys::statfs::statfs(path) {
-                Err(e) => e.desc().to_owned(),
-                Ok(fs) if fs.filesystem_type() != nix::sys::statfs::HUGETLBFS_MAGIC => {
-                    format!("file system type {:#x}", fs.filesystem_type().0)
-                }
-                Ok(fs) if u64::try_from(fs.block_size()).ok() != Some(*page_size) => {
-                    format!("its pages are {} bytes", fs.block_size())
-                }
-                Ok(_) => return Ok(()),
-            };
-            return Err(PrepareError::NoHugetlbfs {
-                field: field.clone(),
-                path: path.clone(),
-                page_size: *page_size,
-                found,
-            });
-        }
+        } => require_hugetlbfs(path, *page_size, field)?,
     }
     Ok(())
+}
+
+/// A fresh qcow2 overlay over `backing` (any old one removed), in the backing format given or
+/// the one `qemu-img info` detects.
+async fn overlay(
+    bin: &Path,
+    path: &Path,
+    backing: &Path,
+    backing_format: Option<ImageFormat>,
+    field: &str,
+) -> Result<(), PrepareError> {
+    if !backing.exists() {
+        return Err(PrepareError::Missing {
+            field: field.to_owned(),
+            path: backing.to_owned(),
+        });
+    }
+    let format = match backing_format {
+        Some(f) => f.as_str().to_owned(),
+        None => probe_format(bin, backing)
+            .await
+            .map_err(|message| PrepareError::BadImage {
+                field: field.to_owned(),
+                path: backing.to_owned(),
+                message,
+            })?,
+    };
+    ensure_parent(path, field)?;
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(io(field, path)(e));
+        }
+        _ => {}
+    }
+    create_qcow2(
+        bin,
+        &[
+            "-F".as_ref(),
+            format.as_ref(),
+            "-b".as_ref(),
+            backing.as_os_str(),
+            path.as_os_str(),
+        ],
+    )
+    .await
+    .map_err(|message| PrepareError::BadImage {
+        field: field.to_owned(),
+        path: backing.to_owned(),
+        message,
+    })
+}
+
+/// A sparse qcow2 image of `size` bytes.
+async fn empty_disk(bin: &Path, path: &Path, size: u64, field: &str) -> Result<(), PrepareError> {
+    ensure_parent(path, field)?;
+    let size = size.to_string();
+    create_qcow2(bin, &[path.as_os_str(), size.as_ref()])
+        .await
+        .map_err(|message| PrepareError::QemuImg {
+            field: field.to_owned(),
+            path: path.to_owned(),
+            message,
+        })
+}
+
+/// `qemu-img create -q -f qcow2 <args>`.
+async fn create_qcow2(bin: &Path, args: &[&std::ffi::OsStr]) -> Result<(), String> {
+    let mut all: Vec<&std::ffi::OsStr> = vec![
+        "create".as_ref(),
+        "-q".as_ref(),
+        "-f".as_ref(),
+        "qcow2".as_ref(),
+    ];
+    all.extend_from_slice(args);
+    qemu_img(bin, &all).await.map(drop)
+}
+
+/// The cloud-init seed image, written afresh every start.
+fn cloud_init(path: &Path, seed: &Seed, field: &str) -> Result<(), PrepareError> {
+    ensure_parent(path, field)?;
+    let r = if seed.config_drive {
+        cloudinit::write_config_drive(
+            path,
+            &cloudinit::ConfigDriveSeed {
+                instance_id: seed.instance_id.clone(),
+                hostname: seed.hostname.clone(),
+                user_data: seed.user_data.clone(),
+                network_data: seed.network_data.clone(),
+            },
+        )
+    } else {
+        cloudinit::write_nocloud(
+            path,
+            &cloudinit::NoCloudSeed {
+                instance_id: seed.instance_id.clone(),
+                hostname: seed.hostname.clone(),
+                user_data: seed.user_data.clone(),
+                network_config: seed.network_data.clone(),
+            },
+        )
+    };
+    r.map_err(|source| PrepareError::Seed {
+        field: field.to_owned(),
+        source,
+    })
+}
+
+/// `path` must be a hugetlbfs mount of `page_size`-byte pages.
+fn require_hugetlbfs(path: &Path, page_size: u64, field: &str) -> Result<(), PrepareError> {
+    let found = match nix::sys::statfs::statfs(path) {
+        Err(e) => e.desc().to_owned(),
+        Ok(fs) if fs.filesystem_type() != nix::sys::statfs::HUGETLBFS_MAGIC => {
+            format!("file system type {:#x}", fs.filesystem_type().0)
+        }
+        Ok(fs) if u64::try_from(fs.block_size()).ok() != Some(page_size) => {
+            format!("its pages are {} bytes", fs.block_size())
+        }
+        Ok(_) => return Ok(()),
+    };
+    Err(PrepareError::NoHugetlbfs {
+        field: field.to_owned(),
+        path: path.to_owned(),
+        page_size,
+        found,
+    })
 }
 
 #[cfg(test)]

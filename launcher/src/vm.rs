@@ -2,7 +2,7 @@
 //! its exit, and applies what a later sync may change (hotplugged disks).
 
 use std::collections::{BTreeSet, VecDeque};
-use std::os::fd::AsRawFd as _;
+use std::os::fd::{AsRawFd as _, RawFd};
 use std::os::unix::fs::FileTypeExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -26,7 +26,7 @@ use crate::convert::{self, Host};
 use crate::error::Error;
 use crate::paths::Dirs;
 use crate::prepare;
-use crate::qemu::{Accel, Disk, Frontend, MachineKind, Monitor};
+use crate::qemu::{Accel, Disk, Frontend, MachineKind, Monitor, Nic};
 use crate::state::{LastWords, Requested, final_state};
 
 /// Everything the launcher is told on its command line.
@@ -97,6 +97,23 @@ impl Vm {
     fn request(&self, r: Requested) {
         *self.requested.lock().expect("poisoned") = Some(r);
     }
+}
+
+fn interface_status(n: &Nic) -> InterfaceStatus {
+    InterfaceStatus {
+        name: n.name.clone(),
+        tap: n.tap.clone(),
+        mac: n.mac.clone(),
+        model: format!("{:?}", n.model).to_lowercase(),
+    }
+}
+
+/// A QEMU process just started: its pid, its exit status once it has one, and the last lines
+/// of its stderr.
+struct Spawned {
+    pid: Pid,
+    exit: watch::Receiver<Option<ExitStatus>>,
+    tail: Arc<StdMutex<VecDeque<String>>>,
 }
 
 fn disk_status(d: &Disk, hotpluggable: &BTreeSet<String>) -> DiskStatus {
@@ -341,49 +358,11 @@ impl Launcher {
         let argv = config.argv();
         tracing::info!(qemu = %self.cfg.qemu_binary.display(), argv = ?argv, "starting QEMU");
 
-        let mut cmd = Command::new(&self.cfg.qemu_binary);
-        cmd.args(&argv)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        crate::child::die_with_launcher(&mut cmd);
-        crate::child::inherit_fd(&mut cmd, monitor.as_raw_fd());
-        let mut child = cmd.spawn().map_err(|e| Error::QemuStart {
-            binary: self.cfg.qemu_binary.display().to_string(),
-            message: e.to_string(),
-        })?;
-        let pid = Pid::from_raw(
-            child
-                .id()
-                .and_then(|p| i32::try_from(p).ok())
-                .unwrap_or_default(),
-        );
-        let tail: Arc<StdMutex<VecDeque<String>>> = Arc::default();
-        let stderr = child.stderr.take().expect("piped");
-        let stderr_task = {
-            let tail = tail.clone();
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(stderr).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
-                    tracing::info!(target: "qemu", "{line}");
-                    let mut t = tail.lock().expect("poisoned");
-                    if t.len() == STDERR_TAIL {
-                        t.pop_front();
-                    }
-                    t.push_back(line);
-                }
-            })
-        };
-        let (exit_tx, mut exit_rx) = watch::channel(None);
-        tokio::spawn(async move {
-            let status = child.wait().await;
-            // Drain stderr first so the exit is reported with QEMU's last words.
-            let _ = tokio::time::timeout(Duration::from_secs(2), stderr_task).await;
-            if let Ok(s) = status {
-                let _ = exit_tx.send(Some(s));
-            }
-        });
+        let Spawned {
+            pid,
+            exit: mut exit_rx,
+            tail,
+        } = self.spawn_qemu(&argv, monitor.as_raw_fd())?;
         let tail_text = {
             let tail = tail.clone();
             move || {
@@ -449,16 +428,7 @@ impl Launcher {
             .iter()
             .map(|d| disk_status(d, &plan.hotpluggable))
             .collect();
-        let interfaces = config
-            .nics
-            .iter()
-            .map(|n| InterfaceStatus {
-                name: n.name.clone(),
-                tap: n.tap.clone(),
-                mac: n.mac.clone(),
-                model: format!("{:?}", n.model).to_lowercase(),
-            })
-            .collect();
+        let interfaces = config.nics.iter().map(interface_status).collect();
         let pid_u32 = u32::try_from(pid.as_raw()).unwrap_or_default();
         self.update(|d| {
             d.state = DomainState::Running;
@@ -472,27 +442,7 @@ impl Launcher {
         });
         tracing::info!(pid = pid_u32, "domain running");
 
-        let me = self.clone();
-        let (req, mut exit_watch) = (requested.clone(), exit_rx.clone());
-        tokio::spawn(async move {
-            let _ = exit_watch.wait_for(Option::is_some).await;
-            let status = exit_watch.borrow().expect("waited for it");
-            // The QMP connection closes with QEMU; its last events (SHUTDOWN) are in by then.
-            let _ = tokio::time::timeout(Duration::from_secs(2), events_task).await;
-            let mut w = words.lock().expect("poisoned").clone();
-            w.stderr_tail = tail.lock().expect("poisoned").iter().cloned().collect();
-            let requested = *req.lock().expect("poisoned");
-            let (state, reason, message) = final_state(status, &w, requested);
-            tracing::info!(?state, %reason, ?message, %status, "QEMU ended");
-            me.update(|d| {
-                d.state = state;
-                d.reason = reason;
-                d.message = message;
-                d.agent_connected = false;
-                d.fs_freeze_status = None;
-                d.vcpu_threads.clear();
-            });
-        });
+        self.watch_exit(exit_rx.clone(), events_task, words, tail, requested.clone());
 
         let agent = qmp::GuestAgent::new(dirs.agent_socket(&uid), qmp::AgentOptions::default());
         self.poll_fsfreeze(agent.clone(), exit_rx.clone());
@@ -509,6 +459,87 @@ impl Launcher {
             _console: console,
             _dhcp: dhcp,
         })
+    }
+
+    /// Starts QEMU with `argv`, handing it the listening QMP socket `monitor`. QEMU dies with
+    /// the launcher; its stderr goes to the log, and its last lines are kept for the exit report.
+    fn spawn_qemu(&self, argv: &[String], monitor: RawFd) -> Result<Spawned, Error> {
+        let mut cmd = Command::new(&self.cfg.qemu_binary);
+        cmd.args(argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        crate::child::die_with_launcher(&mut cmd);
+        crate::child::inherit_fd(&mut cmd, monitor);
+        let mut child = cmd.spawn().map_err(|e| Error::QemuStart {
+            binary: self.cfg.qemu_binary.display().to_string(),
+            message: e.to_string(),
+        })?;
+        let pid = Pid::from_raw(
+            child
+                .id()
+                .and_then(|p| i32::try_from(p).ok())
+                .unwrap_or_default(),
+        );
+        let tail: Arc<StdMutex<VecDeque<String>>> = Arc::default();
+        let stderr = child.stderr.take().expect("piped");
+        let stderr_task = {
+            let tail = tail.clone();
+            tokio::spawn(async move {
+                let mut lines = BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    tracing::info!(target: "qemu", "{line}");
+                    let mut t = tail.lock().expect("poisoned");
+                    if t.len() == STDERR_TAIL {
+                        t.pop_front();
+                    }
+                    t.push_back(line);
+                }
+            })
+        };
+        let (exit_tx, exit) = watch::channel(None);
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            // Drain stderr first so the exit is reported with QEMU's last words.
+            let _ = tokio::time::timeout(Duration::from_secs(2), stderr_task).await;
+            if let Ok(s) = status {
+                let _ = exit_tx.send(Some(s));
+            }
+        });
+        Ok(Spawned { pid, exit, tail })
+    }
+
+    /// Once QEMU has exited, sets the final state: from its exit status, the last events it
+    /// sent, its last stderr lines and what the launcher had asked of it.
+    fn watch_exit(
+        self: &Arc<Self>,
+        mut exit: watch::Receiver<Option<ExitStatus>>,
+        events_task: tokio::task::JoinHandle<()>,
+        words: Arc<StdMutex<LastWords>>,
+        tail: Arc<StdMutex<VecDeque<String>>>,
+        requested: Arc<StdMutex<Option<Requested>>>,
+    ) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let _ = exit.wait_for(Option::is_some).await;
+            let status = exit.borrow().expect("waited for it");
+            // The QMP connection closes with QEMU; its last events (SHUTDOWN) are in by then.
+            let _ = tokio::time::timeout(Duration::from_secs(2), events_task).await;
+            let mut w = words.lock().expect("poisoned").clone();
+            w.stderr_tail = tail.lock().expect("poisoned").iter().cloned().collect();
+            let requested = *requested.lock().expect("poisoned");
+            let (state, reason, message) = final_state(status, &w, requested);
+            tracing::info!(?state, %reason, ?message, %status, "QEMU ended");
+            me.update(|d| {
+                d.state = state;
+                d.reason = reason;
+                d.message = message;
+                d.agent_connected = false;
+                d.fs_freeze_status = None;
+                d.vcpu_threads.clear();
+            });
+        });
     }
 
     async fn connect_and_verify(

@@ -294,6 +294,17 @@ impl Frontend {
             Frontend::SataCdrom { .. } | Frontend::ScsiCdrom { .. }
         )
     }
+    /// The same device at SATA unit or SCSI LUN `n` (a virtio disk has neither).
+    #[must_use]
+    pub fn numbered(self, n: u32) -> Self {
+        match self {
+            Frontend::Virtio => Frontend::Virtio,
+            Frontend::Sata { .. } => Frontend::Sata { unit: n },
+            Frontend::Scsi { .. } => Frontend::Scsi { lun: n },
+            Frontend::SataCdrom { .. } => Frontend::SataCdrom { unit: n },
+            Frontend::ScsiCdrom { .. } => Frontend::ScsiCdrom { lun: n },
+        }
+    }
 }
 
 pub const SATA_CONTROLLER: &str = "sata0";

@@ -1,6 +1,8 @@
 //! The ReplicaSet controller's decisions as pure functions (KubeVirt's `VMIReplicaSet`:
 //! `execute`, `scale`, `updateStatus`).
 
+use std::collections::BTreeMap;
+
 use api::common::ConditionStatus;
 use api::status::VirtualMachineInstanceConditionType;
 use api::{
@@ -8,6 +10,7 @@ use api::{
     VirtualMachineInstanceReplicaSetStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use kube::core::{Selector, SelectorExt as _};
 
 use crate::vmi::{is_final, phase_of};
 
@@ -25,50 +28,31 @@ pub enum Scale {
     Delete(Vec<String>),
 }
 
+/// The selector as kube's [`Selector`]; one the API server would refuse (an unknown operator,
+/// `In` or `NotIn` without values) is `None` and selects nothing.
+fn parse_selector(selector: &LabelSelector) -> Option<Selector> {
+    Selector::try_from(selector.clone()).ok()
+}
+
+fn labels_match(selector: Option<&Selector>, labels: Option<&BTreeMap<String, String>>) -> bool {
+    let empty = BTreeMap::new();
+    selector.is_some_and(|s| s.matches(labels.unwrap_or(&empty)))
+}
+
 /// Whether `labels` satisfy `selector` (matchLabels and matchExpressions).
 pub fn selector_matches(
     selector: &LabelSelector,
-    labels: Option<&std::collections::BTreeMap<String, String>>,
+    labels: Option<&BTreeMap<String, String>>,
 ) -> bool {
-    let empty = std::collections::BTreeMap::new();
-    let labels = labels.unwrap_or(&empty);
-    let labels_ok = selector
-        .match_labels
-        .iter()
-        .flatten()
-        .all(|(k, v)| labels.get(k) == Some(v));
-    let exprs_ok = selector.match_expressions.iter().flatten().all(|e| {
-        let values = e.values.as_deref().unwrap_or_default();
-        let value = labels.get(&e.key);
-        match e.operator.as_str() {
-            "In" => value.is_some_and(|v| values.contains(v)),
-            "NotIn" => value.is_none_or(|v| !values.contains(v)),
-            "Exists" => value.is_some(),
-            "DoesNotExist" => value.is_none(),
-            _ => false,
-        }
-    });
-    labels_ok && exprs_ok
+    labels_match(parse_selector(selector).as_ref(), labels)
 }
 
-/// The selector in its string form, for the scale subresource (`a=b,c in (d)`).
+/// The selector in its string form, for the scale subresource (`a=b,c in (d)`); empty for one
+/// that does not parse.
 pub fn selector_string(selector: &LabelSelector) -> String {
-    let mut parts: Vec<String> = selector
-        .match_labels
-        .iter()
-        .flatten()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    for e in selector.match_expressions.iter().flatten() {
-        let values = e.values.clone().unwrap_or_default().join(",");
-        parts.push(match e.operator.as_str() {
-            "In" => format!("{} in ({values})", e.key),
-            "NotIn" => format!("{} notin ({values})", e.key),
-            "Exists" => e.key.clone(),
-            _ => format!("!{}", e.key),
-        });
-    }
-    parts.join(",")
+    parse_selector(selector)
+        .map(|s| s.to_string())
+        .unwrap_or_default()
 }
 
 fn controlled_by(meta: &ObjectMeta, rs: &VirtualMachineInstanceReplicaSet) -> bool {
@@ -86,9 +70,10 @@ pub fn owned<'a>(
     rs: &VirtualMachineInstanceReplicaSet,
     vmis: &'a [VirtualMachineInstance],
 ) -> Vec<&'a VirtualMachineInstance> {
+    let selector = parse_selector(&rs.spec.selector);
     vmis.iter()
         .filter(|v| controlled_by(&v.metadata, rs))
-        .filter(|v| selector_matches(&rs.spec.selector, v.metadata.labels.as_ref()))
+        .filter(|v| labels_match(selector.as_ref(), v.metadata.labels.as_ref()))
         .collect()
 }
 
@@ -117,8 +102,9 @@ pub struct Claims {
 /// deleted adopts nothing.
 pub fn claims(rs: &VirtualMachineInstanceReplicaSet, vmis: &[VirtualMachineInstance]) -> Claims {
     let mut out = Claims::default();
+    let selector = parse_selector(&rs.spec.selector);
     for v in vmis {
-        let matches = selector_matches(&rs.spec.selector, v.metadata.labels.as_ref());
+        let matches = labels_match(selector.as_ref(), v.metadata.labels.as_ref());
         let has_controller = v
             .metadata
             .owner_references

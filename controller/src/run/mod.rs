@@ -1,0 +1,463 @@
+//! The thin I/O shells: reflectors feeding work queues, a few workers per controller (never
+//! two on one key) calling the pure decisions, writes through the API, Events, leader election.
+//! This module holds the wiring the controllers share; each controller's watch handlers and
+//! sync are in its own module ([`vm`], [`vmi`], [`replicaset`], [`node`]).
+//!
+//! kube-runtime's `Controller` is not used: expectations must be observed by the very cache
+//! the reconcile reads (KubeVirt's informer handlers), and wiring our own reflectors into a
+//! `Controller` needs kube's unstable stream features. A reflector per kind (the `informer`
+//! crate) and a client-go style work queue per controller is all the machinery this needs.
+
+mod node;
+mod replicaset;
+mod vm;
+mod vmi;
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use api::{
+    ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
+    VirtualMachineInstanceReplicaSet,
+};
+use informer::{Seen, obj_key, reflect};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt as _};
+use serde_json::json;
+use tokio::task::JoinSet;
+use workqueue::Queue;
+
+use crate::cache::{self, OwnerIndex};
+use crate::expectations::UidTrackingExpectations;
+use crate::metrics::{Health, QueueStat, Snapshot};
+use crate::template::TemplateConfig;
+
+/// Why the controllers stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Leader election failed.
+    #[error("leader election on Lease {namespace}/{name}")]
+    Lease {
+        /// Lease namespace.
+        namespace: String,
+        /// Lease name.
+        name: String,
+        /// Cause.
+        source: kube_lease_manager::LeaseManagerError,
+    },
+    /// Another replica took the lease.
+    #[error("lost the lease {0}; another replica leads now")]
+    LostLease(String),
+    /// A reflector's writer went away before its cache filled.
+    #[error("the {0} cache never became ready")]
+    CacheNotReady(&'static str),
+}
+
+/// What the controllers need to know.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// How launcher pods are rendered.
+    pub template: TemplateConfig,
+    /// A handler heartbeat older than this fails the node.
+    pub heartbeat_timeout: Duration,
+    /// How often nodes are checked.
+    pub node_check_interval: Duration,
+    /// Namespace of the leader-election Lease.
+    pub lease_namespace: String,
+    /// Name of the Lease (KubeVirt: `virt-controller`).
+    pub lease_name: String,
+    /// This replica's identity in the Lease.
+    pub identity: String,
+    /// Leader status and the controllers' state for `/leader` and `/metrics`.
+    pub health: Arc<Health>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            template: TemplateConfig::default(),
+            heartbeat_timeout: crate::node::DEFAULT_HEARTBEAT_TIMEOUT,
+            node_check_interval: Duration::from_secs(60),
+            lease_namespace: "kubevirt".into(),
+            lease_name: "virt-controller".into(),
+            identity: uuid::Uuid::new_v4().to_string(),
+            health: Arc::default(),
+        }
+    }
+}
+
+/// Lease timing as KubeVirt's: 15 s lease; the holder renews 5 s before expiry (10 s renew
+/// deadline). kube-lease-manager re-tries a held lease on its own schedule rather than
+/// KubeVirt's 2 s retry period; followers take over within one lease duration.
+pub const LEASE_DURATION_SECS: u64 = 15;
+/// Seconds before expiry the holder renews.
+pub const LEASE_GRACE_SECS: u64 = 5;
+
+/// Workers per controller, as KubeVirt's defaults (`--vmi-controller-threads` ...).
+const VMI_WORKERS: usize = 10;
+const VM_WORKERS: usize = 3;
+const RS_WORKERS: usize = 3;
+const NODE_WORKERS: usize = 3;
+/// How soon a write refused by its compare-and-swap is retried.
+const CONFLICT_RETRY: Duration = Duration::from_millis(200);
+
+fn queue_stat(name: &'static str, q: &Queue) -> QueueStat {
+    QueueStat {
+        name,
+        depth: q.depth(),
+        adds: q.adds(),
+    }
+}
+
+/// A lock whose data stays meaningful after a panic elsewhere (plain maps and counters).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The trim of every cached kind but pods: metadata the controllers never read.
+fn trim_meta<K: Resource>(o: &mut K) {
+    cache::trim_meta(o.meta_mut());
+}
+
+struct Shared {
+    client: Client,
+    opts: Options,
+    recorder: Recorder,
+    vms: Store<VirtualMachine>,
+    vmis: Store<VirtualMachineInstance>,
+    pods: Store<Pod>,
+    pod_index: Arc<Mutex<OwnerIndex>>,
+    replicasets: Store<VirtualMachineInstanceReplicaSet>,
+    nodes: Store<Node>,
+    kubevirts: Store<KubeVirt>,
+    pod_exp: Arc<UidTrackingExpectations>,
+    vm_exp: Arc<UidTrackingExpectations>,
+    rs_exp: Arc<UidTrackingExpectations>,
+    vm_q: Arc<Queue>,
+    vmi_q: Arc<Queue>,
+    rs_q: Arc<Queue>,
+    node_q: Arc<Queue>,
+}
+
+/// Runs the VM, VMI, ReplicaSet and Node controllers until the task is dropped.
+pub async fn run_controllers(client: Client, opts: Options) -> Result<(), RunError> {
+    let mut tasks = JoinSet::new();
+    let shared = Arc::new(start_caches(&mut tasks, client, opts).await?);
+    let weak = Arc::downgrade(&shared);
+    shared
+        .opts
+        .health
+        .set_source(move || Weak::upgrade(&weak).map(|s| snapshot(&s)));
+    spawn_workers(&mut tasks, &shared);
+    while tasks.join_next().await.is_some() {}
+    Ok(())
+}
+
+/// Starts a reflector per kind, each watch handler marking expectations observed and queueing
+/// keys, and returns once every cache has filled.
+async fn start_caches(
+    tasks: &mut JoinSet<()>,
+    client: Client,
+    opts: Options,
+) -> Result<Shared, RunError> {
+    let pod_exp = Arc::new(UidTrackingExpectations::default());
+    let vm_exp = Arc::new(UidTrackingExpectations::default());
+    let rs_exp = Arc::new(UidTrackingExpectations::default());
+    let (vm_q, vmi_q, rs_q, node_q) = (
+        Arc::new(Queue::default()),
+        Arc::new(Queue::default()),
+        Arc::new(Queue::default()),
+        Arc::new(Queue::default()),
+    );
+    let wc = watcher::Config::default;
+
+    let vms = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        vm::on_vm(vm_q.clone(), vmi_q.clone()),
+    );
+    let vmis = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        vmi::on_vmi(vmi::VmiWatch {
+            vmi_q: vmi_q.clone(),
+            vm_q: vm_q.clone(),
+            rs_q: rs_q.clone(),
+            vm_exp: vm_exp.clone(),
+            rs_exp: rs_exp.clone(),
+            vms: vms.clone(),
+        }),
+    );
+    let pod_index: Arc<Mutex<OwnerIndex>> = Arc::default();
+    let pods = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc().labels(&format!("{}=virt-launcher", api::labels::APP)),
+        cache::trim_pod,
+        vmi::on_pod(vmi_q.clone(), pod_exp.clone(), pod_index.clone()),
+    );
+    let q = rs_q.clone();
+    let replicasets = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, move |s| {
+        q.add(&obj_key(s.object()));
+    });
+    let q = node_q.clone();
+    let nodes = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        move |s| match s {
+            Seen::Added(o) | Seen::Changed(o) => q.add(&obj_key(o)),
+            Seen::Deleted(_) => {}
+        },
+    );
+    let kubevirts = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, |_| {});
+
+    for (name, ready) in [
+        ("VirtualMachine", vms.wait_until_ready().await.is_ok()),
+        (
+            "VirtualMachineInstance",
+            vmis.wait_until_ready().await.is_ok(),
+        ),
+        ("Pod", pods.wait_until_ready().await.is_ok()),
+        (
+            "VirtualMachineInstanceReplicaSet",
+            replicasets.wait_until_ready().await.is_ok(),
+        ),
+        ("Node", nodes.wait_until_ready().await.is_ok()),
+        ("KubeVirt", kubevirts.wait_until_ready().await.is_ok()),
+    ] {
+        if !ready {
+            return Err(RunError::CacheNotReady(name));
+        }
+    }
+    tracing::info!("caches synced; controllers running");
+
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "virt-controller".into(),
+            instance: Some(opts.identity.clone()),
+        },
+    );
+    Ok(Shared {
+        client,
+        opts,
+        recorder,
+        vms,
+        vmis,
+        pods,
+        pod_index,
+        replicasets,
+        nodes,
+        kubevirts,
+        pod_exp,
+        vm_exp,
+        rs_exp,
+        vm_q,
+        vmi_q,
+        rs_q,
+        node_q,
+    })
+}
+
+/// KubeVirt's worker counts per controller, and the periodic node check.
+fn spawn_workers(tasks: &mut JoinSet<()>, shared: &Arc<Shared>) {
+    spawn_pool(
+        tasks,
+        VMI_WORKERS,
+        shared,
+        |s| &s.vmi_q,
+        |s, k| async move {
+            Box::pin(vmi::sync_vmi(&s, &k)).await;
+        },
+    );
+    spawn_pool(
+        tasks,
+        VM_WORKERS,
+        shared,
+        |s| &s.vm_q,
+        |s, k| async move {
+            Box::pin(vm::sync_vm(&s, &k)).await;
+        },
+    );
+    spawn_pool(
+        tasks,
+        RS_WORKERS,
+        shared,
+        |s| &s.rs_q,
+        |s, k| async move {
+            Box::pin(replicaset::sync_rs(&s, &k)).await;
+        },
+    );
+    spawn_pool(
+        tasks,
+        NODE_WORKERS,
+        shared,
+        |s| &s.node_q,
+        |s, k| async move {
+            node::sync_node(&s, &k).await;
+        },
+    );
+    let s = shared.clone();
+    tasks.spawn(async move {
+        let mut tick = tokio::time::interval(s.opts.node_check_interval);
+        loop {
+            tick.tick().await;
+            for n in s.nodes.state() {
+                s.node_q.add(&n.name_any());
+            }
+        }
+    });
+}
+
+/// `workers` tasks taking keys from one controller's queue (never one key on two at a time)
+/// and syncing each.
+fn spawn_pool<F>(
+    tasks: &mut JoinSet<()>,
+    workers: usize,
+    shared: &Arc<Shared>,
+    queue: fn(&Shared) -> &Arc<Queue>,
+    sync: fn(Arc<Shared>, String) -> F,
+) where
+    F: Future<Output = ()> + Send + 'static,
+{
+    for _ in 0..workers {
+        let s = shared.clone();
+        tasks.spawn(async move {
+            let q = queue(&s).clone();
+            while let Some(key) = q.pop().await {
+                sync(s.clone(), key.clone()).await;
+                q.done(&key);
+            }
+        });
+    }
+}
+
+/// The controllers' state for `/metrics`, KubeVirt's queue names.
+fn snapshot(s: &Shared) -> Snapshot {
+    let mut vmi_phases = std::collections::BTreeMap::new();
+    for v in s.vmis.state() {
+        let st = v.status.as_ref();
+        let phase = st
+            .and_then(|st| st.phase.as_ref())
+            .map_or("", |p| p.as_str())
+            .to_owned();
+        let node = st.and_then(|st| st.node_name.clone()).unwrap_or_default();
+        *vmi_phases.entry((phase, node)).or_insert(0) += 1;
+    }
+    Snapshot {
+        vmi_phases,
+        queues: vec![
+            queue_stat("virt-controller-vm", &s.vm_q),
+            queue_stat("virt-controller-vmi", &s.vmi_q),
+            queue_stat("virt-controller-replicaset", &s.rs_q),
+            queue_stat("virt-controller-node", &s.node_q),
+        ],
+    }
+}
+
+/// Waits for the `virt-controller` Lease, runs the controllers while holding it, and
+/// returns [`RunError::LostLease`] when another replica takes over (KubeVirt exits then).
+pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(), RunError> {
+    let lease_err = |source| RunError::Lease {
+        namespace: opts.lease_namespace.clone(),
+        name: opts.lease_name.clone(),
+        source,
+    };
+    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &opts.lease_name)
+        .with_namespace(&opts.lease_namespace)
+        .with_identity(&opts.identity)
+        .with_duration(LEASE_DURATION_SECS)
+        .with_grace(LEASE_GRACE_SECS)
+        .build()
+        .await
+        .map_err(lease_err)?;
+    let (mut leading, lease_task) = manager.watch().await;
+    while !*leading.borrow_and_update() {
+        if leading.changed().await.is_err() {
+            return Err(RunError::LostLease(opts.lease_name.clone()));
+        }
+    }
+    tracing::info!(identity = %opts.identity, "became leader");
+    let name = opts.lease_name.clone();
+    let health = opts.health.clone();
+    health.set_leading(true);
+    let result = tokio::select! {
+        r = run_controllers(client, opts) => r,
+        () = async {
+            while leading.changed().await.is_ok() && *leading.borrow() {}
+        } => Err(RunError::LostLease(name)),
+    };
+    health.set_leading(false);
+    drop(leading);
+    lease_task.abort();
+    result
+}
+
+fn cluster_config(s: &Shared) -> ClusterConfig {
+    s.kubevirts
+        .state()
+        .first()
+        .map_or_else(ClusterConfig::default, |kv| {
+            ClusterConfig::from_kubevirt(kv)
+        })
+}
+
+async fn event<K: Resource<DynamicType = ()>>(
+    s: &Shared,
+    obj: &K,
+    warning: bool,
+    reason: &str,
+    note: String,
+) {
+    let ev = Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: reason.into(),
+        note: Some(note),
+        action: reason.into(),
+        secondary: None,
+    };
+    if let Err(e) = s.recorder.publish(&ev, &obj.object_ref(&())).await {
+        tracing::warn!(error = %e, reason, "publishing an event");
+    }
+}
+
+fn retry_later(q: &Arc<Queue>, key: &str, what: &str, e: &kube::Error) {
+    // A conflict is the compare-and-swap of a write from a stale copy doing its job: the newer
+    // version is already on its way to the cache, so the retry need not wait long.
+    if matches!(e, kube::Error::Api(s) if s.code == 409) {
+        tracing::debug!(key, error = %e, "{what}; retrying");
+        q.add_after(key, CONFLICT_RETRY);
+    } else {
+        tracing::warn!(key, error = %e, "{what}; retrying");
+        q.add_after(key, Duration::from_secs(2));
+    }
+}
+
+/// Writes `finalizers` onto `obj`. The resourceVersion makes this a compare-and-swap: never
+/// drop a finalizer someone added since.
+async fn set_finalizers<K>(api: &Api<K>, obj: &K, finalizers: &[String]) -> Result<K, kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": obj.meta().resource_version}});
+    api.patch(
+        &obj.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(patch),
+    )
+    .await
+}

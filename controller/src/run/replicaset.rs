@@ -1,0 +1,187 @@
+//! The ReplicaSet controller's shell: claims (adopt / release), scaling by `replicaset::scale`,
+//! and the status.
+
+use api::{VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
+use informer::{key_of, split_key, status_patch};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::ObjectRef;
+use serde_json::json;
+
+use super::{Shared, event, retry_later};
+use crate::expectations::EXPECTATION_TTL;
+use crate::{events, replicaset};
+
+pub(super) async fn sync_rs(s: &Shared, key: &str) {
+    let (ns, name) = split_key(key);
+    let Some(rs) = s.replicasets.get(&ObjectRef::new(name).within(ns)) else {
+        s.rs_exp.delete(key);
+        return;
+    };
+    if !s.rs_exp.satisfied(key) {
+        s.rs_q.add_after(key, EXPECTATION_TTL);
+        return;
+    }
+    let rs_api: Api<VirtualMachineInstanceReplicaSet> = Api::namespaced(s.client.clone(), ns);
+    let vmi_api: Api<VirtualMachineInstance> = Api::namespaced(s.client.clone(), ns);
+    let mut all: Vec<VirtualMachineInstance> = s
+        .vmis
+        .state()
+        .iter()
+        .filter(|v| v.namespace().as_deref() == Some(ns))
+        .map(|v| (**v).clone())
+        .collect();
+    let claimed_all = claim(s, key, &rs, &mut all, &vmi_api).await;
+    let owned = replicaset::owned(&rs, &all);
+    // Scaling on a cache that may still show a VMI we failed to claim could overshoot.
+    if claimed_all && rs.spec.paused != Some(true) && rs.metadata.deletion_timestamp.is_none() {
+        Box::pin(scale(s, key, &rs, &owned, &vmi_api)).await;
+    }
+    let status = replicaset::next_status(&rs, &owned, Timestamp::now());
+    if Some(&status) != rs.status.as_ref() {
+        let old = rs.status.clone().unwrap_or_default();
+        if let Err(e) = rs_api
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": status_patch(&old, &status) })),
+            )
+            .await
+        {
+            retry_later(&s.rs_q, key, "updating the ReplicaSet status", &e);
+        }
+    }
+}
+
+/// Adopts and releases VMIs as `replicaset::claims` says, updating `all` with what was written;
+/// false when a claim failed.
+async fn claim(
+    s: &Shared,
+    key: &str,
+    rs: &VirtualMachineInstanceReplicaSet,
+    all: &mut [VirtualMachineInstance],
+    vmi_api: &Api<VirtualMachineInstance>,
+) -> bool {
+    let claims = replicaset::claims(rs, all);
+    let mut claimed_all = true;
+    for (vmi_name, adopt) in claims
+        .adopt
+        .iter()
+        .map(|n| (n, true))
+        .chain(claims.release.iter().map(|n| (n, false)))
+    {
+        let Some(v) = all
+            .iter()
+            .find(|v| v.metadata.name.as_deref() == Some(vmi_name))
+        else {
+            continue;
+        };
+        let mut refs: Vec<_> = v
+            .metadata
+            .owner_references
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|r| Some(&r.uid) != rs.metadata.uid.as_ref())
+            .collect();
+        if adopt {
+            refs.push(replicaset::controller_ref(rs));
+        }
+        // The resourceVersion makes this a compare-and-swap against a concurrent claim.
+        let patch = json!({"metadata": {"ownerReferences": refs, "resourceVersion": v.metadata.resource_version}});
+        match vmi_api
+            .patch(vmi_name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+        {
+            Ok(updated) => {
+                if let Some(slot) = all
+                    .iter_mut()
+                    .find(|x| x.metadata.name.as_deref() == Some(vmi_name))
+                {
+                    *slot = updated;
+                }
+            }
+            Err(e) => {
+                claimed_all = false;
+                let what = if adopt {
+                    "adopting a VMI"
+                } else {
+                    "releasing a VMI"
+                };
+                retry_later(&s.rs_q, key, what, &e);
+            }
+        }
+    }
+    claimed_all
+}
+
+/// Creates or deletes VMIs as `replicaset::scale` says, and deletes finished ones.
+async fn scale(
+    s: &Shared,
+    key: &str,
+    rs: &VirtualMachineInstanceReplicaSet,
+    owned: &[&VirtualMachineInstance],
+    vmi_api: &Api<VirtualMachineInstance>,
+) {
+    let mut delete = replicaset::finished(owned);
+    match replicaset::scale(rs, owned) {
+        replicaset::Scale::None => {}
+        replicaset::Scale::Delete(names) => delete.extend(names),
+        replicaset::Scale::Create(n) => {
+            s.rs_exp
+                .expect_creations(key, i64::try_from(n).unwrap_or(i64::MAX));
+            let template = replicaset::vmi_from_template(rs);
+            for _ in 0..n {
+                match vmi_api.create(&PostParams::default(), &template).await {
+                    Ok(v) => {
+                        event(
+                            s,
+                            rs,
+                            false,
+                            events::SUCCESSFUL_CREATE_VMI,
+                            format!("Created virtual machine instance: {}", v.name_any()),
+                        )
+                        .await;
+                    }
+                    Err(e) => {
+                        s.rs_exp.creation_observed(key);
+                        event(
+                            s,
+                            rs,
+                            true,
+                            events::FAILED_CREATE_VMI,
+                            format!("Error creating VMI: {e}"),
+                        )
+                        .await;
+                        retry_later(&s.rs_q, key, "creating a VMI", &e);
+                    }
+                }
+            }
+        }
+    }
+    if delete.is_empty() {
+        return;
+    }
+    let ns = rs.namespace();
+    let keys: Vec<String> = delete.iter().map(|n| key_of(ns.as_deref(), n)).collect();
+    s.rs_exp.expect_deletions(key, &keys);
+    for (n, k) in delete.iter().zip(&keys) {
+        match vmi_api.delete(n, &DeleteParams::default()).await {
+            Ok(_) => {
+                event(
+                    s,
+                    rs,
+                    false,
+                    events::SUCCESSFUL_DELETE_VMI,
+                    format!("Deleted virtual machine instance: {n}"),
+                )
+                .await;
+            }
+            Err(e) => {
+                s.rs_exp.deletion_observed(key, k);
+                retry_later(&s.rs_q, key, "deleting a VMI", &e);
+            }
+        }
+    }
+}

@@ -1,0 +1,349 @@
+//! The VMI controller's shell: the VMI and launcher pod watches (which also feed the VM and
+//! ReplicaSet controllers' expectations), and a sync that validates the VMI, creates or
+//! deletes its launcher pod and writes `vmi::sync`'s status in one compare-and-swap patch.
+
+use std::sync::{Arc, Mutex};
+
+use api::validation::FieldError;
+use api::{ClusterConfig, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceStatus};
+use informer::{Seen, controller_owner, controller_ref, key_of, obj_key, split_key, status_patch};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt as _;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{ObjectRef, Store};
+use serde_json::json;
+use workqueue::Queue;
+
+use super::{Shared, cluster_config, event, lock, retry_later};
+use crate::cache::OwnerIndex;
+use crate::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
+use crate::template::render_launcher_pod;
+use crate::vmi::PodAction;
+use crate::{events, finalizers, vmi};
+
+/// What the VMI watch feeds.
+pub(super) struct VmiWatch {
+    pub vmi_q: Arc<Queue>,
+    pub vm_q: Arc<Queue>,
+    pub rs_q: Arc<Queue>,
+    pub vm_exp: Arc<UidTrackingExpectations>,
+    pub rs_exp: Arc<UidTrackingExpectations>,
+    pub vms: Store<VirtualMachine>,
+}
+
+/// The VMI watch: the VMI to its queue; its VM's and ReplicaSet's expectations observed and
+/// their keys queued.
+pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) + Send + 'static {
+    move |s| {
+        let (o, added, deleted) = match s {
+            Seen::Added(o) => (o, true, false),
+            Seen::Changed(o) => (o, false, false),
+            Seen::Deleted(o) => (o, false, true),
+        };
+        let ns = o.namespace();
+        let key = obj_key(o);
+        w.vmi_q.add(&key);
+        if let Some(vm) = controller_owner(o, "VirtualMachine") {
+            let vm_key = key_of(ns.as_deref(), vm);
+            if added {
+                w.vm_exp.creation_observed(&vm_key);
+            }
+            if deleted {
+                w.vm_exp.deletion_observed(&vm_key, &key);
+            }
+            w.vm_q.add(&vm_key);
+        } else if w
+            .vms
+            .get(&ObjectRef::new(&o.name_any()).within(ns.as_deref().unwrap_or_default()))
+            .is_some()
+        {
+            // An orphan may be adopted by the VM of the same name (KubeVirt too queues only
+            // the VMs an orphan matches).
+            w.vm_q.add(&key);
+        }
+        if let Some(rs) = controller_owner(o, "VirtualMachineInstanceReplicaSet") {
+            let rs_key = key_of(ns.as_deref(), rs);
+            if added {
+                w.rs_exp.creation_observed(&rs_key);
+            }
+            if deleted {
+                w.rs_exp.deletion_observed(&rs_key, &key);
+            }
+            w.rs_q.add(&rs_key);
+        }
+    }
+}
+
+/// The launcher pod watch: the pod indexed by its VMI, the VMI's pod expectations observed and
+/// its key queued.
+pub(super) fn on_pod(
+    vmi_q: Arc<Queue>,
+    pod_exp: Arc<UidTrackingExpectations>,
+    index: Arc<Mutex<OwnerIndex>>,
+) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
+    move |s| {
+        let (o, added, deleted) = match s {
+            Seen::Added(o) => (o, true, false),
+            Seen::Changed(o) => (o, false, false),
+            Seen::Deleted(o) => (o, false, true),
+        };
+        let pod_key = obj_key(o);
+        let owner = controller_owner(o, "VirtualMachineInstance");
+        let vmi_key = owner.map(|owner| key_of(o.namespace().as_deref(), owner));
+        // Indexed before the expectation is marked observed: a sync that finds its
+        // expectation satisfied finds the pod too.
+        {
+            let mut index = lock(&index);
+            if deleted {
+                index.remove(&pod_key);
+            } else {
+                index.set(&pod_key, vmi_key.as_deref());
+            }
+        }
+        let Some(vmi_key) = vmi_key else {
+            return;
+        };
+        if added {
+            pod_exp.creation_observed(&vmi_key);
+        }
+        if deleted {
+            pod_exp.deletion_observed(&vmi_key, &pod_key);
+        }
+        vmi_q.add(&vmi_key);
+    }
+}
+
+pub(super) async fn sync_vmi(s: &Shared, key: &str) {
+    let (ns, name) = split_key(key);
+    let pods_api: Api<Pod> = Api::namespaced(s.client.clone(), ns);
+    let pod_keys = lock(&s.pod_index).children(key);
+    let pods: Vec<Pod> = pod_keys
+        .iter()
+        .filter_map(|k| {
+            let (ns, name) = split_key(k);
+            s.pods.get(&ObjectRef::new(name).within(ns))
+        })
+        .map(|p| (*p).clone())
+        .collect();
+    let Some(vmi) = s.vmis.get(&ObjectRef::new(name).within(ns)) else {
+        // The garbage collector's job too (the pods' owner reference names the VMI); this
+        // does not wait for it.
+        s.pod_exp.delete(key);
+        for p in pods
+            .iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+        {
+            if let Err(e) = pods_api
+                .delete(&p.name_any(), &DeleteParams::default())
+                .await
+            {
+                tracing::debug!(pod = %p.name_any(), error = %e, "deleting an orphaned launcher pod");
+            }
+        }
+        return;
+    };
+    if !s.pod_exp.satisfied(key) {
+        s.vmi_q.add_after(key, EXPECTATION_TTL);
+        return;
+    }
+    let cfg = cluster_config(s);
+    let mut defaulted = (*vmi).clone();
+    let mut problems: Vec<FieldError> = Vec::new();
+    if let Err(e) = api::defaults::apply(&mut defaulted.spec, &cfg) {
+        problems.push(FieldError {
+            path: "spec.domain.devices.interfaces".into(),
+            message: e.to_string(),
+        });
+    }
+    problems.extend(api::validation::validate_vmi(&defaulted, &cfg));
+    let out = vmi::sync(&vmi, &pods, &problems, Timestamp::now());
+    let old_status = vmi.status.clone().unwrap_or_default();
+
+    Box::pin(act_on_pods(
+        s, key, &vmi, &defaulted, &cfg, out.pods, &pods_api,
+    ))
+    .await;
+
+    if let Some((pod_name, condition)) = out.pod_condition {
+        // A strategic merge patch merges conditions by type, so the kubelet's stay as they are.
+        let patch = json!({"status": {"conditions": [condition]}});
+        if let Err(e) = pods_api
+            .patch_status(&pod_name, &PatchParams::default(), &Patch::Strategic(patch))
+            .await
+        {
+            retry_later(
+                &s.vmi_q,
+                key,
+                "setting the launcher pod's unpaused condition",
+                &e,
+            );
+        }
+    }
+
+    // One Event per field at fault, when the validation condition first appears.
+    let was_invalid = old_status
+        .condition(&api::status::VirtualMachineInstanceConditionType::Synchronized)
+        .is_some_and(|c| c.reason.as_deref() == Some(vmi::FAILED_VALIDATION));
+    if !problems.is_empty() && !was_invalid {
+        for p in &problems {
+            event(
+                s,
+                vmi.as_ref(),
+                true,
+                events::FAILED_VALIDATION,
+                p.to_string(),
+            )
+            .await;
+        }
+    }
+
+    let write = VmiWrite {
+        old_status: &old_status,
+        status: &out.status,
+        node_label: out.node_label,
+        release_finalizer: out.release_finalizer,
+    };
+    write_vmi(s, key, &vmi, write).await;
+}
+
+/// Creates or deletes launcher pods as `vmi::sync` decided.
+async fn act_on_pods(
+    s: &Shared,
+    key: &str,
+    vmi: &VirtualMachineInstance,
+    defaulted: &VirtualMachineInstance,
+    cfg: &ClusterConfig,
+    action: PodAction,
+    pods_api: &Api<Pod>,
+) {
+    match action {
+        PodAction::None => {}
+        PodAction::Create => match render_launcher_pod(defaulted, &s.opts.template, cfg) {
+            Err(e) => {
+                event(s, vmi, true, events::FAILED_CREATE_POD, e.to_string()).await;
+            }
+            Ok(pod) => {
+                s.pod_exp.expect_creations(key, 1);
+                match pods_api.create(&PostParams::default(), &pod).await {
+                    Ok(p) => {
+                        event(
+                            s,
+                            vmi,
+                            false,
+                            events::SUCCESSFUL_CREATE_POD,
+                            format!("Created virtual machine pod {}", p.name_any()),
+                        )
+                        .await;
+                    }
+                    Err(e) => {
+                        s.pod_exp.creation_observed(key);
+                        event(
+                            s,
+                            vmi,
+                            true,
+                            events::FAILED_CREATE_POD,
+                            format!("Error creating pod: {e}"),
+                        )
+                        .await;
+                        retry_later(&s.vmi_q, key, "creating the launcher pod", &e);
+                    }
+                }
+            }
+        },
+        PodAction::Delete(names) => {
+            let ns = vmi.namespace();
+            let keys: Vec<String> = names.iter().map(|n| key_of(ns.as_deref(), n)).collect();
+            s.pod_exp.expect_deletions(key, &keys);
+            for (n, k) in names.iter().zip(&keys) {
+                match pods_api.delete(n, &DeleteParams::default()).await {
+                    Ok(_) => {
+                        event(
+                            s,
+                            vmi,
+                            false,
+                            events::SUCCESSFUL_DELETE_POD,
+                            format!("Deleted virtual machine pod {n}"),
+                        )
+                        .await;
+                    }
+                    Err(e) => {
+                        s.pod_exp.deletion_observed(key, k);
+                        event(
+                            s,
+                            vmi,
+                            true,
+                            events::FAILED_DELETE_POD,
+                            format!("Error deleting pod {n}: {e}"),
+                        )
+                        .await;
+                        retry_later(&s.vmi_q, key, "deleting a launcher pod", &e);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What [`write_vmi`] writes.
+struct VmiWrite<'a> {
+    old_status: &'a VirtualMachineInstanceStatus,
+    status: &'a VirtualMachineInstanceStatus,
+    node_label: Option<String>,
+    release_finalizer: bool,
+}
+
+/// Writes the status, the node label and the finalizers in one patch, if any changed.
+async fn write_vmi(s: &Shared, key: &str, vmi: &VirtualMachineInstance, w: VmiWrite<'_>) {
+    // KubeVirt's VMI CRD has no status subresource: the status is part of the object, so the
+    // node label handing the VMI to its node goes in the same patch.
+    let mut patch = serde_json::Map::new();
+    let mut metadata = serde_json::Map::new();
+    if w.status != w.old_status {
+        patch.insert("status".into(), status_patch(w.old_status, w.status));
+    }
+    if let Some(node) = w.node_label {
+        metadata.insert("labels".into(), json!({api::labels::NODE_NAME: node}));
+    }
+    // Without a live VM owning it nothing else would ever release the VM controller's
+    // finalizer (KubeVirt's `hasOwnerVM`); KubeVirt waits for the VMI to be final, but with
+    // no VM to record the final status there is nothing to wait for.
+    if let Some(next) = finalizers::vmi(vmi, w.release_finalizer, !owner_vm_live(s, vmi)) {
+        metadata.insert("finalizers".into(), json!(next));
+    }
+    if !metadata.is_empty() {
+        patch.insert("metadata".into(), metadata.into());
+    }
+    if patch.is_empty() {
+        return;
+    }
+    // The resourceVersion makes this a compare-and-swap: the whole status computed from
+    // this (possibly stale) copy must not overwrite what another writer set since, such
+    // as the node controller failing the VMI, nor drop a finalizer someone added since;
+    // on a conflict the next sync sees both.
+    let metadata = patch.entry("metadata").or_insert_with(|| json!({}));
+    metadata["resourceVersion"] = json!(vmi.metadata.resource_version);
+    let vmi_api: Api<VirtualMachineInstance> =
+        Api::namespaced(s.client.clone(), &vmi.namespace().unwrap_or_default());
+    if let Err(e) = vmi_api
+        .patch(
+            &vmi.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::Value::Object(patch)),
+        )
+        .await
+    {
+        retry_later(&s.vmi_q, key, "updating the VMI status", &e);
+    }
+}
+
+/// The VMI's controller is a VM that is still in the cache, with the uid the reference names.
+fn owner_vm_live(s: &Shared, vmi: &VirtualMachineInstance) -> bool {
+    let Some(owner) = controller_ref(vmi).filter(|r| r.kind == "VirtualMachine") else {
+        return false;
+    };
+    let ns = vmi.namespace().unwrap_or_default();
+    s.vms
+        .get(&ObjectRef::new(&owner.name).within(&ns))
+        .is_some_and(|vm| vm.metadata.uid.as_deref() == Some(owner.uid.as_str()))
+}

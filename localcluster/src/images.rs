@@ -29,7 +29,7 @@ pub enum ImageError {
     #[error("parsing the image table {path}")]
     Parse {
         path: String,
-        source: serde_saphyr::Error,
+        source: Box<serde_saphyr::Error>,
     },
     #[error("image table {path}: entry {image:?} has an empty rootfs")]
     EmptyRoot { path: String, image: String },
@@ -63,7 +63,7 @@ impl ImageTable {
         let raw: BTreeMap<String, Entry> =
             serde_saphyr::from_str(text).map_err(|source| ImageError::Parse {
                 path: origin.into(),
-                source,
+                source: Box::new(source),
             })?;
         let mut table = Self::default();
         for (image, entry) in raw {

@@ -81,6 +81,24 @@ impl Kubectl {
         cmd
     }
 
+    /// The command with its output captured and `stdin` piped when there is input (else an
+    /// empty stdin).
+    fn piped<I>(&self, args: I, stdin: Option<&str>) -> std::process::Command
+    where
+        I: IntoIterator,
+        I::Item: AsRef<OsStr>,
+    {
+        let mut cmd = self.command(args);
+        cmd.stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        cmd
+    }
+
     /// Runs kubectl to the end with `stdin` as its input (none: an empty stdin); its whole
     /// output, whatever its exit status.
     pub fn output<I>(&self, args: I, stdin: Option<&str>) -> io::Result<Output>
@@ -88,12 +106,7 @@ impl Kubectl {
         I: IntoIterator,
         I::Item: AsRef<OsStr>,
     {
-        let mut child = self
-            .command(args)
-            .stdin(stdio_for(stdin))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()?;
+        let mut child = self.piped(args, stdin).spawn()?;
         if let (Some(text), Some(mut input)) = (stdin, child.stdin.take()) {
             input.write_all(text.as_bytes())?;
         }
@@ -108,24 +121,13 @@ impl Kubectl {
         I::Item: AsRef<OsStr>,
     {
         use tokio::io::AsyncWriteExt as _;
-        let mut child = self
-            .async_command(args)
-            .stdin(stdio_for(stdin))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+        let mut child = tokio::process::Command::from(self.piped(args, stdin))
+            .kill_on_drop(true)
             .spawn()?;
         if let (Some(text), Some(mut input)) = (stdin, child.stdin.take()) {
             input.write_all(text.as_bytes()).await?;
         }
         child.wait_with_output().await
-    }
-}
-
-fn stdio_for(stdin: Option<&str>) -> Stdio {
-    if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
     }
 }
 

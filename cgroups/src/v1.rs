@@ -91,7 +91,11 @@ impl V1Devices {
 
     /// One line to `devices.allow` or `devices.deny`; the kernel takes one entry per write.
     fn write(&self, allow: bool, entry: DeviceEntry) -> Result<()> {
-        let file = if allow { "devices.allow" } else { "devices.deny" };
+        let file = if allow {
+            "devices.allow"
+        } else {
+            "devices.deny"
+        };
         let path = self.dir.join(file);
         let value = entry.to_string();
         fs::write(&path, &value).map_err(|source| CgroupError::Write {
@@ -156,7 +160,15 @@ mod tests {
 
     #[test]
     fn bad_list_lines_are_refused() {
-        for line in ["", "c 1:3", "x 1:3 r", "c 1-3 r", "c a:3 r", "c 1:3 rx", "c 1:3 r extra"] {
+        for line in [
+            "",
+            "c 1:3",
+            "x 1:3 r",
+            "c 1-3 r",
+            "c a:3 r",
+            "c 1:3 rx",
+            "c 1:3 r extra",
+        ] {
             assert!(parse_list_line(line).is_err(), "{line:?}");
         }
     }

@@ -18,9 +18,12 @@ pub enum QuantityError {
     /// Suffix not in binarySI, decimalSI or decimal exponent form.
     #[error("{0:?} has an unknown suffix {1:?}")]
     Suffix(String, String),
-    /// Too large to represent.
+    /// Too large to represent (or, for a byte count, to fit in a `u64`).
     #[error("{0:?} is too large")]
     Overflow(String),
+    /// Below zero where only a size makes sense.
+    #[error("{0:?} is negative")]
+    Negative(String),
 }
 
 const NANO: i128 = 1_000_000_000;
@@ -168,10 +171,14 @@ pub fn format_binary_si(bytes: i128) -> String {
     format!("{value}{suffix}")
 }
 
-/// Bytes of a memory quantity, rounded up; `None` when it does not parse or is negative.
-pub fn bytes(q: &Quantity) -> Option<u64> {
-    let p = ParsedQuantity::from_quantity(q).ok()?;
-    u64::try_from(p.value()).ok()
+/// A size in bytes (memory, disk capacity, page size), rounded up to a whole byte as
+/// Kubernetes' `Value()` rounds: `"1.5Gi"` is 1610612736, `"100m"` is 1.
+pub fn bytes(s: &str) -> Result<u64, QuantityError> {
+    let p = ParsedQuantity::parse(s)?;
+    if p.is_negative() {
+        return Err(QuantityError::Negative(s.trim().to_owned()));
+    }
+    u64::try_from(p.value()).map_err(|_| QuantityError::Overflow(s.trim().to_owned()))
 }
 
 #[cfg(test)]
@@ -209,6 +216,53 @@ mod tests {
             "", "Mi", "12XB", "1.2.3", "1Mii", "abc", "--1", "1e", "1 Gi",
         ] {
             assert!(ParsedQuantity::parse(s).is_err(), "{s:?} parsed");
+        }
+    }
+
+    #[test]
+    fn milli_values_are_kubernetes_milli_values() {
+        let cases: &[(&str, i128)] = &[
+            ("1", 1000),
+            ("100m", 100),
+            ("0.5", 500),
+            ("1Ki", 1_024_000),
+            ("2Gi", 2 * 1024 * 1024 * 1024 * 1000),
+            ("1M", 1_000_000_000),
+            ("1e3", 1_000_000),
+            ("1.5k", 1_500_000),
+            ("1n", 1),
+        ];
+        for (s, want) in cases {
+            assert_eq!(
+                ParsedQuantity::parse(s).unwrap().milli_value(),
+                *want,
+                "{s}"
+            );
+        }
+        for s in ["", "abc", "1Xi"] {
+            assert!(ParsedQuantity::parse(s).is_err(), "{s:?} parsed");
+        }
+    }
+
+    #[test]
+    fn bytes_are_whole_and_unsigned() {
+        assert_eq!(bytes("512Mi"), Ok(512 << 20));
+        assert_eq!(bytes("1Gi"), Ok(1 << 30));
+        assert_eq!(bytes("1G"), Ok(1_000_000_000));
+        assert_eq!(bytes("1.5Gi"), Ok(3 << 29));
+        assert_eq!(bytes("2e3"), Ok(2000));
+        assert_eq!(bytes("100"), Ok(100));
+        assert_eq!(bytes(" 1Ki "), Ok(1024));
+        assert_eq!(bytes("100m"), Ok(1));
+        assert_eq!(bytes("0"), Ok(0));
+        assert_eq!(bytes("16Ei"), Err(QuantityError::Overflow("16Ei".into())));
+        assert_eq!(bytes("-1Mi"), Err(QuantityError::Negative("-1Mi".into())));
+        assert_eq!(
+            bytes("1Qi"),
+            Err(QuantityError::Suffix("1Qi".into(), "Qi".into()))
+        );
+        for s in ["", "Mi", "1.2.3", "99999999999999999999Ei"] {
+            assert!(bytes(s).is_err(), "{s:?} parsed");
         }
     }
 

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use api::VirtualMachineInstance;
+use api::quantity;
 use api::vmi::{
     BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskTargetKind,
     EmptyDiskSource, HostDisk, HostDiskType, Interface, InterfaceBinding, InterfaceModel,
@@ -25,7 +26,6 @@ use crate::qemu::{
     ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic, NicModel, QemuConfig,
     SATA_PORTS, SerialPort, Smbios, Vnc,
 };
-use crate::quantity;
 
 /// A VMI the launcher cannot run, with the field that says why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -231,7 +231,7 @@ fn memory(
             "no guest memory size: set memory.guest or resources.requests.memory",
         ));
     };
-    let bytes = quantity::bytes(&q.0).map_err(|m| err(field, m))?;
+    let bytes = quantity::bytes(&q.0).map_err(|e| err(field, e.to_string()))?;
     let size_mib = bytes.div_ceil(1 << 20);
     if size_mib < 16 {
         return Err(err(field, format!("{} is too little for a guest", q.0)));
@@ -241,7 +241,7 @@ fn memory(
         Some(h) => {
             let hfield = "spec.domain.memory.hugepages.pageSize";
             let page = quantity::bytes(h.page_size.as_deref().unwrap_or("2Mi"))
-                .map_err(|m| err(hfield, m))?;
+                .map_err(|e| err(hfield, e.to_string()))?;
             if page == 0 || bytes % page != 0 {
                 return Err(err(
                     field,
@@ -673,7 +673,7 @@ impl Vol<'_> {
         preps: &mut Vec<Prep>,
     ) -> Result<DiskSource, ConvertError> {
         let size = quantity::bytes(&e.capacity.0)
-            .map_err(|m| err(format!("{}.emptyDisk.capacity", self.field), m))?;
+            .map_err(|e| err(format!("{}.emptyDisk.capacity", self.field), e.to_string()))?;
         let path = self.dirs.empty_disk(self.name);
         preps.push(Prep::EmptyDisk {
             path: path.clone(),
@@ -703,8 +703,8 @@ impl Vol<'_> {
                 let cap = h.capacity.as_ref().ok_or_else(|| {
                     err(format!("{hfield}.capacity"), "is required for DiskOrCreate")
                 })?;
-                let size =
-                    quantity::bytes(&cap.0).map_err(|m| err(format!("{hfield}.capacity"), m))?;
+                let size = quantity::bytes(&cap.0)
+                    .map_err(|e| err(format!("{hfield}.capacity"), e.to_string()))?;
                 preps.push(Prep::RawIfMissing {
                     path: h.path.clone().into(),
                     size,

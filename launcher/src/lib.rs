@@ -10,7 +10,6 @@ pub mod net;
 pub mod paths;
 pub mod prepare;
 pub mod qemu;
-pub mod quantity;
 pub mod server;
 pub mod state;
 pub mod vm;

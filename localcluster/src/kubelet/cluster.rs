@@ -4,8 +4,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use api::quantity::ParsedQuantity;
+
 use super::network::PodCidr;
-use super::quantity::parse_quantity;
 use super::{Kubelet, KubeletError, NodeConfig, Serving};
 use crate::controlplane::{self, ControlPlane, ControlPlaneError};
 use crate::images::{self, ImageTable};
@@ -44,7 +45,7 @@ fn parse_resource(s: &str) -> Result<(String, String), String> {
     let (k, v) = s
         .split_once('=')
         .ok_or_else(|| format!("{s:?} is not name=quantity"))?;
-    if parse_quantity(v).is_none() {
+    if ParsedQuantity::parse(v).is_err() {
         return Err(format!("{v:?} is not a quantity"));
     }
     Ok((k.to_string(), v.to_string()))

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+use api::quantity::ParsedQuantity;
 use futures::StreamExt as _;
 use hyper_util::rt::TokioIo;
 use kubelet_api::v1beta1::device_plugin_client::DevicePluginClient;
@@ -374,8 +375,9 @@ pub fn device_requests(
             if !name.contains('/') || name.starts_with("kubernetes.io/") {
                 continue;
             }
-            if let Some(n) = super::quantity::parse_quantity(&q.0)
-                .and_then(|milli| usize::try_from(milli / 1000).ok())
+            if let Some(n) = ParsedQuantity::from_quantity(q)
+                .ok()
+                .and_then(|p| usize::try_from(p.value()).ok())
                 .filter(|n| *n > 0)
             {
                 out.insert(name.clone(), n);

@@ -13,7 +13,6 @@ pub mod deviceplugin;
 pub mod network;
 pub mod node;
 pub mod probe;
-pub mod quantity;
 pub mod serviceaccount;
 pub mod spawn;
 pub mod status;

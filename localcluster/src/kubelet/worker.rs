@@ -7,6 +7,7 @@ use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use api::quantity::ParsedQuantity;
 use k8s_openapi::api::core::v1::{ConfigMap, Container, Pod, Probe, Secret};
 use kube::Api;
 use kube::api::{DeleteParams, Patch, PatchParams, Preconditions};
@@ -19,7 +20,6 @@ use tokio::time::Instant;
 
 use super::cgroup::Cgroup;
 use super::network::PodNetwork;
-use super::quantity::parse_quantity;
 use super::spawn::{Launch, RootPlan, open_proc, spawn};
 use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
@@ -242,7 +242,7 @@ pub fn qos_class(pod: &Pod) -> &'static str {
             let m = if limits { &res.limits } else { &res.requests };
             m.as_ref()
                 .and_then(|m| m.get(r))
-                .and_then(|q| parse_quantity(&q.0))
+                .and_then(|q| ParsedQuantity::from_quantity(q).ok())
         })
     };
     let any = all.iter().any(|c| {
@@ -716,8 +716,7 @@ impl Worker {
             .as_ref()
             .and_then(|r| r.limits.as_ref())
             .and_then(|l| l.get("memory"))
-            .and_then(|q| parse_quantity(&q.0))
-            .and_then(|milli| u64::try_from(milli / 1000).ok())
+            .and_then(|q| api::quantity::bytes(&q.0).ok())
         {
             cgroup.set_memory_limit(limit)?;
         }

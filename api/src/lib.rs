@@ -34,6 +34,7 @@ pub mod common;
 pub mod config;
 pub mod crds;
 pub mod defaults;
+pub mod duration;
 pub mod kubevirt;
 pub mod labels;
 pub mod metrics;

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use api::duration::parse_duration;
 use clap::Parser;
 use launcher::paths::Dirs;
 use launcher::vm::{Config, Launcher};
@@ -65,21 +66,6 @@ struct Flags {
     /// `kubevirt.io/func-test-virt-launcher-fail-fast`, how tests make a VM crash-loop.
     #[arg(long)]
     simulate_crash: bool,
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 5m or 30s"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "" | "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        "h" => Ok(Duration::from_secs(n * 3600)),
-        _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s, m or h)")),
-    }
 }
 
 // One thread is plenty for one VM, keeps the launcher small, and makes PR_SET_PDEATHSIG (which

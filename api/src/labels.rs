@@ -51,6 +51,15 @@ pub const CONTROLLER_API_STORAGE_VERSION_OBSERVED: &str =
 /// `VirtualMachineUnpaused`: the launcher pod's readiness gate and pod condition type,
 /// `True` while the guest is not paused.
 pub const VIRTUAL_MACHINE_UNPAUSED: &str = "kubevirt.io/virtual-machine-unpaused";
+/// `K8sDevicePrefix` (virt-handler's `DeviceNamespace`): the namespace of the extended resources
+/// virt-handler's device plugins advertise and launcher pods request.
+pub const DEVICE_RESOURCE_PREFIX: &str = "devices.kubevirt.io";
+/// `KvmDevice`: the extended resource of `/dev/kvm`.
+pub const KVM_RESOURCE: &str = "devices.kubevirt.io/kvm";
+/// `TunDevice`: the extended resource of `/dev/net/tun`.
+pub const TUN_RESOURCE: &str = "devices.kubevirt.io/tun";
+/// `VhostNetDevice`: the extended resource of `/dev/vhost-net`.
+pub const VHOST_NET_RESOURCE: &str = "devices.kubevirt.io/vhost-net";
 /// `InstallStrategyLabel`: on objects an install strategy created.
 pub const INSTALL_STRATEGY: &str = "kubevirt.io/install-strategy";
 /// `InstallStrategyVersionAnnotation`: version of the install strategy.
@@ -87,3 +96,19 @@ pub const ORPHAN_DEPENDENTS_FINALIZER: &str = "orphan";
 pub const MIGRATION_FINALIZER: &str = "kubevirt.io/migrationJobFinalize";
 /// `VirtOperatorComponentFinalizer`: finalizer virt-operator puts on the KubeVirt CR.
 pub const OPERATOR_FINALIZER: &str = "kubevirt.io/virtOperatorFinalizer";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_resources_are_in_the_device_namespace() {
+        for (r, name) in [
+            (KVM_RESOURCE, "kvm"),
+            (TUN_RESOURCE, "tun"),
+            (VHOST_NET_RESOURCE, "vhost-net"),
+        ] {
+            assert_eq!(r, format!("{DEVICE_RESOURCE_PREFIX}/{name}"));
+        }
+    }
+}

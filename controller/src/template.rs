@@ -21,12 +21,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-/// The KVM device plugin resource.
-pub const KVM_RESOURCE: &str = "devices.kubevirt.io/kvm";
-/// The TUN device plugin resource.
-pub const TUN_RESOURCE: &str = "devices.kubevirt.io/tun";
-/// The vhost-net device plugin resource.
-pub const VHOST_NET_RESOURCE: &str = "devices.kubevirt.io/vhost-net";
+pub use api::labels::{KVM_RESOURCE, TUN_RESOURCE, VHOST_NET_RESOURCE};
 /// KubeVirt's default VMI termination grace period.
 pub const DEFAULT_GRACE_PERIOD_SECONDS: i64 = 30;
 /// Padding KubeVirt adds so virt-handler, not the kubelet, ends the guest.

@@ -47,7 +47,7 @@ impl GenericDevice {
     }
 
     pub fn resource_name(&self) -> String {
-        format!("devices.kubevirt.io/{}", self.name)
+        format!("{}/{}", api::labels::DEVICE_RESOURCE_PREFIX, self.name)
     }
 
     pub fn socket_name(&self) -> String {

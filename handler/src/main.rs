@@ -58,7 +58,7 @@ struct Flags {
     #[arg(long, default_value_t = node::DEFAULT_RESYNC.as_secs())]
     domain_resync_period_seconds: u64,
     /// A launcher that does not answer this long fails its VMI (`30s`, `1m`, ...).
-    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = api::duration::parse_duration)]
     watchdog_timeout: Duration,
     /// The console server's certificate (KubeVirt mounts /etc/virt-handler/servercertificates/tls.crt).
     #[arg(long)]
@@ -70,20 +70,6 @@ struct Flags {
     /// ConfigMap; mount it as a file).
     #[arg(long)]
     client_ca_file: Option<PathBuf>,
-}
-
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 30s or 1m"))?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "" | "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        _ => Err(format!("{s:?}: unknown unit {unit:?} (use ms, s or m)")),
-    }
 }
 
 /// Serves `/metrics` and `/healthz` until `stop`.

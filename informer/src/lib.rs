@@ -9,7 +9,7 @@
 //! `null` for those that went away.
 
 use std::collections::HashSet;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::StreamExt as _;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -98,6 +98,12 @@ where
     let seen: Mutex<HashSet<String>> = Mutex::new(HashSet::new());
     let objects = watcher(api, wc).modify(trim);
     let stream = reflector::reflector(writer, objects).default_backoff();
+    let cached = reader.clone();
+    // A re-list (after a failed or expired watch) only lists what exists: what was deleted
+    // while no watch ran never comes as a Delete. The cache as it was before the re-list
+    // (the store swaps at InitDone) tells which objects those are.
+    let mut before_relist: Vec<Arc<K>> = Vec::new();
+    let mut relisted: HashSet<String> = HashSet::new();
     tasks.spawn(async move {
         futures::pin_mut!(stream);
         while let Some(ev) = stream.next().await {
@@ -111,6 +117,9 @@ where
             let mut seen = seen.lock().unwrap_or_else(PoisonError::into_inner);
             match &ev {
                 watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
+                    if matches!(ev, watcher::Event::InitApply(_)) {
+                        relisted.insert(o.uid().unwrap_or_default());
+                    }
                     if seen.insert(o.uid().unwrap_or_default()) {
                         on(Seen::Added(o));
                     } else {
@@ -121,7 +130,19 @@ where
                     seen.remove(&o.uid().unwrap_or_default());
                     on(Seen::Deleted(o));
                 }
-                watcher::Event::Init | watcher::Event::InitDone => {}
+                watcher::Event::Init => {
+                    before_relist = cached.state();
+                    relisted.clear();
+                }
+                watcher::Event::InitDone => {
+                    for o in before_relist.drain(..) {
+                        let uid = o.uid().unwrap_or_default();
+                        if !relisted.contains(&uid) && seen.remove(&uid) {
+                            on(Seen::Deleted(o.as_ref()));
+                        }
+                    }
+                    relisted.clear();
+                }
             }
         }
     });

@@ -107,7 +107,9 @@ pub(super) fn on_pod(
         if added {
             pod_exp.creation_observed(&vmi_key);
         }
-        if deleted {
+        // A pod marked for deletion counts as deleted (KubeVirt's `updatePod`): its kubelet
+        // may take the whole grace period to remove it, or never, if its node is gone.
+        if deleted || o.metadata.deletion_timestamp.is_some() {
             pod_exp.deletion_observed(&vmi_key, &pod_key);
         }
         vmi_q.add(&vmi_key);

@@ -4,10 +4,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper_util::rt::TokioIo;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{DigitallySignedStruct, SignatureScheme};
-use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+use tokio::io::{AsyncRead, AsyncWrite};
 
 /// Accepts any server certificate, checking only that handshake signatures are valid.
 #[derive(Debug)]
@@ -58,27 +61,25 @@ impl ServerCertVerifier for AnyCertificate {
     }
 }
 
-/// The status code of an HTTP/1.x response's first line.
-pub fn status_code(head: &[u8]) -> Option<u16> {
-    let line = head.split(|b| *b == b'\n').next()?;
-    let text = std::str::from_utf8(line).ok()?;
-    let mut parts = text.split_whitespace();
-    parts.next().filter(|v| v.starts_with("HTTP/1."))?;
-    parts.next()?.parse().ok()
-}
-
-async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(mut stream: S, request: &[u8]) -> Option<u16> {
-    stream.write_all(request).await.ok()?;
-    let mut head = Vec::new();
-    let mut buf = [0u8; 512];
-    while !head.contains(&b'\n') && head.len() < 8192 {
-        let n = stream.read(&mut buf).await.ok()?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    status_code(&head)
+/// Sends `request` on `stream` with hyper's HTTP/1 client; the response's status code.
+async fn exchange<S>(stream: S, request: http::Request<Empty<Bytes>>) -> Option<u16>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    // The kubelet (Go's net/http) sends header names in canonical case; some servers care.
+    let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
+        .title_case_headers(true)
+        .handshake(TokioIo::new(stream))
+        .await
+        .ok()?;
+    let connection = tokio::spawn(connection);
+    let status = sender
+        .send_request(request)
+        .await
+        .ok()
+        .map(|r| r.status().as_u16());
+    connection.abort();
+    status
 }
 
 /// GETs `path` from `host:port`; true when the answer is 2xx or 3xx within `timeout`.
@@ -90,14 +91,17 @@ pub async fn http_get(
     headers: &[(String, String)],
     timeout: Duration,
 ) -> bool {
-    let mut request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: kube-probe/1.32\r\nAccept: */*\r\nConnection: close\r\n"
-    );
+    let mut request = http::Request::get(path)
+        .header(http::header::HOST, format!("{host}:{port}"))
+        .header(http::header::USER_AGENT, "kube-probe/1.32")
+        .header(http::header::ACCEPT, "*/*")
+        .header(http::header::CONNECTION, "close");
     for (k, v) in headers {
-        use std::fmt::Write as _;
-        let _ = write!(request, "{k}: {v}\r\n");
+        request = request.header(k.as_str(), v.as_str());
     }
-    request.push_str("\r\n");
+    let Ok(request) = request.body(Empty::<Bytes>::new()) else {
+        return false;
+    };
     let attempt = async {
         let tcp = tokio::net::TcpStream::connect((host, port)).await.ok()?;
         if https {
@@ -113,9 +117,9 @@ pub async fn http_get(
                 .connect(name, tcp)
                 .await
                 .ok()?;
-            exchange(tls, request.as_bytes()).await
+            exchange(tls, request).await
         } else {
-            exchange(tcp, request.as_bytes()).await
+            exchange(tcp, request).await
         }
     };
     matches!(
@@ -126,15 +130,9 @@ pub async fn http_get(
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-    #[test]
-    fn status_lines() {
-        assert_eq!(status_code(b"HTTP/1.1 200 OK\r\n"), Some(200));
-        assert_eq!(status_code(b"HTTP/1.0 503 Busy\r\nx: y"), Some(503));
-        assert_eq!(status_code(b"SSH-2.0-OpenSSH\r\n"), None);
-        assert_eq!(status_code(b""), None);
-    }
+    use super::*;
 
     #[tokio::test]
     async fn plain_http() {

@@ -56,7 +56,7 @@ pub fn vm(vm: &VirtualMachine, has_instance: bool) -> Option<Vec<String>> {
     let current = vm.metadata.finalizers.as_deref().unwrap_or_default();
     let has = |name: &str| current.iter().any(|f| f == name);
     let deleting = vm.metadata.deletion_timestamp.is_some();
-    let keep = !deleting || (has_instance && !has(ORPHAN_DEPENDENTS_FINALIZER));
+    let keep = !deleting || (has_instance && stops_instance_on_delete(vm));
     let present = has(VM_CONTROLLER_FINALIZER);
     if keep && !present && !deleting {
         // Kubernetes refuses new finalizers on an object being deleted.

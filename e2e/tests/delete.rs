@@ -7,6 +7,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use api::labels::{FUNC_TEST_LAUNCHER_FAIL_FAST, VM_CONTROLLER_FINALIZER};
 use e2e::{Stack, test_guest_firmware, wait_for};
 use serde_json::{Value, json};
 
@@ -16,12 +17,11 @@ const GRACE_SECONDS: u64 = 5;
 /// A deletion's bound when nothing has to wait for the guest: the garbage collector of
 /// kube-controller-manager and the controllers' queues on a busy two-core machine.
 const SETTLE: Duration = Duration::from_secs(120);
-/// KubeVirt's annotation that makes the launcher exit at once: its VM crash-loops.
-const FAIL_FAST: &str = "kubevirt.io/func-test-virt-launcher-fail-fast";
 
 fn vm_manifest(name: &str, strategy: &str, fail_fast: bool) -> Value {
     let annotations = if fail_fast {
-        json!({FAIL_FAST: ""})
+        // Makes the launcher exit at once: the VM crash-loops.
+        json!({FUNC_TEST_LAUNCHER_FAIL_FAST: ""})
     } else {
         json!({})
     };
@@ -71,8 +71,6 @@ fn finalizers(object: &Value) -> Vec<&str> {
         .map(|a| a.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default()
 }
-
-const VM_CONTROLLER_FINALIZER: &str = "kubevirt.io/virtualMachineControllerFinalize";
 
 /// Waits for the VMI `name` to reach `phase`.
 fn vmi_phase(stack: &Stack, name: &str, phase: &str) -> Value {

@@ -105,13 +105,13 @@ pub fn apply(
             t.bus.get_or_insert(DiskBus::Sata);
         }
     }
-    if let Some(w) = &mut spec.domain.devices.watchdog {
-        if w.diag288.is_none() {
-            w.i6300esb
-                .get_or_insert_with(Default::default)
-                .action
-                .get_or_insert_with(|| "reset".to_owned());
-        }
+    if let Some(w) = &mut spec.domain.devices.watchdog
+        && w.diag288.is_none()
+    {
+        w.i6300esb
+            .get_or_insert_with(Default::default)
+            .action
+            .get_or_insert_with(|| "reset".to_owned());
     }
     let cpu = spec.domain.cpu.get_or_insert_with(Cpu::default);
     if cpu.model.as_deref().is_none_or(str::is_empty) {
@@ -136,10 +136,10 @@ pub fn apply_vmi(
     cfg: &ClusterConfig,
 ) -> Result<(), DefaultsError> {
     apply(&mut vmi.spec, cfg)?;
-    if let (Some(fw), Some(uid)) = (&mut vmi.spec.domain.firmware, &vmi.metadata.uid) {
-        if fw.uuid.as_deref().is_none_or(str::is_empty) {
-            fw.uuid = Some(uid.clone());
-        }
+    if let (Some(fw), Some(uid)) = (&mut vmi.spec.domain.firmware, &vmi.metadata.uid)
+        && fw.uuid.as_deref().is_none_or(str::is_empty)
+    {
+        fw.uuid = Some(uid.clone());
     }
     if supports_pcie_hotplug(&vmi.spec) {
         set_pci_topology_version(&mut vmi.metadata);
@@ -463,12 +463,11 @@ fn set_memory_hotplug(spec: &mut VirtualMachineInstanceSpec, cfg: &ClusterConfig
         ))),
         (None, None) => None,
     };
-    if let Some(max) = max_guest {
-        if memory_hotplug_possible(spec, &max) {
-            if let Some(memory) = &mut spec.domain.memory {
-                memory.max_guest = Some(max);
-            }
-        }
+    if let Some(max) = max_guest
+        && memory_hotplug_possible(spec, &max)
+        && let Some(memory) = &mut spec.domain.memory
+    {
+        memory.max_guest = Some(max);
     }
 }
 

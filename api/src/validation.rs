@@ -285,15 +285,14 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
             f.hyperv_passthrough.as_ref(),
         );
     }
-    if let Some(clock) = &d.clock {
-        if clock
+    if let Some(clock) = &d.clock
+        && clock
             .timer
             .as_ref()
             .and_then(|t| t.hyperv.as_ref())
             .is_some()
-        {
-            e.add(format!("{base}.domain.clock.timer.hyperv"), UNSUPPORTED);
-        }
+    {
+        e.add(format!("{base}.domain.clock.timer.hyperv"), UNSUPPORTED);
     }
     let devices = format!("{base}.domain.devices");
     e.unsupported(format!("{devices}.gpus"), list(dev.gpus.as_ref()));
@@ -335,21 +334,21 @@ fn is_dns_label(s: &str) -> bool {
 }
 
 fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
-    if let Some(a) = spec.architecture.as_deref().filter(|a| !a.is_empty()) {
-        if a != "amd64" {
-            e.add(
-                format!("{base}.architecture"),
-                format!("unsupported architecture: {a}"),
-            );
-        }
+    if let Some(a) = spec.architecture.as_deref().filter(|a| !a.is_empty())
+        && a != "amd64"
+    {
+        e.add(
+            format!("{base}.architecture"),
+            format!("unsupported architecture: {a}"),
+        );
     }
-    if let Some(s) = &spec.eviction_strategy {
-        if !s.is_known() {
-            e.add(
-                format!("{base}.evictionStrategy"),
-                format!("unknown eviction strategy {:?}", s.as_str()),
-            );
-        }
+    if let Some(s) = &spec.eviction_strategy
+        && !s.is_known()
+    {
+        e.add(
+            format!("{base}.evictionStrategy"),
+            format!("unknown eviction strategy {:?}", s.as_str()),
+        );
     }
     if let Some(s) = spec.start_strategy.as_deref() {
         if s != "Paused" {
@@ -378,15 +377,15 @@ fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             );
         }
     }
-    if let Some(p) = spec.dns_policy.as_deref() {
-        if !["ClusterFirstWithHostNet", "ClusterFirst", "Default", "None"].contains(&p) {
-            e.add(
-                format!("{base}.dnsPolicy"),
-                format!(
-                    "{p:?} is not supported (ClusterFirstWithHostNet, ClusterFirst, Default, None)"
-                ),
-            );
-        }
+    if let Some(p) = spec.dns_policy.as_deref()
+        && !["ClusterFirstWithHostNet", "ClusterFirst", "Default", "None"].contains(&p)
+    {
+        e.add(
+            format!("{base}.dnsPolicy"),
+            format!(
+                "{p:?} is not supported (ClusterFirstWithHostNet, ClusterFirst, Default, None)"
+            ),
+        );
     }
     if spec.dns_policy.as_deref() == Some("None") && spec.dns_config.is_none() {
         e.add(
@@ -430,24 +429,23 @@ fn resources(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
     }
     let mem_req = parsed.get(&("requests", "memory")).copied();
     let mem_lim = parsed.get(&("limits", "memory")).copied();
-    if let (Some(r), Some(l)) = (mem_req, mem_lim) {
-        if r > l {
-            e.add(
-                format!("{path}.requests.memory"),
-                "must not be greater than limits.memory",
-            );
-        }
+    if let (Some(r), Some(l)) = (mem_req, mem_lim)
+        && r > l
+    {
+        e.add(
+            format!("{path}.requests.memory"),
+            "must not be greater than limits.memory",
+        );
     }
     if let (Some(r), Some(l)) = (
         parsed.get(&("requests", "cpu")).copied(),
         parsed.get(&("limits", "cpu")).copied(),
-    ) {
-        if r > l {
-            e.add(
-                format!("{path}.requests.cpu"),
-                "must not be greater than limits.cpu",
-            );
-        }
+    ) && r > l
+    {
+        e.add(
+            format!("{path}.requests.cpu"),
+            "must not be greater than limits.cpu",
+        );
     }
     if mem_req.is_some_and(|r| r.value() < 1_000_000) {
         e.add(format!("{path}.requests.memory"), "must be at least 1M");
@@ -460,21 +458,21 @@ fn resources(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
     let max_guest = memory
         .and_then(|m| m.max_guest.as_ref())
         .and_then(|q| e.quantity(format!("{mpath}.maxGuest"), q));
-    if let (Some(g), Some(m)) = (guest, max_guest) {
-        if g > m {
-            e.add(
-                format!("{mpath}.guest"),
-                "must not be greater than maxGuest",
-            );
-        }
+    if let (Some(g), Some(m)) = (guest, max_guest)
+        && g > m
+    {
+        e.add(
+            format!("{mpath}.guest"),
+            "must not be greater than maxGuest",
+        );
     }
-    if let (Some(g), Some(l)) = (guest, mem_lim) {
-        if g > l {
-            e.add(
-                format!("{mpath}.guest"),
-                "must not be greater than the memory limit",
-            );
-        }
+    if let (Some(g), Some(l)) = (guest, mem_lim)
+        && g > l
+    {
+        e.add(
+            format!("{mpath}.guest"),
+            "must not be greater than the memory limit",
+        );
     }
     let hugepages = memory.and_then(|m| m.hugepages.as_ref());
     if let Some(h) = hugepages {
@@ -535,28 +533,29 @@ fn cpu(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             format!("{} vCPUs requested; at most 512", cpu.vcpus()),
         );
     }
-    if let (Some(max), Some(sockets)) = (cpu.max_sockets, cpu.sockets) {
-        if max != 0 && sockets > max {
-            e.add(
-                format!("{path}.sockets"),
-                "must not be greater than maxSockets",
-            );
-        }
+    if let (Some(max), Some(sockets)) = (cpu.max_sockets, cpu.sockets)
+        && max != 0
+        && sockets > max
+    {
+        e.add(
+            format!("{path}.sockets"),
+            "must not be greater than maxSockets",
+        );
     }
     if cpu.model.as_deref() == Some("") {
         e.add(format!("{path}.model"), "must not be empty");
     }
     for (i, f) in cpu.features.iter().enumerate() {
-        if let Some(p) = f.policy.as_deref() {
-            if !["force", "require", "optional", "disable", "forbid"].contains(&p) {
-                e.add(
-                    format!("{path}.features[{i}].policy"),
-                    format!(
-                        "CPU feature {} uses policy {p} that is not supported",
-                        f.name
-                    ),
-                );
-            }
+        if let Some(p) = f.policy.as_deref()
+            && !["force", "require", "optional", "disable", "forbid"].contains(&p)
+        {
+            e.add(
+                format!("{path}.features[{i}].policy"),
+                format!(
+                    "CPU feature {} uses policy {p} that is not supported",
+                    f.name
+                ),
+            );
         }
     }
     if cpu.dedicated_cpu_placement == Some(true) {
@@ -584,13 +583,13 @@ fn dedicated_cpus(
     };
     let (req, lim) = (get(&res.requests, "cpu"), get(&res.limits, "cpu"));
     for (field, q) in [("requests", req), ("limits", lim)] {
-        if let Some(q) = q {
-            if q.value() * 1000 != q.milli_value() {
-                e.add(
-                    format!("{base}.domain.resources.{field}.cpu"),
-                    "must be a whole number of CPUs when dedicatedCpuPlacement is true",
-                );
-            }
+        if let Some(q) = q
+            && q.value() * 1000 != q.milli_value()
+        {
+            e.add(
+                format!("{base}.domain.resources.{field}.cpu"),
+                "must be a whole number of CPUs when dedicatedCpuPlacement is true",
+            );
         }
     }
     if cpu.threads.is_some_and(|t| t > 2) {
@@ -638,13 +637,13 @@ fn firmware(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         .machine
         .as_ref()
         .and_then(|m| m.machine_type.as_deref())
+        && !m.is_empty()
+        && !machine_type_allowed(m)
     {
-        if !m.is_empty() && !machine_type_allowed(m) {
-            e.add(
-                format!("{base}.domain.machine.type"),
-                format!("{m} is not supported (allowed: q35*, pc-q35*)"),
-            );
-        }
+        e.add(
+            format!("{base}.domain.machine.type"),
+            format!("{m} is not supported (allowed: q35*, pc-q35*)"),
+        );
     }
     let Some(fw) = &spec.domain.firmware else {
         return;
@@ -697,13 +696,13 @@ fn firmware(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                     );
                 }
                 for (field, p) in [("kernelPath", kernel), ("initrdPath", initrd)] {
-                    if let Some(p) = p {
-                        if !p.starts_with('/') || p.split('/').any(|c| c == "..") {
-                            e.add(
-                                format!("{cpath}.{field}"),
-                                format!("{p:?} must be an absolute path without '..'"),
-                            );
-                        }
+                    if let Some(p) = p
+                        && (!p.starts_with('/') || p.split('/').any(|c| c == ".."))
+                    {
+                        e.add(
+                            format!("{cpath}.{field}"),
+                            format!("{p:?} must be an absolute path without '..'"),
+                        );
                     }
                 }
             }
@@ -755,52 +754,52 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         if disk.lun.is_some() {
             e.add(format!("{dpath}.lun"), UNSUPPORTED);
         }
-        if let Some(t) = disk.target() {
-            if let Some(bus) = t.bus() {
-                let bpath = format!("{dpath}.{}.bus", t.field());
-                match bus {
-                    DiskBus::Virtio | DiskBus::Sata | DiskBus::Scsi => {}
-                    DiskBus::Usb => e.add(bpath, format!("usb: {UNSUPPORTED}")),
-                    DiskBus::Other(b) => {
-                        e.add(bpath, format!("unknown bus {b:?} (virtio, sata or scsi)"));
-                    }
+        if let Some(t) = disk.target()
+            && let Some(bus) = t.bus()
+        {
+            let bpath = format!("{dpath}.{}.bus", t.field());
+            match bus {
+                DiskBus::Virtio | DiskBus::Sata | DiskBus::Scsi => {}
+                DiskBus::Usb => e.add(bpath, format!("usb: {UNSUPPORTED}")),
+                DiskBus::Other(b) => {
+                    e.add(bpath, format!("unknown bus {b:?} (virtio, sata or scsi)"));
                 }
             }
         }
-        if let Some(c) = &disk.cache {
-            if !c.is_known() {
-                e.add(
-                    format!("{dpath}.cache"),
-                    format!(
-                        "unknown cache mode {:?} (none, writethrough, writeback)",
-                        c.as_str()
-                    ),
-                );
-            }
+        if let Some(c) = &disk.cache
+            && !c.is_known()
+        {
+            e.add(
+                format!("{dpath}.cache"),
+                format!(
+                    "unknown cache mode {:?} (none, writethrough, writeback)",
+                    c.as_str()
+                ),
+            );
         }
-        if let Some(io) = &disk.io {
-            if !io.is_known() {
-                e.add(
-                    format!("{dpath}.io"),
-                    format!(
-                        "unknown io mode {:?} (native, threads, default)",
-                        io.as_str()
-                    ),
-                );
-            }
+        if let Some(io) = &disk.io
+            && !io.is_known()
+        {
+            e.add(
+                format!("{dpath}.io"),
+                format!(
+                    "unknown io mode {:?} (native, threads, default)",
+                    io.as_str()
+                ),
+            );
         }
         e.unsupported(format!("{dpath}.blockSize"), disk.block_size.as_ref());
         e.unsupported_true(
             format!("{dpath}.changedBlockTracking"),
             disk.changed_block_tracking,
         );
-        if let Some(p) = disk.error_policy.as_deref() {
-            if !["stop", "ignore", "report", "enospace"].contains(&p) {
-                e.add(
-                    format!("{dpath}.errorPolicy"),
-                    format!("unknown error policy {p:?}"),
-                );
-            }
+        if let Some(p) = disk.error_policy.as_deref()
+            && !["stop", "ignore", "report", "enospace"].contains(&p)
+        {
+            e.add(
+                format!("{dpath}.errorPolicy"),
+                format!("unknown error policy {p:?}"),
+            );
         }
     }
     for (i, input) in dev.inputs.iter().enumerate() {
@@ -826,13 +825,12 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         .as_ref()
         .and_then(|w| w.i6300esb.as_ref())
         .and_then(|w| w.action.as_deref())
+        && !["poweroff", "reset", "shutdown"].contains(&a)
     {
-        if !["poweroff", "reset", "shutdown"].contains(&a) {
-            e.add(
-                format!("{path}.watchdog.i6300esb.action"),
-                format!("unknown action {a:?} (poweroff, reset, shutdown)"),
-            );
-        }
+        e.add(
+            format!("{path}.watchdog.i6300esb.action"),
+            format!("unknown action {a:?} (poweroff, reset, shutdown)"),
+        );
     }
     if dev.video.is_some() && dev.autoattach_graphics_device == Some(false) {
         e.add(
@@ -876,10 +874,10 @@ fn cloud_init(src: &CloudInitNoCloudSource, path: &str, e: &mut Errors) {
         ("userDataBase64", &src.user_data_base64),
         ("networkDataBase64", &src.network_data_base64),
     ] {
-        if let Some(d) = data {
-            if !is_base64(d) {
-                e.add(format!("{path}.{field}"), "is not valid base64");
-            }
+        if let Some(d) = data
+            && !is_base64(d)
+        {
+            e.add(format!("{path}.{field}"), "is not valid base64");
         }
     }
     for (field, data) in [
@@ -955,31 +953,31 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
                     if cd.image.is_empty() {
                         e.add(format!("{spath}.image"), "required");
                     }
-                    if let Some(p) = cd.path.as_deref() {
-                        if !p.starts_with('/') || p.split('/').any(|c| c == "..") {
-                            e.add(
-                                format!("{spath}.path"),
-                                format!("{p:?} must be an absolute path without '..'"),
-                            );
-                        }
+                    if let Some(p) = cd.path.as_deref()
+                        && (!p.starts_with('/') || p.split('/').any(|c| c == ".."))
+                    {
+                        e.add(
+                            format!("{spath}.path"),
+                            format!("{p:?} must be an absolute path without '..'"),
+                        );
                     }
-                    if let Some(pp) = &cd.image_pull_policy {
-                        if !pp.is_known() {
-                            e.add(
-                                format!("{spath}.imagePullPolicy"),
-                                format!("unknown pull policy {:?}", pp.as_str()),
-                            );
-                        }
+                    if let Some(pp) = &cd.image_pull_policy
+                        && !pp.is_known()
+                    {
+                        e.add(
+                            format!("{spath}.imagePullPolicy"),
+                            format!("unknown pull policy {:?}", pp.as_str()),
+                        );
                     }
                 }
                 VolumeSource::CloudInitNoCloud(c) | VolumeSource::CloudInitConfigDrive(c) => {
                     cloud_init(c, &spath, e);
                 }
                 VolumeSource::EmptyDisk(d) => {
-                    if let Some(p) = e.quantity(format!("{spath}.capacity"), &d.capacity) {
-                        if p.is_zero() {
-                            e.add(format!("{spath}.capacity"), "must be greater than zero");
-                        }
+                    if let Some(p) = e.quantity(format!("{spath}.capacity"), &d.capacity)
+                        && p.is_zero()
+                    {
+                        e.add(format!("{spath}.capacity"), "must be greater than zero");
                     }
                 }
                 VolumeSource::HostDisk(h) => {
@@ -1242,21 +1240,21 @@ fn interface<'a>(
             }
         }
     }
-    if let Some(m) = &iface.model {
-        if !m.is_known() {
-            e.add(
-                format!("{ipath}.model"),
-                format!("model {:?} is not supported", m.as_str()),
-            );
-        }
+    if let Some(m) = &iface.model
+        && !m.is_known()
+    {
+        e.add(
+            format!("{ipath}.model"),
+            format!("model {:?} is not supported", m.as_str()),
+        );
     }
-    if let Some(mac) = iface.mac_address.as_deref() {
-        if !valid_mac(mac) {
-            e.add(
-                format!("{ipath}.macAddress"),
-                format!("{mac:?} is not a MAC address (e.g. de:ad:00:00:be:af)"),
-            );
-        }
+    if let Some(mac) = iface.mac_address.as_deref()
+        && !valid_mac(mac)
+    {
+        e.add(
+            format!("{ipath}.macAddress"),
+            format!("{mac:?} is not a MAC address (e.g. de:ad:00:00:be:af)"),
+        );
     }
     let mut port_names = BTreeSet::new();
     for (j, p) in iface.ports.iter().enumerate() {
@@ -1264,32 +1262,33 @@ fn interface<'a>(
         if !(1..=65535).contains(&p.port) {
             e.add(format!("{ppath}.port"), "must be in range 0 < x < 65536");
         }
-        if let Some(proto) = p.protocol.as_deref() {
-            if proto != "TCP" && proto != "UDP" {
-                e.add(
-                    format!("{ppath}.protocol"),
-                    "unknown protocol, only TCP or UDP allowed",
-                );
-            }
+        if let Some(proto) = p.protocol.as_deref()
+            && proto != "TCP"
+            && proto != "UDP"
+        {
+            e.add(
+                format!("{ppath}.protocol"),
+                "unknown protocol, only TCP or UDP allowed",
+            );
         }
-        if let Some(name) = p.name.as_deref() {
-            if !port_names.insert(name) {
-                e.add(
-                    format!("{ppath}.name"),
-                    format!("duplicate port name {name:?}"),
-                );
-            }
+        if let Some(name) = p.name.as_deref()
+            && !port_names.insert(name)
+        {
+            e.add(
+                format!("{ppath}.name"),
+                format!("duplicate port name {name:?}"),
+            );
         }
     }
     e.unsupported(format!("{ipath}.portRanges"), iface.port_ranges.as_ref());
     e.unsupported(format!("{ipath}.dhcpOptions"), iface.dhcp_options.as_ref());
-    if let Some(s) = iface.state.as_deref() {
-        if !["up", "down", "absent", ""].contains(&s) {
-            e.add(
-                format!("{ipath}.state"),
-                format!("interface state {s:?} is unsupported (up, down, absent)"),
-            );
-        }
+    if let Some(s) = iface.state.as_deref()
+        && !["up", "down", "absent", ""].contains(&s)
+    {
+        e.add(
+            format!("{ipath}.state"),
+            format!("interface state {s:?} is unsupported (up, down, absent)"),
+        );
     }
     if iface
         .acpi_index

@@ -46,14 +46,14 @@ impl Manager {
     /// hybrid hosts), cgroup2 otherwise; that is also how container runtimes choose.
     pub fn for_process(setup: &CgroupSetup, cgroups: &ProcessCgroups) -> Result<Self> {
         let dir = |controller: &str| -> Result<CgroupDir> {
-            if setup.mode != Mode::Unified {
-                if let Ok(h) = setup.v1_hierarchy(controller) {
-                    let path = cgroups.v1_path(controller)?;
-                    return Ok(CgroupDir {
-                        path: under(h.dir_of(path), &h.mount_point, path)?,
-                        v2: false,
-                    });
-                }
+            if setup.mode != Mode::Unified
+                && let Ok(h) = setup.v1_hierarchy(controller)
+            {
+                let path = cgroups.v1_path(controller)?;
+                return Ok(CgroupDir {
+                    path: under(h.dir_of(path), &h.mount_point, path)?,
+                    v2: false,
+                });
             }
             let h = setup.unified_hierarchy()?;
             let path = cgroups.unified_path()?;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 /// How long an expectation holds before it counts as satisfied anyway (KubeVirt's
 /// `ExpectationsTimeout`, 5 minutes).
-pub const EXPECTATION_TTL: Duration = Duration::from_secs(5 * 60);
+pub const EXPECTATION_TTL: Duration = Duration::from_mins(5);
 
 /// The time source; tests replace it to step over the TTL.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;

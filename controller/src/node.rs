@@ -12,7 +12,7 @@ use k8s_openapi::jiff::Timestamp;
 use crate::vmi::{is_final, is_launcher_of};
 
 /// How old a heartbeat may get (KubeVirt's default).
-pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5 * 60);
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_mins(5);
 
 /// The node's last heartbeat, if it has a readable one.
 pub fn last_heartbeat(node: &Node) -> Option<Timestamp> {

@@ -23,7 +23,7 @@ use crate::vmi::{is_final, phase_of};
 
 /// Most a crash-looping VM waits before its next start (KubeVirt:
 /// `defaultMaxCrashLoopBackoffDelaySeconds`).
-pub const MAX_CRASH_LOOP_BACKOFF: Duration = Duration::from_secs(300);
+pub const MAX_CRASH_LOOP_BACKOFF: Duration = Duration::from_mins(5);
 /// The back-off unit: the n-th failure in a row waits `n² x` this (plus jitter).
 pub const CRASH_LOOP_BACKOFF_UNIT: Duration = Duration::from_secs(10);
 

@@ -372,17 +372,18 @@ pub fn sync(
         }
     }
 
-    if status.phase == Some(Ph::Scheduling) && launcher_ready(pod) {
-        if let Some(node) = pod_node(pod) {
-            set_phase(&mut status, Ph::Scheduled, now);
-            status.node_name = Some(node.to_owned());
-            out.node_label = Some(node.to_owned());
-        }
+    if status.phase == Some(Ph::Scheduling)
+        && launcher_ready(pod)
+        && let Some(node) = pod_node(pod)
+    {
+        set_phase(&mut status, Ph::Scheduled, now);
+        status.node_name = Some(node.to_owned());
+        out.node_label = Some(node.to_owned());
     }
-    if let (Some(uid), Some(node)) = (pod.metadata.uid.as_deref(), pod_node(pod)) {
-        if status.phase != Some(Ph::Scheduling) {
-            status.active_pods.insert(uid.to_owned(), node.to_owned());
-        }
+    if let (Some(uid), Some(node)) = (pod.metadata.uid.as_deref(), pod_node(pod))
+        && status.phase != Some(Ph::Scheduling)
+    {
+        status.active_pods.insert(uid.to_owned(), node.to_owned());
     }
     out.status = status;
     out

@@ -18,7 +18,7 @@ use serde_json::json;
 mod common;
 use common::kubectl;
 
-const DEADLINE: Duration = Duration::from_secs(60);
+const DEADLINE: Duration = Duration::from_mins(1);
 
 fn manifests(sub: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -241,23 +241,19 @@ impl Stack {
         let kubeconfig = self.kubeconfig();
         // `up` writes the kubeconfig once kube-apiserver is ready (up to its 180 s start
         // timeout on a busy machine), then starts the node.
-        wait_for(
-            "localcluster's API server",
-            Duration::from_secs(240),
-            || {
-                self.check_cluster()?;
-                if !kubeconfig.exists() {
-                    return Err("no kubeconfig yet".into());
-                }
-                self.kubectl(&["get", "--raw", "/readyz"])
-                    .map(|_| Some(()))
-                    .map_err(|e| e.to_string())
-            },
-        )
+        wait_for("localcluster's API server", Duration::from_mins(4), || {
+            self.check_cluster()?;
+            if !kubeconfig.exists() {
+                return Err("no kubeconfig yet".into());
+            }
+            self.kubectl(&["get", "--raw", "/readyz"])
+                .map(|_| Some(()))
+                .map_err(|e| e.to_string())
+        })
         .map_err(|e| self.exited_or(e))?;
         wait_for(
             &format!("{NODE} to be Ready"),
-            Duration::from_secs(120),
+            Duration::from_mins(2),
             || {
                 self.check_cluster()?;
                 let ready = self
@@ -280,7 +276,7 @@ impl Stack {
         let service = SocketAddr::from(KUBERNETES_SERVICE);
         wait_for(
             "kube-proxy to serve the kubernetes Service (10.96.0.1:443)",
-            Duration::from_secs(120),
+            Duration::from_mins(2),
             || {
                 self.check_cluster()?;
                 TcpStream::connect_timeout(&service, Duration::from_secs(2))
@@ -332,7 +328,7 @@ impl Stack {
         .map_err(|e| self.with_component_logs(e))?;
         wait_for(
             "virt-handler to mark the node schedulable",
-            Duration::from_secs(180),
+            Duration::from_mins(3),
             || {
                 let nodes = self
                     .kubectl(&[
@@ -572,7 +568,7 @@ impl Drop for Stack {
         if let Ok(pid) = i32::try_from(self.cluster.id()) {
             let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_mins(1);
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.cluster.try_wait() {
                 return;

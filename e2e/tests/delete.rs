@@ -11,12 +11,12 @@ use api::labels::{FUNC_TEST_LAUNCHER_FAIL_FAST, VM_CONTROLLER_FINALIZER};
 use e2e::{Stack, test_guest_firmware, wait_for};
 use serde_json::{Value, json};
 
-const BOOT: Duration = Duration::from_secs(420);
+const BOOT: Duration = Duration::from_mins(7);
 /// The VMIs' termination grace period; the deletions are timed against it.
 const GRACE_SECONDS: u64 = 5;
 /// A deletion's bound when nothing has to wait for the guest: the garbage collector of
 /// kube-controller-manager and the controllers' queues on a busy two-core machine.
-const SETTLE: Duration = Duration::from_secs(120);
+const SETTLE: Duration = Duration::from_mins(2);
 
 fn vm_manifest(name: &str, strategy: &str, fail_fast: bool) -> Value {
     let annotations = if fail_fast {

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use e2e::{Stack, test_guest_firmware, wait_for};
 use serde_json::{Value, json};
 
-const BOOT: Duration = Duration::from_secs(480);
+const BOOT: Duration = Duration::from_mins(8);
 const PEER_PORT: u16 = 9000;
 
 fn vmi_manifest(name: &str, binding: &str, ports: &[u16], peer_ip: &str) -> Value {
@@ -179,7 +179,7 @@ impl Echo {
         let mut echo = wait_for(&format!("the echo server at {to}"), BOOT, || {
             let s = TcpStream::connect_timeout(&to, Duration::from_secs(5))
                 .map_err(|e| e.to_string())?;
-            s.set_read_timeout(Some(Duration::from_secs(60)))
+            s.set_read_timeout(Some(Duration::from_mins(1)))
                 .map_err(|e| e.to_string())?;
             let writer = s.try_clone().map_err(|e| e.to_string())?;
             Ok(Some(Self {
@@ -259,7 +259,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
     let stack = Stack::up().expect("the stack comes up");
 
     stack.apply(&peer_manifest());
-    let peer_ip = wait_for("the peer pod's IP", Duration::from_secs(120), || {
+    let peer_ip = wait_for("the peer pod's IP", Duration::from_mins(2), || {
         let pod = get(&stack, "pod", "peer")?;
         Ok(pod["status"]["podIP"].as_str().map(str::to_owned))
     })
@@ -282,7 +282,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
     );
     wait_for(
         "the agent's address in status.interfaces",
-        Duration::from_secs(180),
+        Duration::from_mins(3),
         || {
             let vmi = get(&stack, "vmi", "masq")?;
             let iface = &vmi["status"]["interfaces"][0];
@@ -339,7 +339,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
     let mut echoes = [Echo::open(&masq.pod_ip), Echo::open(&bridged.pod_ip)];
     // The node is schedulable as soon as virt-handler runs; its pod is Ready only after the
     // readiness probe's initial delay (15 s).
-    let old_handler = wait_for("a ready virt-handler", Duration::from_secs(120), || {
+    let old_handler = wait_for("a ready virt-handler", Duration::from_mins(2), || {
         stack.ready_handler_pod().map(|p| p.map(|p| p.name))
     })
     .expect("a ready virt-handler");
@@ -355,7 +355,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
         .expect("deleting virt-handler's pod");
     wait_for(
         "a new ready virt-handler",
-        Duration::from_secs(180),
+        Duration::from_mins(3),
         || match stack.ready_handler_pod()?.map(|p| p.name) {
             Some(p) if p != old_handler => Ok(Some(())),
             p => Err(format!("ready handler {p:?}")),
@@ -416,7 +416,7 @@ fn guest_masquerade_and_bridge_through_the_stack() {
     for (netns, veth) in [(&masq_netns, &masq_veth), (&bridged_netns, &bridged_veth)] {
         wait_for(
             "the launcher pod's namespace and veth to go",
-            Duration::from_secs(60),
+            Duration::from_mins(1),
             || {
                 let veth_left = Command::new("ip")
                     .args(["link", "show", veth])

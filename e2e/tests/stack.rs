@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use e2e::{Stack, repo_root, wait_for};
 
-const BOOT: Duration = Duration::from_secs(420);
+const BOOT: Duration = Duration::from_mins(7);
 
 /// The demo VM or VMI as it is now; a missing one is something to wait for.
 fn demo(stack: &Stack, resource: &str) -> Result<serde_json::Value, String> {
@@ -73,7 +73,7 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
     // the pod's port 8080 answers once masquerade's DNAT, DHCP and the listener are all there.
     let greeting = wait_for(
         "the guest's port 8080 on the pod IP",
-        Duration::from_secs(180),
+        Duration::from_mins(3),
         || {
             let mut conn = TcpStream::connect_timeout(&guest_port, Duration::from_secs(5))
                 .map_err(|e| format!("{guest_port}: {e}"))?;
@@ -93,7 +93,7 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
 
     wait_for(
         "the guest's address in status.interfaces",
-        Duration::from_secs(120),
+        Duration::from_mins(2),
         || {
             let vmi = demo(&stack, "vmi")?;
             let iface = &vmi["status"]["interfaces"][0];
@@ -105,7 +105,7 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
     )
     .expect("virt-handler reports the address the guest took by DHCP");
 
-    wait_for("VM status ready", Duration::from_secs(120), || {
+    wait_for("VM status ready", Duration::from_mins(2), || {
         let vm = demo(&stack, "vm")?;
         (vm["status"]["printableStatus"] == "Running" && vm["status"]["ready"] == true)
             .then_some(())

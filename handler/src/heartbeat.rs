@@ -13,7 +13,7 @@ pub use api::labels::{
 };
 
 /// KubeVirt's heartbeat period and jitter factor (`wait.JitterUntil(…, 1m, 1.2, …)`).
-pub const INTERVAL: Duration = Duration::from_secs(60);
+pub const INTERVAL: Duration = Duration::from_mins(1);
 pub const JITTER_FACTOR: f64 = 1.2;
 
 /// The merge patch for the node. `schedulable` is false at start, on SIGTERM and while the
@@ -138,7 +138,7 @@ mod tests {
 
     #[test]
     fn delay_stays_within_the_jitter_window() {
-        assert_eq!(next_delay(0.0), Duration::from_secs(60));
+        assert_eq!(next_delay(0.0), Duration::from_mins(1));
         assert_eq!(next_delay(0.5), Duration::from_secs(96));
         assert_eq!(next_delay(7.0), Duration::from_secs(132), "clamped");
         let s = jitter_sample();

@@ -49,7 +49,7 @@ const NOT_READY_RECHECK: Duration = Duration::from_secs(1);
 const GUEST_AGENT_POLL: Duration = Duration::from_secs(10);
 
 /// KubeVirt's `--domain-resync-period-seconds` default.
-pub const DEFAULT_RESYNC: Duration = Duration::from_secs(300);
+pub const DEFAULT_RESYNC: Duration = Duration::from_mins(5);
 
 /// What the loop needs to know about the node.
 #[derive(Debug, Clone)]
@@ -85,7 +85,7 @@ impl Config {
             launcher_private_dir: PathBuf::from("/var/run/kubevirt-private"),
             workers: 10,
             call_timeout: Duration::from_secs(10),
-            sync_timeout: Duration::from_secs(300),
+            sync_timeout: Duration::from_mins(5),
             watchdog_timeout: Duration::from_secs(30),
             mounts: MountConfig::default(),
             resync_period: DEFAULT_RESYNC,
@@ -324,10 +324,10 @@ impl Node {
     }
 
     fn forget_entry(&self, key: &str) {
-        if let Some(e) = self.lock().remove(key) {
-            if let Some((_, t)) = e.watch {
-                t.cancel();
-            }
+        if let Some(e) = self.lock().remove(key)
+            && let Some((_, t)) = e.watch
+        {
+            t.cancel();
         }
     }
 
@@ -704,33 +704,33 @@ impl Node {
             recheck = self
                 .shut_down(key, &vmi, &socket, &launcher, since(deleted))
                 .await?;
-        } else if let LauncherView::Answering(d) = &launcher {
-            if !d.state.is_final() {
-                match self.prepare(key, &vmi, &socket).await {
-                    Ok(None) => {
-                        sync_error = self.sync(key, &vmi, &socket, d).await?;
-                        let (view, again) = self.observe(key, &vmi, &socket).await?;
-                        let mut agent_poll = None;
-                        if let LauncherView::Answering(d) = &view {
-                            guest_os = self.guest_os(&vmi, &socket, d).await;
-                            if d.agent_connected && !d.interfaces.is_empty() {
-                                guest_interfaces = self.guest_interfaces(&vmi, &socket).await;
-                                // Addresses change inside the guest (DHCP after boot) without
-                                // a domain event: poll them, as KubeVirt's agent poller does.
-                                agent_poll = Some(GUEST_AGENT_POLL);
-                            }
+        } else if let LauncherView::Answering(d) = &launcher
+            && !d.state.is_final()
+        {
+            match self.prepare(key, &vmi, &socket).await {
+                Ok(None) => {
+                    sync_error = self.sync(key, &vmi, &socket, d).await?;
+                    let (view, again) = self.observe(key, &vmi, &socket).await?;
+                    let mut agent_poll = None;
+                    if let LauncherView::Answering(d) = &view {
+                        guest_os = self.guest_os(&vmi, &socket, d).await;
+                        if d.agent_connected && !d.interfaces.is_empty() {
+                            guest_interfaces = self.guest_interfaces(&vmi, &socket).await;
+                            // Addresses change inside the guest (DHCP after boot) without
+                            // a domain event: poll them, as KubeVirt's agent poller does.
+                            agent_poll = Some(GUEST_AGENT_POLL);
                         }
-                        launcher = view;
-                        recheck = again.or(agent_poll);
                     }
-                    Ok(Some(waiting)) => {
-                        tracing::debug!(key, %waiting, "waiting for an image container");
-                        recheck = Some(NOT_READY_RECHECK);
-                    }
-                    // A volume the handler cannot provide fails the sync, as in KubeVirt.
-                    Err(ReconcileError::Mounts(e)) => sync_error = Some(error_chain(&e)),
-                    Err(e) => return Err(e),
+                    launcher = view;
+                    recheck = again.or(agent_poll);
                 }
+                Ok(Some(waiting)) => {
+                    tracing::debug!(key, %waiting, "waiting for an image container");
+                    recheck = Some(NOT_READY_RECHECK);
+                }
+                // A volume the handler cannot provide fails the sync, as in KubeVirt.
+                Err(ReconcileError::Mounts(e)) => sync_error = Some(error_chain(&e)),
+                Err(e) => return Err(e),
             }
         }
         let sync_error = sync_error.or_else(|| match &launcher {

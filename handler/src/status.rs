@@ -298,13 +298,13 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
         _ => None,
     };
 
-    if let Some(d) = domain {
-        if !d.interfaces.is_empty() {
-            status.interfaces = match &obs.guest_interfaces {
-                Some(agent) => network::status::merge(&domain_interfaces(d), Some(agent)),
-                None => interfaces(&old.interfaces, d),
-            };
-        }
+    if let Some(d) = domain
+        && !d.interfaces.is_empty()
+    {
+        status.interfaces = match &obs.guest_interfaces {
+            Some(agent) => network::status::merge(&domain_interfaces(d), Some(agent)),
+            None => interfaces(&old.interfaces, d),
+        };
     }
     if let Some(d) = domain {
         let (volumes, volume_events) = crate::volumes::compute(vmi, &old.volume_status, &d.disks);
@@ -350,14 +350,14 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
 
     let paused = domain.filter(|d| d.state == DomainState::Paused);
     if let Some(d) = paused {
-        if !has(&status.conditions, &Cond::Paused) {
-            if let Some(c) = paused_condition(&d.reason, &obs.now) {
-                events.push(Event::normal(
-                    "Paused",
-                    c.message.as_deref().unwrap_or_default(),
-                ));
-                status.conditions.push(c);
-            }
+        if !has(&status.conditions, &Cond::Paused)
+            && let Some(c) = paused_condition(&d.reason, &obs.now)
+        {
+            events.push(Event::normal(
+                "Paused",
+                c.message.as_deref().unwrap_or_default(),
+            ));
+            status.conditions.push(c);
         }
     } else if remove(&mut status.conditions, &Cond::Paused) {
         events.push(Event::normal("Resumed", "VMI was unpaused"));
@@ -397,36 +397,36 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
         ready_condition(&obs.pod, running, &obs.now),
     );
 
-    if status.phase != old.phase {
-        if let Some(p) = &status.phase {
-            if !status
+    if status.phase != old.phase
+        && let Some(p) = &status.phase
+    {
+        if !status
+            .phase_transition_timestamps
+            .iter()
+            .any(|t| t.phase.as_ref() == Some(p))
+        {
+            status
                 .phase_transition_timestamps
-                .iter()
-                .any(|t| t.phase.as_ref() == Some(p))
-            {
-                status
-                    .phase_transition_timestamps
-                    .push(PhaseTransitionTimestamp {
-                        phase: Some(p.clone()),
-                        phase_transition_timestamp: Some(obs.now.clone()),
-                    });
+                .push(PhaseTransitionTimestamp {
+                    phase: Some(p.clone()),
+                    phase_transition_timestamp: Some(obs.now.clone()),
+                });
+        }
+        match p {
+            Phase::Running => events.push(Event::normal("Started", MSG_STARTED)),
+            Phase::Succeeded => events.push(Event::normal("Stopped", MSG_SHUTDOWN)),
+            Phase::Failed => {
+                let msg = match &why {
+                    Some(w) => format!("{MSG_CRASHED} {w}"),
+                    None => MSG_CRASHED.to_owned(),
+                };
+                events.push(Event {
+                    type_: EventType::Warning,
+                    reason: "Stopped".to_owned(),
+                    message: msg,
+                });
             }
-            match p {
-                Phase::Running => events.push(Event::normal("Started", MSG_STARTED)),
-                Phase::Succeeded => events.push(Event::normal("Stopped", MSG_SHUTDOWN)),
-                Phase::Failed => {
-                    let msg = match &why {
-                        Some(w) => format!("{MSG_CRASHED} {w}"),
-                        None => MSG_CRASHED.to_owned(),
-                    };
-                    events.push(Event {
-                        type_: EventType::Warning,
-                        reason: "Stopped".to_owned(),
-                        message: msg,
-                    });
-                }
-                _ => {}
-            }
+            _ => {}
         }
     }
 

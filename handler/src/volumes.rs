@@ -62,10 +62,11 @@ pub fn targets(old: &[VolumeStatus], disks: &[DiskStatus]) -> BTreeMap<String, S
     let mut used: BTreeSet<String> = BTreeSet::new();
     let mut out = BTreeMap::new();
     for d in &disks {
-        if let Some(t) = known.get(d.name.as_str()) {
-            if t.starts_with(prefix(&d.bus)) && used.insert((*t).to_owned()) {
-                out.insert(d.name.clone(), (*t).to_owned());
-            }
+        if let Some(t) = known.get(d.name.as_str())
+            && t.starts_with(prefix(&d.bus))
+            && used.insert((*t).to_owned())
+        {
+            out.insert(d.name.clone(), (*t).to_owned());
         }
     }
     for d in disks {

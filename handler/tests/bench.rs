@@ -335,7 +335,7 @@ fn summary(what: &str, mut v: Vec<Duration>) -> Duration {
 async fn bench_rest_pause_unpause_latency() {
     let launcher = common::Launcher::start(true);
     let uid = "44444444-4444-4444-4444-444444444444";
-    let c = launcher_api::client::LauncherClient::new(&launcher.socket, Duration::from_secs(60));
+    let c = launcher_api::client::LauncherClient::new(&launcher.socket, Duration::from_mins(1));
     c.sync(&common::kernel_vmi("bench", uid))
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", launcher.log()));
@@ -404,7 +404,7 @@ async fn bench_handler_rss_idle() {
         &dir.path().join("pods"),
         &[],
     );
-    h.wait_healthy(Duration::from_secs(60)).await;
+    h.wait_healthy(Duration::from_mins(1)).await;
     // Idle means after the first resyncs and heartbeats: sample over 30 s, report the range.
     common::print_rss(h.child.id(), "idle, 0 VMIs, after /healthz", 30).await;
     drop(h);

@@ -12,7 +12,7 @@ use k8s_openapi::api::core::v1::Node;
 use kube::Api;
 use tokio_util::sync::CancellationToken;
 
-const WAIT: Duration = Duration::from_secs(60);
+const WAIT: Duration = Duration::from_mins(1);
 
 async fn schedulable(nodes: &Api<Node>) -> Option<String> {
     nodes

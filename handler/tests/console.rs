@@ -601,7 +601,7 @@ async fn a_client_that_never_reads_stalls_nobody_else() {
 async fn guest_console_rest_and_agent_through_the_server() {
     let launcher = common::Launcher::start(true);
     let uid = "33333333-3333-3333-3333-333333333333";
-    let c = launcher_api::client::LauncherClient::new(&launcher.socket, Duration::from_secs(60));
+    let c = launcher_api::client::LauncherClient::new(&launcher.socket, Duration::from_mins(1));
     c.sync(&common::kernel_vmi("real", uid))
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", launcher.log()));
@@ -632,7 +632,7 @@ async fn guest_console_rest_and_agent_through_the_server() {
     // A shell is on the console: type a command, read its output.
     seen.clear();
     let deadline = tokio::time::Instant::now() + common::BOOT;
-    let mut last_typed = tokio::time::Instant::now() - Duration::from_secs(60);
+    let mut last_typed = tokio::time::Instant::now() - Duration::from_mins(1);
     while !String::from_utf8_lossy(&seen).contains("HANDLER-ECHO-42") {
         assert!(
             tokio::time::Instant::now() < deadline,

@@ -49,7 +49,7 @@ async fn heartbeat_follows_readiness_and_ends_unschedulable() {
     let task = tokio::spawn(heartbeat::run(
         NodePatcher::new(client, "node-a"),
         ready_rx,
-        Duration::from_secs(3600),
+        Duration::from_hours(1),
         stop.clone(),
     ));
 

@@ -24,7 +24,7 @@ use handler::mounts::{self, MountConfig, MountError, Prepared};
 use isolation::{NsKind, PodIsolation};
 use serde_json::json;
 
-const LIMIT: Duration = Duration::from_secs(60);
+const LIMIT: Duration = Duration::from_mins(1);
 const CD_DIR: &str = "/var/run/kubevirt/container-disks";
 
 /// Builds the stand-in's root and chroots into it; `$SETUP` adds what the test needs.

@@ -315,7 +315,7 @@ impl Harness {
     async fn wait_event(&self, name: &str, reason: &str) -> (String, String, String) {
         wait_for(
             &format!("event {reason} on {name}"),
-            Duration::from_secs(60),
+            Duration::from_mins(1),
             || async {
                 self.events(name)
                     .await
@@ -537,7 +537,7 @@ async fn rest_put(console: &axum::Router, vmi: &str, what: &str) {
     use tower::ServiceExt as _;
     wait_for(
         &format!("PUT {what} answered 200"),
-        Duration::from_secs(60),
+        Duration::from_mins(1),
         || async {
             let resp = console
                 .clone()
@@ -1044,7 +1044,7 @@ async fn bench_handler_rss_with_10_vmis() {
             private.to_str().expect("UTF-8 path"),
         ],
     );
-    handler.wait_healthy(Duration::from_secs(60)).await;
+    handler.wait_healthy(Duration::from_mins(1)).await;
     let pid = handler.child.id();
     common::print_rss(pid, "0 VMIs, after /healthz", 10).await;
 

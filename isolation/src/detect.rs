@@ -403,10 +403,10 @@ pub fn detect_from_socket(socket: &Path) -> Result<PodIsolation> {
     let process = Process::open(pid)?;
     // The pidfd names the listener itself; if it is still alive after /proc/<pid> was
     // opened, that directory cannot belong to a successor that reused the pid.
-    if let Some(pidfd) = peer {
-        if !pidfd_alive(&pidfd) {
-            return Err(IsolationError::PidGone { pid });
-        }
+    if let Some(pidfd) = peer
+        && !pidfd_alive(&pidfd)
+    {
+        return Err(IsolationError::PidGone { pid });
     }
     debug!(socket = %socket.display(), pid, "peer found");
     process.detect()

@@ -81,14 +81,13 @@ pub enum Probe {
 
 /// Runs the probe firmware under `accel` and reports whether it reached the exit port.
 pub async fn probe(qemu: &Path, accel: Accel) -> Probe {
-    if accel == Accel::Kvm {
-        if let Err(e) = std::fs::OpenOptions::new()
+    if accel == Accel::Kvm
+        && let Err(e) = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .open("/dev/kvm")
-        {
-            return Probe::Fails(format!("cannot open /dev/kvm: {e}"));
-        }
+    {
+        return Probe::Fails(format!("cannot open /dev/kvm: {e}"));
     }
     let firmware = match firmware_memfd() {
         Ok(fd) => fd,

@@ -92,10 +92,10 @@ impl Console {
                     tracing::warn!(error = %e, "cannot write the serial console log");
                 }
                 let mut c = out_client.lock().await;
-                if let Some(w) = c.as_mut() {
-                    if w.write_all(&buf[..n]).await.is_err() {
-                        *c = None;
-                    }
+                if let Some(w) = c.as_mut()
+                    && w.write_all(&buf[..n]).await.is_err()
+                {
+                    *c = None;
                 }
             }
         });

@@ -49,7 +49,7 @@ pub struct Config {
 }
 
 const STDERR_TAIL: usize = 20;
-const DEVICE_DELETED_TIMEOUT: Duration = Duration::from_secs(120);
+const DEVICE_DELETED_TIMEOUT: Duration = Duration::from_mins(2);
 const QUIT_WAIT: Duration = Duration::from_secs(10);
 
 /// The launcher: one VMI, at most one QEMU.
@@ -259,24 +259,24 @@ impl Launcher {
         let offered = vmi.metadata.uid.clone().unwrap_or_default();
         let mut ops = self.ops.lock().await;
         let running = ops.uid.clone().or_else(|| self.cfg.uid.clone());
-        if let Some(running) = running {
-            if running != offered {
-                let e = Error::UidMismatch { running, offered };
-                // The refusal shows in the domain too, where virt-handler looks; a domain that
-                // exists (running or final) keeps its state and only carries the error.
-                let message = e.to_string();
-                let exists = ops.vm.is_some();
-                self.update(|d| {
-                    if exists {
-                        d.sync_error = Some(message);
-                    } else {
-                        d.state = DomainState::NoState;
-                        d.reason = "FailedSync".into();
-                        d.message = Some(message);
-                    }
-                });
-                return Err(e);
-            }
+        if let Some(running) = running
+            && running != offered
+        {
+            let e = Error::UidMismatch { running, offered };
+            // The refusal shows in the domain too, where virt-handler looks; a domain that
+            // exists (running or final) keeps its state and only carries the error.
+            let message = e.to_string();
+            let exists = ops.vm.is_some();
+            self.update(|d| {
+                if exists {
+                    d.sync_error = Some(message);
+                } else {
+                    d.state = DomainState::NoState;
+                    d.reason = "FailedSync".into();
+                    d.message = Some(message);
+                }
+            });
+            return Err(e);
         }
         let live = ops.vm.as_ref().is_some_and(|vm| !vm.exited());
         if live {

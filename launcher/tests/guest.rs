@@ -232,7 +232,7 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     );
     // The agent poller reports the guest thawed before anyone froze it; a freeze and a thaw
     // show in the domain as soon as they return (polled all the same: TCG is slow).
-    wait_until(Duration::from_secs(60), "fsFreezeStatus thawed", || {
+    wait_until(Duration::from_mins(1), "fsFreezeStatus thawed", || {
         (l.domain()["fsFreezeStatus"] == "thawed").then_some(())
     });
     let f = l.post("/v1/freeze");
@@ -376,10 +376,10 @@ fn guest_kill_is_served_while_sigterm_waits_for_the_guest() {
     });
     // Far below the 600 s grace period: a kill queued behind it would not be back by then.
     let (status, d) = rx
-        .recv_timeout(Duration::from_secs(60))
+        .recv_timeout(Duration::from_mins(1))
         .unwrap_or_else(|_| panic!("kill was not served during the grace period\n{}", l.log()));
     assert_eq!(status, 200, "{d}\n{}", l.log());
-    let status = l.wait_exit(Duration::from_secs(60));
+    let status = l.wait_exit(Duration::from_mins(1));
     assert!(status.success(), "{}", l.log());
     assert!(!common::process_alive(pid), "QEMU left behind");
 }

@@ -57,7 +57,7 @@ fn teardown(l: &Launcher, v: &Value) {
 fn kill_and_teardown(l: &Launcher, v: &Value) {
     let killed = l.post("/v1/kill");
     assert!(killed.is_object(), "{killed}");
-    l.wait_state("Shutoff", Duration::from_secs(60));
+    l.wait_state("Shutoff", Duration::from_mins(1));
     teardown(l, v);
 }
 
@@ -71,7 +71,7 @@ fn boot(l: &Launcher, id: &str, v: &Value) -> Console {
 /// Waits until the guest's eth0 has `addr` (udhcpc runs in the background from boot).
 fn wait_address(console: &mut Console, addr: &str) {
     common::wait_until(BOOT, &format!("{addr} on the guest's eth0"), || {
-        let out = console.run("ip -4 -o addr show dev eth0", Duration::from_secs(60));
+        let out = console.run("ip -4 -o addr show dev eth0", Duration::from_mins(1));
         out.contains(addr).then_some(())
     });
 }
@@ -126,13 +126,13 @@ fn guest_listeners(console: &mut Console, greeters: &[u16], echo: Option<u16>) {
     for p in greeters {
         console.run(
             &format!("(nc -ll -p {p} -e echo guest-{p} </dev/null >/dev/null 2>&1 &)"),
-            Duration::from_secs(60),
+            Duration::from_mins(1),
         );
     }
     if let Some(p) = echo {
         console.run(
             &format!("(nc -ll -p {p} -e cat </dev/null >/dev/null 2>&1 &)"),
-            Duration::from_secs(60),
+            Duration::from_mins(1),
         );
     }
 }
@@ -140,7 +140,7 @@ fn guest_listeners(console: &mut Console, greeters: &[u16], echo: Option<u16>) {
 /// Polls until the guest's greeter answers (its nc may take a moment to listen under TCG).
 fn wait_greeting(ns: &Netns, to: &str, expect: &str) {
     common::wait_until(
-        Duration::from_secs(60),
+        Duration::from_mins(1),
         &format!("{expect} from {to}"),
         || read_from(ns, to).ok().filter(|s| s.contains(expect)),
     );
@@ -187,7 +187,7 @@ fn guest_masquerade_dhcp_ports_status_and_resync() {
     assert_eq!(cached[0].guest_ipv4.unwrap().to_string(), "10.0.2.2/24");
     let mut console = boot(&l, &id, &v);
     wait_address(&mut console, "10.0.2.2/24");
-    let route = console.run("ip route show default", Duration::from_secs(60));
+    let route = console.run("ip route show default", Duration::from_mins(1));
     assert!(route.contains("via 10.0.2.1"), "{route}");
 
     // Out: another pod answers the guest (masqueraded as the pod's address).
@@ -198,7 +198,7 @@ fn guest_masquerade_dhcp_ports_status_and_resync() {
     wait_greeting(&pod.peer, &format!("{POD_IP}:5000"), "guest-5000");
     // The guest does listen on 5001 (seen from inside), but from outside the pod answers for
     // itself: nothing listens there, so the connection is refused.
-    let inside = console.run("nc -w 5 127.0.0.1 5001 </dev/null", Duration::from_secs(60));
+    let inside = console.run("nc -w 5 127.0.0.1 5001 </dev/null", Duration::from_mins(1));
     assert!(inside.contains("guest-5001"), "{inside}");
     let unlisted = read_from(&pod.peer, &format!("{POD_IP}:5001"));
     assert_eq!(
@@ -216,7 +216,7 @@ fn guest_masquerade_dhcp_ports_status_and_resync() {
     assert_eq!(s.info_source.as_deref(), Some("domain, guest-agent"));
 
     // Re-running phase 1 (a restarted handler, a re-sync) keeps an established connection.
-    let mut conn = common::wait_until(Duration::from_secs(60), "the guest's echo server", || {
+    let mut conn = common::wait_until(Duration::from_mins(1), "the guest's echo server", || {
         let mut c = connect_from(&pod.peer, &format!("{POD_IP}:5002")).ok()?;
         c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         (echo(&mut c, "one") == "one").then_some(c)
@@ -260,18 +260,18 @@ fn guest_masquerade_ipv6_router_advertisements_and_nat() {
     let mut console = boot(&l, &id, &v);
     wait_address(&mut console, "10.0.2.2/24");
     common::wait_until(BOOT, "the advertised routes in the guest", || {
-        let out = console.run("ip -6 route show", Duration::from_secs(60));
+        let out = console.run("ip -6 route show", Duration::from_mins(1));
         (out.contains("fd10:0:2::/120 dev eth0") && out.contains("default via fe80::"))
             .then_some(())
     });
     // busybox ip has no `nodad`: wait for duplicate address detection instead.
     let added = console.run(
         "ip -6 addr add fd10:0:2::2/128 dev eth0",
-        Duration::from_secs(60),
+        Duration::from_mins(1),
     );
     assert!(!added.contains("ip:"), "{added}");
-    common::wait_until(Duration::from_secs(60), "fd10:0:2::2 past DAD", || {
-        let out = console.run("ip -6 addr show dev eth0", Duration::from_secs(60));
+    common::wait_until(Duration::from_mins(1), "fd10:0:2::2 past DAD", || {
+        let out = console.run("ip -6 addr show dev eth0", Duration::from_mins(1));
         (out.contains("fd10:0:2::2/128") && !out.contains("tentative")).then_some(())
     });
 
@@ -296,7 +296,7 @@ fn guest_bridge_gets_the_pod_address() {
     assert!(pod_mac.contains(&cached[0].pod_mac), "{pod_mac}");
     let mut console = boot(&l, &id, &v);
     wait_address(&mut console, &format!("{POD_IP}/24"));
-    let link = console.run("ip -o link show eth0", Duration::from_secs(60));
+    let link = console.run("ip -o link show eth0", Duration::from_mins(1));
     assert!(
         link.contains(&cached[0].pod_mac),
         "the guest has the pod's MAC: {link}"
@@ -388,9 +388,9 @@ fn guest_bench_tcp_throughput() {
         wait_address(&mut console, &ip);
         console.run(
             "(nc -ll -p 5004 -e wc -c </dev/null >/dev/null 2>&1 &)",
-            Duration::from_secs(60),
+            Duration::from_mins(1),
         );
-        common::wait_until(Duration::from_secs(60), "the guest sink", || {
+        common::wait_until(Duration::from_mins(1), "the guest sink", || {
             connect_from(&pod.peer, &format!("{POD_IP}:5004")).ok()
         });
         let guest = throughput(&pod.peer, &format!("{POD_IP}:5004"), BYTES);

@@ -368,7 +368,7 @@ pub struct ControlPlane {
 
 /// How long kube-apiserver may take to answer `/readyz` (about 4 s on an idle 2-core machine;
 /// much longer while the machine builds).
-const READY_TIMEOUT: Duration = Duration::from_secs(180);
+const READY_TIMEOUT: Duration = Duration::from_mins(3);
 
 impl ControlPlane {
     /// Writes the certificates and kubeconfigs, starts etcd and kube-apiserver, waits until

@@ -1547,7 +1547,7 @@ async fn kubectl_logs_reads_containers_previous_runs_and_follows() {
     pods.delete("talker", &DeleteParams::default())
         .await
         .expect("deleting");
-    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+    let ended = tokio::time::timeout(Duration::from_mins(1), async {
         while let Some(Ok(_)) = lines.next().await {}
     })
     .await;
@@ -1610,7 +1610,7 @@ async fn kubectl_exec_runs_in_the_container_with_streams_and_exit_code() {
         let mut stdin = child.stdin.take().expect("stdin");
         stdin.write_all(b"hello\n").await.expect("writing stdin");
     }
-    let out = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+    let out = tokio::time::timeout(Duration::from_mins(1), child.wait_with_output())
         .await
         .expect("kubectl exec -i ends")
         .expect("kubectl output");

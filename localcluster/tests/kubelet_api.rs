@@ -152,7 +152,7 @@ async fn kubectl_exec_with_a_terminal_runs_a_session_in_the_container() {
                   [ -t 0 ] && echo inter''active; exit 5\n";
     master.write_all(script.as_bytes()).await.expect("typing");
     let mut output = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(60), async {
+    let read = tokio::time::timeout(Duration::from_mins(1), async {
         let mut buf = [0u8; 4096];
         loop {
             match master.read(&mut buf).await {
@@ -207,7 +207,7 @@ async fn kubectl_port_forward_reaches_the_pods_loopback() {
         .expect("kubectl port-forward");
     let mut stdout = child.stdout.take().expect("stdout");
     let mut seen = Vec::new();
-    let port: u16 = tokio::time::timeout(Duration::from_secs(60), async {
+    let port: u16 = tokio::time::timeout(Duration::from_mins(1), async {
         let mut buf = [0u8; 1024];
         loop {
             let n = stdout.read(&mut buf).await.expect("reading kubectl");

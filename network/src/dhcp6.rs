@@ -96,10 +96,10 @@ pub fn respond(cfg: &Dhcp6Config, source: Ipv6Addr, req: &Message) -> Option<Mes
     if !from_guest(cfg, source, client_id) {
         return None;
     }
-    if let Some(DhcpOption::ServerId(s)) = req.opts().get(OptionCode::ServerId) {
-        if *s != cfg.server_id {
-            return None;
-        }
+    if let Some(DhcpOption::ServerId(s)) = req.opts().get(OptionCode::ServerId)
+        && *s != cfg.server_id
+    {
+        return None;
     }
     let rapid = req.opts().get(OptionCode::RapidCommit).is_some();
     let kind = match req.msg_type() {

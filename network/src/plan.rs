@@ -259,10 +259,10 @@ pub fn guest_mac(
     if let Some(m) = spec_mac {
         return parse_mac(m);
     }
-    if let Some(c) = cached.filter(|c| c.binding == Binding::Bridge) {
-        if let Some(m) = parse_mac(&c.pod_mac) {
-            return Some(m);
-        }
+    if let Some(c) = cached.filter(|c| c.binding == Binding::Bridge)
+        && let Some(m) = parse_mac(&c.pod_mac)
+    {
+        return Some(m);
     }
     // FNV-1a: small, stable across Rust versions (unlike std's hasher).
     let mut h: u32 = 0x811c_9dc5;

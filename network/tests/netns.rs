@@ -303,18 +303,14 @@ fn masquerade_ipv6_dhcpv6_router_advertisements_and_nat() {
     let _client = guest.spawn(dhclient);
 
     // The script applies the address, then writes the DNS servers: both, or wait.
-    let dns = wait_until(
-        Duration::from_secs(60),
-        "the guest's DHCPv6 address",
-        || {
-            let addr = guest.ip(&["-6", "addr", "show", "dev", "eth0"]);
-            let dns = std::fs::read_to_string(files.path().join("dns")).ok()?;
-            (addr.contains("inet6 fd10:0:2::2/128") && dns.ends_with('\n')).then_some(dns)
-        },
-    );
+    let dns = wait_until(Duration::from_mins(1), "the guest's DHCPv6 address", || {
+        let addr = guest.ip(&["-6", "addr", "show", "dev", "eth0"]);
+        let dns = std::fs::read_to_string(files.path().join("dns")).ok()?;
+        (addr.contains("inet6 fd10:0:2::2/128") && dns.ends_with('\n')).then_some(dns)
+    });
     assert_eq!(dns.trim(), "fd00::53");
     let routes = wait_until(
-        Duration::from_secs(60),
+        Duration::from_mins(1),
         "routes from the advertisement",
         || {
             let r = guest.ip(&["-6", "route", "show"]);

@@ -10,7 +10,7 @@ use qmp::qapi::qga;
 use qmp::{AgentOptions, ConnectOptions, GuestAgent, QmpClient};
 
 /// TCG on a loaded two-core machine: generous.
-const BOOT_DEADLINE: Duration = Duration::from_secs(180);
+const BOOT_DEADLINE: Duration = Duration::from_mins(3);
 
 fn agent(qemu: &Qemu) -> GuestAgent {
     GuestAgent::new(qemu.path("qga.sock"), AgentOptions::default())

@@ -81,7 +81,7 @@ impl Default for Options {
         Self {
             template: TemplateConfig::default(),
             heartbeat_timeout: crate::node::DEFAULT_HEARTBEAT_TIMEOUT,
-            node_check_interval: Duration::from_secs(60),
+            node_check_interval: Duration::from_mins(1),
             lease_namespace: "kubevirt".into(),
             lease_name: "virt-controller".into(),
             identity: uuid::Uuid::new_v4().to_string(),

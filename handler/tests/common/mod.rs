@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Boot deadlines are generous: TCG on a loaded two-core machine.
-pub const BOOT: Duration = Duration::from_secs(240);
+pub const BOOT: Duration = Duration::from_mins(4);
 
 /// The virt-launcher binary: `$VIRT_LAUNCHER_BIN`, else next to this test's target dir
 /// (`cargo build -p launcher --bin virt-launcher` with the same `CARGO_TARGET_DIR`).

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 /// Boot deadlines are generous: TCG on a loaded two-core machine.
-pub const BOOT: Duration = Duration::from_secs(360);
+pub const BOOT: Duration = Duration::from_mins(6);
 
 /// The test guest's files, or a panic that says how to build them.
 pub fn guest_file(name: &str) -> PathBuf {
@@ -192,13 +192,12 @@ impl Drop for Launcher {
         if let Some(mut c) = self.child.take() {
             if let Ok((200, d)) =
                 std::panic::catch_unwind(|| http(&self.socket, "GET", "/v1/domain", None))
+                && let Some(pid) = d["qemuPid"].as_i64()
             {
-                if let Some(pid) = d["qemuPid"].as_i64() {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(i32::try_from(pid).unwrap()),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
             let _ = c.kill();
             let _ = c.wait();
@@ -236,7 +235,7 @@ pub fn http(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u
 pub fn http_bytes(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> (u16, Vec<u8>) {
     let mut s =
         UnixStream::connect(socket).unwrap_or_else(|e| panic!("connect {}: {e}", socket.display()));
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+    s.set_read_timeout(Some(Duration::from_mins(5))).unwrap();
     let body = body
         .map(|b| serde_json::to_vec(b).unwrap())
         .unwrap_or_default();
@@ -402,10 +401,10 @@ impl Console {
                 Err(_) => {}
             }
             let text = String::from_utf8_lossy(&out).into_owned();
-            if let (Some(b), Some(e)) = (text.find(&begin), text.rfind(&end)) {
-                if b < e {
-                    return text[b + begin.len()..e].replace('\r', "").trim().to_owned();
-                }
+            if let (Some(b), Some(e)) = (text.find(&begin), text.rfind(&end))
+                && b < e
+            {
+                return text[b + begin.len()..e].replace('\r', "").trim().to_owned();
             }
             assert!(
                 Instant::now() < deadline,

@@ -1064,7 +1064,7 @@ mod tests {
                 tail_lines: Some(5),
                 limit_bytes: Some(10),
                 timestamps: false,
-                since: Some(now - Duration::from_secs(60)),
+                since: Some(now - Duration::from_mins(1)),
             }
         );
         assert_eq!(parse_log_query("", now).unwrap(), LogQuery::default());

@@ -121,7 +121,7 @@ impl Cluster {
     /// Runs kubectl (the test namespace, the administrator's kubeconfig); its whole output.
     pub async fn kubectl_output(&self, args: &[&str], stdin: Option<&str>) -> std::process::Output {
         tokio::time::timeout(
-            Duration::from_secs(120),
+            Duration::from_mins(2),
             self.kubectl_runner().output_async(args, stdin),
         )
         .await

@@ -27,8 +27,8 @@ kube=$(localcluster/upstream/build.sh)
 export PATH="$(dirname "$kube"):$PATH"
 kubectl version --client
 
-step "building localcluster, virt-controller, virt-handler, virt-launcher, container-disk"
-CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p controller -p handler -p launcher -p containerdisk --bins
+step "building localcluster, virt-api, virt-controller, virt-handler, virt-launcher, container-disk, virtctl"
+CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p virtapi -p controller -p handler -p launcher -p containerdisk -p virtctl --bins
 bins=${CARGO_TARGET_DIR:-$repo/target}/debug
 
 state=${LOCALCLUSTER_DIR:-$HOME/.localcluster}
@@ -54,29 +54,8 @@ kubectl get --raw /readyz >/dev/null || fail "kube-apiserver did not become read
 kubectl version
 kubectl get nodes -o wide
 
-step "installing the CRDs and the KubeVirt CR (emulation allowed: no KVM is assumed)"
-kubectl apply -f manifests/crds/
-kubectl wait --for condition=established --timeout=60s crd --all >/dev/null
-kubectl apply -f manifests/install/00-namespace.yaml
-kubectl apply -f manifests/examples/kubevirt-cr.yaml
-
-step "creating virt-handler's console-server certificates (secret kubevirt/kubevirt-virt-handler-server-certs)"
-pki=$state/virt-handler-pki
-hack/pki.sh "$pki"
-kubectl -n kubevirt create secret generic kubevirt-virt-handler-server-certs \
-  --from-file=tls.crt="$pki/server.crt" --from-file=tls.key="$pki/server.key" \
-  --from-file=ca.crt="$pki/ca.crt" --dry-run=client -o yaml | kubectl apply -f -
-
-step "deploying virt-controller and virt-handler (manifests/install/)"
-kubectl apply -f manifests/install/
-kubectl -n kubevirt rollout status deployment/virt-controller --timeout=180s
-kubectl -n kubevirt rollout status daemonset/virt-handler --timeout=180s
-for _ in $(seq 120); do
-  [[ $(kubectl get nodes -l kubevirt.io/schedulable=true -o name | wc -l) -ge 1 ]] && break
-  sleep 1
-done
-[[ $(kubectl get nodes -l kubevirt.io/schedulable=true -o name | wc -l) -ge 1 ]] ||
-  fail "virt-handler did not mark the node schedulable; see: kubectl -n kubevirt logs ds/virt-handler"
+step "installing KubeVirt (hack/install.sh): CRDs, KubeVirt CR, certificates, virt-api, virt-controller, virt-handler"
+hack/install.sh "$state/kubevirt-pki"
 kubectl get nodes -L kubevirt.io/schedulable
 
 step "applying $vm_manifest"

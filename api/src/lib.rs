@@ -42,6 +42,7 @@ pub mod migration;
 pub mod quantity;
 pub mod replicaset;
 pub mod status;
+pub mod subresources;
 pub mod validation;
 pub mod vm;
 pub mod vmi;

@@ -1,7 +1,8 @@
 //! The whole stack on one machine, for end-to-end tests: `localcluster up` as its own process (the
-//! upstream control plane with kube-proxy, and one process kubelet, `node-1`), then the CRDs, the
-//! KubeVirt CR, virt-handler's certificates, virt-controller and virt-handler from `manifests/`,
-//! all applied with the real `kubectl`, exactly as `hack/run.sh` does. RBAC is enforced: the
+//! upstream control plane with kube-proxy, and one process kubelet, `node-1`), then KubeVirt
+//! installed by `hack/install.sh` with the real `kubectl`, exactly as `hack/run.sh` does: the
+//! CRDs, the KubeVirt CR, the certificates, virt-api (aggregated API and webhooks),
+//! virt-controller and virt-handler from `manifests/`. RBAC is enforced: the
 //! components run as the service accounts of `manifests/install/` and reach kube-apiserver
 //! through the `kubernetes` Service (10.96.0.1, kube-proxy's rules).
 //!
@@ -19,8 +20,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 /// The programs the stack runs; pods find them at `/usr/bin/<name>`.
-pub const BINARIES: [&str; 5] = [
+pub const BINARIES: [&str; 6] = [
     "localcluster",
+    "virt-api",
     "virt-controller",
     "virt-handler",
     "virt-launcher",
@@ -285,69 +287,12 @@ impl Stack {
             },
         )
         .map_err(|e| self.exited_or(e))?;
-        let repo = self.repo.clone();
-        let path = |p: &str| repo.join(p).display().to_string();
-        self.kubectl(&["apply", "-f", &path("manifests/crds/")])?;
-        self.kubectl(&[
-            "wait",
-            "--for",
-            "condition=established",
-            "--timeout=60s",
-            "crd",
-            "--all",
-        ])?;
-        self.kubectl(&["apply", "-f", &path("manifests/install/00-namespace.yaml")])?;
-        self.kubectl(&["apply", "-f", &path("manifests/examples/kubevirt-cr.yaml")])?;
         // Not `<dir>/pki`: that is the control plane's (pki.sh keeps an existing ca.crt).
-        let pki = self.dir.path().join("virt-handler-pki");
-        run(Command::new(repo.join("hack/pki.sh")).arg(&pki), None)?;
-        let secret = self.kubectl(&[
-            "-n",
-            "kubevirt",
-            "create",
-            "secret",
-            "generic",
-            "kubevirt-virt-handler-server-certs",
-            &format!("--from-file=tls.crt={}", pki.join("server.crt").display()),
-            &format!("--from-file=tls.key={}", pki.join("server.key").display()),
-            &format!("--from-file=ca.crt={}", pki.join("ca.crt").display()),
-            "--dry-run=client",
-            "-o",
-            "json",
-        ])?;
-        self.kubectl_with_input(&["apply", "-f", "-"], &secret)?;
-        self.kubectl(&["apply", "-f", &path("manifests/install/")])?;
-        self.kubectl(&[
-            "-n",
-            "kubevirt",
-            "rollout",
-            "status",
-            "deployment/virt-controller",
-            "--timeout=180s",
-        ])
-        .map_err(|e| self.with_component_logs(e))?;
-        wait_for(
-            "virt-handler to mark the node schedulable",
-            Duration::from_mins(3),
-            || {
-                let nodes = self
-                    .kubectl(&[
-                        "get",
-                        "nodes",
-                        "-l",
-                        "kubevirt.io/schedulable=true",
-                        "-o",
-                        "name",
-                    ])
-                    .map_err(|e| e.to_string())?;
-                if nodes.trim().is_empty() {
-                    Err("no node labelled kubevirt.io/schedulable=true".into())
-                } else {
-                    Ok(Some(()))
-                }
-            },
-        )
-        .map_err(|e| self.with_component_logs(e))
+        let pki = self.dir.path().join("kubevirt-pki");
+        let mut install = Command::new(self.repo.join("hack/install.sh"));
+        install.arg(&pki).env("KUBECONFIG", &kubeconfig);
+        run(&mut install, None).map_err(|e| self.with_component_logs(e))?;
+        Ok(())
     }
 
     /// An error if `localcluster up` has exited.

@@ -14,6 +14,5 @@ pub mod rest;
 pub mod server;
 pub mod shutdown;
 pub mod status;
-pub mod tls;
 pub mod vmistore;
 pub mod volumes;

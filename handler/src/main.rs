@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use handler::deviceplugin::{self, Config as PluginConfig};
 use handler::heartbeat::{self, NodePatcher};
-use handler::{metrics, node, server, tls, vmistore};
+use handler::{metrics, node, server, vmistore};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -112,10 +112,11 @@ async fn console_server(
         );
         return Ok(None);
     };
-    let cfg = tls::ReloadingConfig::new(tls::TlsFiles {
+    let cfg = tlsconfig::ReloadingConfig::new(tlsconfig::TlsFiles {
         cert,
         key,
         client_ca,
+        client_auth: tlsconfig::ClientAuth::Required,
     })
     .context("console server TLS")?;
     let addr = SocketAddr::new(flags.listen_address, flags.console_server_port);

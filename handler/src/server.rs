@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::guestinfo;
 use crate::rest::{self, Action, Refusal};
-use crate::tls::ReloadingConfig;
+use tlsconfig::ReloadingConfig;
 
 /// KubeVirt's websocket subprotocol for console and VNC streams.
 pub const SUBPROTOCOL: &str = "plain.kubevirt.io";
@@ -280,7 +280,7 @@ async fn console(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, Reply> {
     let t = target(&s, &vmi, Action::Console)?;
-    stream(s, t, Stream::Serial, ws).await
+    stream(s, &t, Stream::Serial, ws)
 }
 
 async fn vnc(
@@ -289,7 +289,7 @@ async fn vnc(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, Reply> {
     let t = target(&s, &vmi, Action::Vnc)?;
-    stream(s, t, Stream::Vnc, ws).await
+    stream(s, &t, Stream::Vnc, ws)
 }
 
 async fn screenshot(State(s): State<Arc<AppState>>, Path(vmi): Vmi) -> Result<Response, Reply> {
@@ -298,11 +298,37 @@ async fn screenshot(State(s): State<Arc<AppState>>, Path(vmi): Vmi) -> Result<Re
     Ok(([(http::header::CONTENT_TYPE, "image/png")], png).into_response())
 }
 
+/// Connects to a launcher's socket. A path under `/proc/<pid>/root/` is resolved inside that
+/// root: the pod's absolute symlinks (a Debian root's `/var/run -> /run`) mean the pod's `/`,
+/// which the kernel's plain walk of `/proc/<pid>/root` would take as the handler's. The socket
+/// is then reached through the resolved descriptor's `/proc/self/fd` name.
+fn connect_in_root(path: &std::path::Path) -> std::io::Result<UnixStream> {
+    let pod = path.strip_prefix("/proc").ok().and_then(|rest| {
+        let mut c = rest.components();
+        let pid = c.next()?.as_os_str().to_str()?.parse::<u32>().ok()?;
+        (c.next()?.as_os_str() == "root").then(|| (pid, c.as_path().to_owned()))
+    });
+    let stream = match pod {
+        Some((pid, inside)) => {
+            let root =
+                isolation::MountRoot::open(std::path::Path::new(&format!("/proc/{pid}/root")))
+                    .map_err(std::io::Error::other)?;
+            let socket = root
+                .resolve(&inside, isolation::Resolve::InRoot)
+                .map_err(std::io::Error::other)?;
+            std::os::unix::net::UnixStream::connect(socket.proc_fd_path())?
+        }
+        None => std::os::unix::net::UnixStream::connect(path)?,
+    };
+    stream.set_nonblocking(true)?;
+    UnixStream::from_std(stream)
+}
+
 /// Connects to the unix socket before upgrading, so a missing socket is a 503 rather than a
 /// websocket that closes at once.
-async fn stream(
+fn stream(
     s: Arc<AppState>,
-    t: Target,
+    t: &Target,
     which: Stream,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, Reply> {
@@ -317,7 +343,7 @@ async fn stream(
         Stream::Serial => &t.serial_socket,
         Stream::Vnc => &t.vnc_socket,
     };
-    let unix = UnixStream::connect(path).await.map_err(|e| {
+    let unix = connect_in_root(path).map_err(|e| {
         Refusal::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("cannot connect to {}: {e}", path.display()),

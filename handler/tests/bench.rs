@@ -16,11 +16,11 @@ use api::status::VirtualMachineInstanceConditionType as Cond;
 use bytes::Bytes;
 use futures::StreamExt as _;
 use handler::server::{self, Limits, LookupError, Target, Vmis};
-use handler::tls::{ReloadingConfig, TlsFiles};
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::rt::TokioIo;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use tlsconfig::{ClientAuth, ReloadingConfig, TlsFiles};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
 use tokio_tungstenite::tungstenite::Message;
@@ -83,6 +83,7 @@ async fn start(target: Target) -> Server {
         cert: dir.path().join("tls.crt"),
         key: dir.path().join("tls.key"),
         client_ca: dir.path().join("ca.crt"),
+        client_auth: ClientAuth::Required,
     };
     std::fs::write(&files.cert, srv_cert.pem()).expect("write cert");
     std::fs::write(&files.key, srv_key.serialize_pem()).expect("write key");

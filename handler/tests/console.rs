@@ -15,11 +15,11 @@ use api::{VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use bytes::Bytes;
 use futures::{SinkExt as _, StreamExt as _};
 use handler::server::{self, Limits, LookupError, Target, Vmis};
-use handler::tls::{ReloadingConfig, TlsFiles};
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::rt::TokioIo;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use tlsconfig::{ClientAuth, ReloadingConfig, TlsFiles};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::{TcpStream, UnixListener};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
@@ -167,6 +167,7 @@ async fn start(vmis: StaticVmis, limits: Limits) -> Server {
         cert: dir.path().join("tls.crt"),
         key: dir.path().join("tls.key"),
         client_ca: dir.path().join("ca.crt"),
+        client_auth: ClientAuth::Required,
     };
     write_atomically(&files.cert, &srv.cert_pem);
     write_atomically(&files.key, &srv.key_pem);

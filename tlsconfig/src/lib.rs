@@ -1,6 +1,7 @@
-//! Server TLS for the console server: client certificates required and verified against a CA
-//! bundle; the certificate, key and bundle are re-read whenever one of the files changes, so
-//! the operator can rotate them without restarting the handler.
+//! rustls configs from the certificate files KubeVirt's components mount from their secrets:
+//! servers (virt-handler's console server, virt-api) whose certificate, key and client CA bundle
+//! are re-read whenever one of the files changes, so the operator can rotate them without a
+//! restart, and the client config virt-api dials virt-handler with.
 //!
 //! Changes are noticed on the next connection (a `stat` of three files per accept) rather than
 //! by a file watcher: rotation happens by replacing mounted secret files, which a stat always
@@ -11,11 +12,11 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use rustls::RootCertStore;
-use rustls::ServerConfig;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject as _;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, ServerConfig};
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -28,6 +29,12 @@ pub enum TlsError {
     },
     #[error("{path} holds no {what}")]
     Empty { what: &'static str, path: PathBuf },
+    #[error("{path} holds a CA certificate that cannot be used")]
+    Ca {
+        path: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
     #[error("the client CA bundle {path} cannot be used")]
     ClientCa {
         path: PathBuf,
@@ -49,6 +56,19 @@ pub struct TlsFiles {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub client_ca: PathBuf,
+    pub client_auth: ClientAuth,
+}
+
+/// Whether a client must present a certificate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAuth {
+    /// Every client proves itself (virt-handler's console server: only virt-api and the
+    /// operator's tools hold a client certificate).
+    Required,
+    /// A certificate is verified when one is offered, and the server decides per request what
+    /// an unauthenticated client may do (virt-api: kube-apiserver's front proxy presents one,
+    /// admission webhook calls come without).
+    Optional,
 }
 
 type Stamp = Vec<Option<(SystemTime, u64)>>;
@@ -109,26 +129,18 @@ fn provider() -> CryptoProvider {
 /// Builds the server config from the files as they are now.
 pub fn load(files: &TlsFiles) -> Result<ServerConfig, TlsError> {
     let provider = Arc::new(provider());
-    let mut roots = RootCertStore::empty();
-    for ca in certs("CA certificates", &files.client_ca)? {
-        roots.add(ca).map_err(|source| TlsError::Config {
-            cert: files.client_ca.clone(),
-            key: files.key.clone(),
-            source,
-        })?;
+    let roots = roots(&files.client_ca)?;
+    let mut verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone());
+    if files.client_auth == ClientAuth::Optional {
+        verifier = verifier.allow_unauthenticated();
     }
-    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-        .build()
-        .map_err(|source| TlsError::ClientCa {
-            path: files.client_ca.clone(),
-            source,
-        })?;
-    let chain = certs("certificates", &files.cert)?;
-    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|source| TlsError::Read {
-        what: "a private key",
-        path: files.key.clone(),
+    let verifier = verifier.build().map_err(|source| TlsError::ClientCa {
+        path: files.client_ca.clone(),
         source,
     })?;
+    let chain = certs("certificates", &files.cert)?;
+    let key = private_key(&files.key)?;
     let config_err = |source| TlsError::Config {
         cert: files.cert.clone(),
         key: files.key.clone(),
@@ -142,6 +154,44 @@ pub fn load(files: &TlsFiles) -> Result<ServerConfig, TlsError> {
         .map_err(config_err)?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     config.ignore_client_order = true;
+    Ok(config)
+}
+
+fn roots(path: &Path) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for ca in certs("CA certificates", path)? {
+        roots.add(ca).map_err(|source| TlsError::Ca {
+            path: path.to_owned(),
+            source,
+        })?;
+    }
+    Ok(roots)
+}
+
+fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|source| TlsError::Read {
+        what: "a private key",
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// A client config that presents `cert`/`key` and trusts servers whose certificate chains to
+/// `ca` (virt-api dialling virt-handler's console server).
+pub fn client_config(cert: &Path, key: &Path, ca: &Path) -> Result<ClientConfig, TlsError> {
+    let provider = Arc::new(provider());
+    let config_err = |source| TlsError::Config {
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+        source,
+    };
+    let mut config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(config_err)?
+        .with_root_certificates(roots(ca)?)
+        .with_client_auth_cert(certs("certificates", cert)?, private_key(key)?)
+        .map_err(config_err)?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(config)
 }
 

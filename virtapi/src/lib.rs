@@ -1,0 +1,16 @@
+//! virt-api: KubeVirt's subresource API (`subresources.kubevirt.io`, served behind
+//! kube-apiserver's aggregation layer) and the admission webhooks for KubeVirt's kinds.
+//!
+//! Pure cores: [`authn`] (who asks for what), [`lifecycle`] (VM start/stop/restart as
+//! patches), [`discovery`], [`admission`]; I/O shells: [`subresource`] (the API calls and the
+//! relay to virt-handler through [`virthandler`]) and [`server`] (TLS and routes).
+
+pub mod admission;
+pub mod authn;
+pub mod discovery;
+pub mod lifecycle;
+pub mod server;
+pub mod status;
+pub mod subresource;
+pub mod virthandler;
+pub mod webhooks;

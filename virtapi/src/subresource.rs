@@ -1,0 +1,527 @@
+//! The subresource API under `/apis/subresources.kubevirt.io/{v1,v1alpha3}`: every request is
+//! authenticated from the aggregation layer's headers, authorized by a SubjectAccessReview
+//! (KubeVirt's authorizer), then served: VMI streams and actions are relayed to the handler of
+//! the VMI's node, VM lifecycle requests become patches of the VM, `migrate` creates a
+//! VirtualMachineInstanceMigration.
+
+use std::sync::Arc;
+
+use api::status::{VirtualMachineInstanceConditionType as Cond, VirtualMachineInstancePhase};
+use api::subresources::{
+    self as sr, DRY_RUN_ALL, FreezeUnfreezeTimeout, MigrateOptions, PauseOptions, RestartOptions,
+    StartOptions, StopOptions, VmSubresource, VmiSubresource,
+};
+use api::{ConditionStatus, VirtualMachineInstance};
+use axum::body::Body;
+use axum::extract::FromRequestParts as _;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::{SinkExt as _, StreamExt as _};
+use http::{Request, StatusCode};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes as SarAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use kube::api::{Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use tokio_tungstenite::tungstenite::Message as TMessage;
+
+use crate::authn::{self, Denied, Peer, RequestHeaderConfig, ResourceAttributes, Target, User};
+use crate::lifecycle::{self, Call};
+use crate::status::Refusal;
+use crate::virthandler::{Handlers, handler_message};
+
+/// The largest request body virt-api reads (options objects are small).
+const MAX_BODY: usize = 1024 * 1024;
+/// The largest websocket message relayed (as virt-handler's limit).
+const MAX_MESSAGE: usize = 1024 * 1024;
+
+pub struct App {
+    pub client: Client,
+    pub request_headers: std::sync::RwLock<RequestHeaderConfig>,
+    pub handlers: Handlers,
+}
+
+impl std::fmt::Debug for App {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("App").finish_non_exhaustive()
+    }
+}
+
+impl App {
+    fn request_headers(&self) -> RequestHeaderConfig {
+        self.request_headers
+            .read()
+            .expect("request header config lock poisoned")
+            .clone()
+    }
+}
+
+/// Serves one request under `/apis/subresources.kubevirt.io/...` that is not discovery.
+pub async fn serve(app: Arc<App>, req: Request<Body>) -> Response {
+    match Box::pin(serve_inner(&app, req)).await {
+        Ok(r) => r,
+        Err(refusal) => {
+            tracing::debug!(code = %refusal.code, message = %refusal.message, "request refused");
+            refusal.into_response()
+        }
+    }
+}
+
+async fn serve_inner(app: &App, req: Request<Body>) -> Result<Response, Refusal> {
+    let (target, attrs) = authn::parse(req.method(), req.uri().path()).map_err(|e| match e {
+        Denied::Unknown(m) => Refusal {
+            code: StatusCode::NOT_FOUND,
+            reason: "NotFound",
+            message: m,
+        },
+        Denied::Unauthenticated(m) => Refusal::unauthorized(m),
+    })?;
+    let peer = req.extensions().get::<Peer>().cloned().unwrap_or_default();
+    let user = authn::user(&app.request_headers(), &peer, req.headers())
+        .map_err(|e| Refusal::unauthorized(e.to_string()))?;
+    authorize(&app.client, &user, &attrs).await?;
+    let expected = match &target {
+        Target::Vmi { sub, .. } => sub.method(),
+        Target::Vm { sub, .. } => sub.method(),
+    };
+    if req.method().as_str() != expected {
+        return Err(Refusal {
+            code: StatusCode::METHOD_NOT_ALLOWED,
+            reason: "MethodNotAllowed",
+            message: format!(
+                "{} is served on {expected}, not {}",
+                attrs.subresource,
+                req.method()
+            ),
+        });
+    }
+    match target {
+        Target::Vmi {
+            namespace,
+            name,
+            sub,
+            rest,
+        } => vmi_subresource(app, req, &namespace, &name, sub, &rest).await,
+        Target::Vm {
+            namespace,
+            name,
+            sub,
+            rest: _,
+        } => vm_subresource(app, req, &namespace, &name, sub).await,
+    }
+}
+
+/// KubeVirt's authorizer: a SubjectAccessReview for the user and the subresource.
+async fn authorize(client: &Client, user: &User, a: &ResourceAttributes) -> Result<(), Refusal> {
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(user.name.clone()),
+            groups: Some(user.groups.clone()),
+            extra: (!user.extra.is_empty()).then(|| user.extra.clone()),
+            resource_attributes: Some(SarAttributes {
+                namespace: Some(a.namespace.clone()),
+                verb: Some(a.verb.clone()),
+                group: Some(a.group.clone()),
+                version: Some(a.version.clone()),
+                resource: Some(a.resource.clone()),
+                subresource: Some(a.subresource.clone()),
+                name: Some(a.name.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let answer = Api::<SubjectAccessReview>::all(client.clone())
+        .create(&PostParams::default(), &review)
+        .await
+        .map_err(|e| Refusal::internal(format!("authorizing the request: {e}")))?;
+    let status = answer.status.unwrap_or_default();
+    if status.allowed {
+        return Ok(());
+    }
+    // The API server's wording for a denied request, so kubectl users recognise it.
+    let mut message = format!(
+        "User {:?} cannot {} resource \"{}/{}\" in API group {:?} in the namespace {:?}",
+        user.name, a.verb, a.resource, a.subresource, a.group, a.namespace
+    );
+    if let Some(reason) = status.reason.filter(|r| !r.is_empty()) {
+        message.push_str(": ");
+        message.push_str(&reason);
+    }
+    Err(Refusal::forbidden(message))
+}
+
+async fn body_of<T: serde::de::DeserializeOwned + Default>(
+    req: Request<Body>,
+) -> Result<T, Refusal> {
+    let bytes = axum::body::to_bytes(req.into_body(), MAX_BODY)
+        .await
+        .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(&bytes).map_err(|e| {
+        Refusal::bad_request(format!(
+            "Can not unmarshal Request body to struct, error: {e}"
+        ))
+    })
+}
+
+fn dry_run(list: &[String]) -> Result<bool, Refusal> {
+    match list {
+        [] => Ok(false),
+        [one] if one == DRY_RUN_ALL => Ok(true),
+        other => Err(Refusal::bad_request(format!(
+            "invalid dry run directive {other:?}: only {DRY_RUN_ALL:?} is supported"
+        ))),
+    }
+}
+
+fn condition(vmi: &VirtualMachineInstance, t: &Cond) -> bool {
+    vmi.status
+        .as_ref()
+        .and_then(|s| s.condition(t))
+        .is_some_and(|c| c.status == ConditionStatus::True)
+}
+
+fn running(vmi: &VirtualMachineInstance) -> bool {
+    vmi.phase() == Some(&VirtualMachineInstancePhase::Running)
+}
+
+/// KubeVirt's checks before relaying to the handler, with its messages.
+fn precheck(vmi: &VirtualMachineInstance, sub: VmiSubresource) -> Result<(), Refusal> {
+    let name = vmi.metadata.name.as_deref().unwrap_or_default();
+    let conflict = |why: &str| Refusal::conflict("virtualmachineinstance", name, why);
+    match sub {
+        VmiSubresource::Pause => {
+            if !running(vmi) {
+                return Err(conflict(lifecycle::VM_NOT_RUNNING));
+            }
+            if vmi
+                .spec
+                .liveness_probe
+                .as_ref()
+                .is_some_and(|p| p.guest_agent_ping.is_none())
+            {
+                return Err(Refusal::forbidden_object(
+                    "virtualmachineinstance",
+                    name,
+                    "Pausing VMIs with a non-GuestAgentPing LivenessProbe is not supported",
+                ));
+            }
+            if condition(vmi, &Cond::Paused) {
+                return Err(conflict("VMI is already paused"));
+            }
+        }
+        VmiSubresource::Unpause => {
+            if !running(vmi) {
+                return Err(conflict("VMI is not running"));
+            }
+            if !condition(vmi, &Cond::Paused) {
+                return Err(conflict("VMI is not paused"));
+            }
+        }
+        VmiSubresource::SoftReboot => {
+            if !running(vmi) {
+                return Err(conflict(lifecycle::VM_NOT_RUNNING));
+            }
+            if condition(vmi, &Cond::Paused) {
+                return Err(conflict("VMI is paused"));
+            }
+        }
+        VmiSubresource::GuestOsInfo | VmiSubresource::UserList | VmiSubresource::FilesystemList => {
+            if !condition(vmi, &Cond::AgentConnected) {
+                return Err(conflict("VMI does not have guest agent connected"));
+            }
+        }
+        _ => {
+            if !running(vmi) {
+                return Err(conflict("VMI is not running"));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn get_vmi(client: &Client, ns: &str, name: &str) -> Result<VirtualMachineInstance, Refusal> {
+    Api::<VirtualMachineInstance>::namespaced(client.clone(), ns)
+        .get_opt(name)
+        .await
+        .map_err(|e| Refusal::internal(format!("unable to retrieve vmi [{name}]: {e}")))?
+        .ok_or_else(|| Refusal::not_found("virtualmachineinstance", name))
+}
+
+async fn vmi_subresource(
+    app: &App,
+    req: Request<Body>,
+    ns: &str,
+    name: &str,
+    sub: VmiSubresource,
+    rest: &[String],
+) -> Result<Response, Refusal> {
+    if sub == VmiSubresource::PortForward {
+        return Err(Refusal::bad_request(format!(
+            "port-forward ({}) is not served by this virt-api yet",
+            rest.join("/")
+        )));
+    }
+    let vmi = get_vmi(&app.client, ns, name).await?;
+    precheck(&vmi, sub)?;
+    let node = vmi
+        .status
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| {
+            Refusal::conflict(
+                "virtualmachineinstance",
+                name,
+                "VMI is not scheduled to a node",
+            )
+        })?;
+    let handler_path = format!(
+        "/v1/namespaces/{ns}/virtualmachineinstances/{name}/{}",
+        sub.as_str()
+    );
+    if sub.is_stream() {
+        return stream(app, req, &node, &handler_path).await;
+    }
+    let query = req.uri().query().map(str::to_owned);
+    let method = req.method().clone();
+    let body: Bytes = match sub {
+        VmiSubresource::Pause | VmiSubresource::Unpause => {
+            let opts: PauseOptions = body_of(req).await?;
+            if dry_run(&opts.dry_run)? {
+                return Ok(StatusCode::OK.into_response());
+            }
+            Bytes::new()
+        }
+        VmiSubresource::Freeze => {
+            let opts: FreezeUnfreezeTimeout = body_of(req).await?;
+            Bytes::from(serde_json::to_vec(&opts).map_err(Refusal::internal)?)
+        }
+        _ => axum::body::to_bytes(req.into_body(), MAX_BODY)
+            .await
+            .map_err(|e| Refusal::bad_request(format!("reading the request body: {e}")))?,
+    };
+    let path = match query {
+        Some(q) => format!("{handler_path}?{q}"),
+        None => handler_path,
+    };
+    let answer = app.handlers.call(&node, method, &path, body).await?;
+    if !answer.status.is_success() {
+        let message = handler_message(&String::from_utf8_lossy(&answer.body));
+        return Err(Refusal {
+            code: answer.status,
+            reason: if answer.status == StatusCode::CONFLICT {
+                "Conflict"
+            } else {
+                "InternalError"
+            },
+            message,
+        });
+    }
+    let mut resp = Response::new(Body::from(answer.body));
+    if let Some(ct) = answer.content_type {
+        resp.headers_mut().insert(http::header::CONTENT_TYPE, ct);
+    }
+    Ok(resp)
+}
+
+/// Dials the handler's websocket first, so a refusal there is this request's status rather
+/// than a websocket that closes at once, then upgrades the client and relays frames both ways.
+async fn stream(
+    app: &App,
+    req: Request<Body>,
+    node: &str,
+    handler_path: &str,
+) -> Result<Response, Refusal> {
+    let (mut parts, _) = req.into_parts();
+    let upgrade = WebSocketUpgrade::from_request_parts(&mut parts, &())
+        .await
+        .map_err(|e| {
+            Refusal::bad_request(format!(
+                "a websocket upgrade (subprotocol {}) is required: {e}",
+                sr::PLAIN_STREAM_PROTOCOL
+            ))
+        })?;
+    let upstream = app.handlers.websocket(node, handler_path).await?;
+    Ok(upgrade
+        .protocols([sr::PLAIN_STREAM_PROTOCOL])
+        .max_message_size(MAX_MESSAGE)
+        .max_frame_size(MAX_MESSAGE)
+        .on_upgrade(move |client| relay(client, upstream)))
+}
+
+async fn relay<S>(client: WebSocket, upstream: tokio_tungstenite::WebSocketStream<S>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut up_tx, mut up_rx) = upstream.split();
+    let (mut cl_tx, mut cl_rx) = client.split();
+    let to_handler = async {
+        while let Some(Ok(m)) = cl_rx.next().await {
+            let m = match m {
+                Message::Binary(b) => TMessage::Binary(b),
+                Message::Text(t) => TMessage::Text(t.as_str().into()),
+                Message::Ping(p) => TMessage::Ping(p),
+                Message::Pong(p) => TMessage::Pong(p),
+                Message::Close(_) => break,
+            };
+            if up_tx.send(m).await.is_err() {
+                break;
+            }
+        }
+        let _ = up_tx.close().await;
+    };
+    let to_client = async {
+        while let Some(Ok(m)) = up_rx.next().await {
+            let m = match m {
+                TMessage::Binary(b) => Message::Binary(b),
+                TMessage::Text(t) => Message::Text(t.as_str().into()),
+                TMessage::Ping(p) => Message::Ping(p),
+                TMessage::Pong(p) => Message::Pong(p),
+                TMessage::Close(_) => break,
+                TMessage::Frame(_) => continue,
+            };
+            if cl_tx.send(m).await.is_err() {
+                break;
+            }
+        }
+        let _ = cl_tx.close().await;
+    };
+    // Either side ending ends the session, as KubeVirt's streamer does.
+    tokio::select! {
+        () = to_handler => {},
+        () = to_client => {},
+    }
+}
+
+async fn vm_subresource(
+    app: &App,
+    req: Request<Body>,
+    ns: &str,
+    name: &str,
+    sub: VmSubresource,
+) -> Result<Response, Refusal> {
+    let vms = Api::<api::VirtualMachine>::namespaced(app.client.clone(), ns);
+    let vm = vms
+        .get_opt(name)
+        .await
+        .map_err(|e| Refusal::internal(format!("unable to retrieve vm [{name}]: {e}")))?
+        .ok_or_else(|| Refusal::not_found("virtualmachine", name))?;
+    let vmis = Api::<VirtualMachineInstance>::namespaced(app.client.clone(), ns);
+    let vmi = vmis
+        .get_opt(name)
+        .await
+        .map_err(|e| Refusal::internal(format!("unable to retrieve vmi [{name}]: {e}")))?;
+    let (calls, dry) = match sub {
+        VmSubresource::Start => {
+            let o: StartOptions = body_of(req).await?;
+            (
+                lifecycle::start(&vm, vmi.as_ref(), &o)?,
+                dry_run(&o.dry_run)?,
+            )
+        }
+        VmSubresource::Stop => {
+            let o: StopOptions = body_of(req).await?;
+            (
+                lifecycle::stop(&vm, vmi.as_ref(), &o)?,
+                dry_run(&o.dry_run)?,
+            )
+        }
+        VmSubresource::Restart => {
+            let o: RestartOptions = body_of(req).await?;
+            (
+                lifecycle::restart(&vm, vmi.as_ref(), &o)?,
+                dry_run(&o.dry_run)?,
+            )
+        }
+        VmSubresource::Migrate => {
+            let o: MigrateOptions = body_of(req).await?;
+            return migrate(app, ns, name, vmi.as_ref(), &o).await;
+        }
+        VmSubresource::AddVolume | VmSubresource::RemoveVolume | VmSubresource::PortForward => {
+            return Err(Refusal::bad_request(format!(
+                "{} is not served by this virt-api yet",
+                sub.as_str()
+            )));
+        }
+    };
+    let pp = PatchParams {
+        dry_run: dry,
+        ..Default::default()
+    };
+    for call in calls {
+        let result = match call {
+            Call::PatchVmi(p) => vmis
+                .patch(
+                    name,
+                    &pp,
+                    &Patch::<()>::Json(serde_json::from_value(p).map_err(Refusal::internal)?),
+                )
+                .await
+                .map(drop),
+            Call::PatchVm(p) => vms
+                .patch(
+                    name,
+                    &pp,
+                    &Patch::<()>::Json(serde_json::from_value(p).map_err(Refusal::internal)?),
+                )
+                .await
+                .map(drop),
+            Call::PatchVmStatus(p) => vms
+                .patch_status(
+                    name,
+                    &pp,
+                    &Patch::<()>::Json(serde_json::from_value(p).map_err(Refusal::internal)?),
+                )
+                .await
+                .map(drop),
+        };
+        result.map_err(|e| match e {
+            // A failed `test` op: the VM changed since it was read.
+            kube::Error::Api(s) if s.code == 422 || s.code == 409 => {
+                Refusal::conflict("virtualmachine", name, s.message)
+            }
+            other => Refusal::internal(other),
+        })?;
+    }
+    Ok(StatusCode::ACCEPTED.into_response())
+}
+
+async fn migrate(
+    app: &App,
+    ns: &str,
+    name: &str,
+    vmi: Option<&VirtualMachineInstance>,
+    o: &MigrateOptions,
+) -> Result<Response, Refusal> {
+    let vmi = vmi.ok_or_else(|| Refusal::not_found("virtualmachineinstance", name))?;
+    if !running(vmi) {
+        return Err(Refusal::conflict(
+            "virtualmachine",
+            name,
+            lifecycle::VM_NOT_RUNNING,
+        ));
+    }
+    let migration: api::migration::VirtualMachineInstanceMigration =
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachineInstanceMigration",
+            "metadata": {"generateName": "kubevirt-migrate-vm-"},
+            "spec": {"vmiName": name, "addedNodeSelector": o.added_node_selector},
+        }))
+        .map_err(Refusal::internal)?;
+    let pp = PostParams {
+        dry_run: dry_run(&o.dry_run)?,
+        ..Default::default()
+    };
+    Api::namespaced(app.client.clone(), ns)
+        .create(&pp, &migration)
+        .await
+        .map_err(Refusal::internal)?;
+    Ok(StatusCode::ACCEPTED.into_response())
+}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The main job: on a fresh Debian 12 machine (root, Rust and Go toolchains), install what is
 # needed, build, start localcluster (the upstream Kubernetes control plane built from pinned Go
-# modules, plus our process kubelet), deploy virt-controller (Deployment) and virt-handler
-# (DaemonSet) on it from manifests/, apply the example VM, wait until its guest has booted, show
-# the guest's console, and leave everything running with the next commands to try.
+# modules, plus our process kubelet), install KubeVirt on it (hack/install.sh: virt-api,
+# virt-controller, virt-handler from manifests/), apply the example VM, wait until its guest has
+# booted, show the guest's console, and leave everything running with the next commands to try.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -90,13 +90,15 @@ tail -n 25 "$log" || true
 
 cat <<MSG
 
-The VM runs on localcluster, through virt-controller, virt-handler and virt-launcher. Try:
-  export KUBECONFIG=$KUBECONFIG
+The VM runs on localcluster, through virt-api, virt-controller, virt-handler and virt-launcher. Try:
+  export KUBECONFIG=$KUBECONFIG PATH=$bins:\$PATH
   kubectl get vms,vmis,pods -A
-  kubectl -n $ns describe vmi $vm
-  socat -,raw,echo=0 UNIX-CONNECT:$private/virt-serial0      # the guest's serial console
+  virtctl console $vm -n $ns                      # the guest's serial console (Ctrl+] leaves)
+  virtctl vnc screenshot $vm -n $ns --file screen.png
+  virtctl guestosinfo $vm -n $ns                  # what the guest agent reports
+  virtctl pause vm $vm -n $ns; virtctl unpause vm $vm -n $ns
+  virtctl restart $vm -n $ns; virtctl stop $vm -n $ns; virtctl start $vm -n $ns
   nc $pod_ip 8080      # the demo guest's listener, through the masquerade binding (pod IP $pod_ip)
-  kubectl -n $ns patch vm $vm --type merge -p '{"spec":{"runStrategy":"Halted"}}'   # stop the VM
 Stop everything:
   $bins/localcluster down
 MSG

@@ -10,7 +10,7 @@
 //! --workspace` builds every package's binaries) or from `KUBEVIRT_RS_BIN_DIR`; the upstream
 //! `kube` binary from `LOCALCLUSTER_KUBE`, else `localcluster/upstream/build.sh` (cached).
 
-use std::io::Write as _;
+use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,8 +20,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 /// The programs the stack runs; pods find them at `/usr/bin/<name>`.
-pub const BINARIES: [&str; 6] = [
+pub const BINARIES: [&str; 7] = [
     "localcluster",
+    "virtctl",
     "virt-api",
     "virt-controller",
     "virt-handler",
@@ -149,6 +150,22 @@ fn run(cmd: &mut Command, input: Option<&str>) -> Result<String, StackError> {
             stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
         })
     }
+}
+
+/// What a guest's greeting listener (the demo guest's port 8080, the network test's ports) says
+/// on a new connection, trimmed, once it says something: the listener starts late in a boot
+/// under TCG, so refused, reset and empty connections are retried until `timeout`.
+pub fn greeting(to: SocketAddr, timeout: Duration) -> Result<String, StackError> {
+    wait_for(&format!("a greeting from {to}"), timeout, || {
+        let mut conn = TcpStream::connect_timeout(&to, Duration::from_secs(5))
+            .map_err(|e| format!("{to}: {e}"))?;
+        conn.set_read_timeout(Some(Duration::from_secs(30)))
+            .map_err(|e| e.to_string())?;
+        let mut text = String::new();
+        conn.read_to_string(&mut text)
+            .map_err(|e| format!("{to}: {e}"))?;
+        Ok((!text.is_empty()).then(|| text.trim().to_owned()))
+    })
 }
 
 /// `spec.domain.firmware` booting the test guest's kernel and initrd straight from
@@ -409,6 +426,22 @@ impl Stack {
     /// Runs kubectl against the stack; its stdout.
     pub fn kubectl(&self, args: &[&str]) -> Result<String, StackError> {
         self.run_kubectl(args, None)
+    }
+
+    /// `virtctl` as the cluster admin.
+    pub fn virtctl(&self, args: &[&str]) -> Result<String, StackError> {
+        self.virtctl_as(&self.kubeconfig(), args)
+    }
+
+    /// `virtctl` with another kubeconfig (another user).
+    pub fn virtctl_as(&self, kubeconfig: &Path, args: &[&str]) -> Result<String, StackError> {
+        run(
+            Command::new(bin_dir().join("virtctl"))
+                .arg("--kubeconfig")
+                .arg(kubeconfig)
+                .args(args),
+            None,
+        )
     }
 
     /// The launcher pods in the default namespace, one `pod/<name>` per line.

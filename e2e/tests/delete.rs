@@ -4,7 +4,6 @@
 //! is down between the VM's deletion and the end of its instance finishes the job once it is
 //! back. One guest runs at a time: they boot under TCG on two cores.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use api::labels::{FUNC_TEST_LAUNCHER_FAIL_FAST, VM_CONTROLLER_FINALIZER};
@@ -123,34 +122,11 @@ fn all_gone(stack: &Stack, name: &str) {
     .unwrap_or_else(|e| panic!("{e}; localcluster log in {}", stack.dir().display()));
 }
 
-/// Pauses the VMI through virt-handler's REST API, as virt-api would (mTLS with the client
-/// certificate the stack's PKI made for tools).
+/// Pauses the VMI with `virtctl pause vmi` (virt-api, then virt-handler's REST API).
 fn pause(stack: &Stack, name: &str) {
-    let handler_ip = wait_for("a ready virt-handler", SETTLE, || {
-        stack.ready_handler_pod().map(|p| p.map(|p| p.ip))
-    })
-    .expect("a ready virt-handler");
-    let pki = stack.dir().join("virt-handler-pki");
-    let out = Command::new("curl")
-        .args(["--silent", "--show-error", "--fail-with-body", "-X", "PUT"])
-        .arg("--cacert")
-        .arg(pki.join("ca.crt"))
-        .arg("--cert")
-        .arg(pki.join("client.crt"))
-        .arg("--key")
-        .arg(pki.join("client.key"))
-        .args(["--resolve", &format!("virt-handler:8186:{handler_ip}")])
-        .arg(format!(
-            "https://virt-handler:8186/v1/namespaces/default/virtualmachineinstances/{name}/pause"
-        ))
-        .output()
-        .expect("curl runs");
-    assert!(
-        out.status.success(),
-        "pause: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    stack
+        .virtctl(&["pause", "vmi", name])
+        .unwrap_or_else(|e| panic!("pause: {e}"));
     wait_for(&format!("VMI {name} to be Paused"), SETTLE, || {
         let vmi = get(stack, "vmi", name)?.ok_or("no VMI")?;
         let paused = vmi["status"]["conditions"]

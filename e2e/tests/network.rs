@@ -15,7 +15,7 @@
 //!   gone, and the host has no new `k6t-`/`tap` link and no new `kubevirt_nat` table.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::Command;
@@ -154,17 +154,7 @@ fn addr(ip: &str, port: u16) -> SocketAddr {
 /// What the guest's greeter at `ip:port` says, polled until it answers (its nc may take a
 /// moment to listen under TCG).
 fn greeting(ip: &str, port: u16) -> String {
-    let to = addr(ip, port);
-    wait_for(&format!("a greeting from {to}"), BOOT, || {
-        let mut conn =
-            TcpStream::connect_timeout(&to, Duration::from_secs(5)).map_err(|e| e.to_string())?;
-        conn.set_read_timeout(Some(Duration::from_secs(30)))
-            .map_err(|e| e.to_string())?;
-        let mut text = String::new();
-        conn.read_to_string(&mut text).map_err(|e| e.to_string())?;
-        Ok((!text.is_empty()).then(|| text.trim().to_owned()))
-    })
-    .expect("the guest answers")
+    e2e::greeting(addr(ip, port), BOOT).expect("the guest answers")
 }
 
 /// An established connection to the guest's echo server (`nc -e cat`).

@@ -2,8 +2,7 @@
 //! virt-controller, virt-handler and virt-launcher, is reachable on its pod's IP through the
 //! masquerade binding, and stops when its run strategy says Halted.
 
-use std::io::Read as _;
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use e2e::{Stack, repo_root, wait_for};
@@ -71,25 +70,9 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
     let guest_port: SocketAddr = format!("{pod_ip}:8080").parse().expect("pod IP");
     // The guest asks for its address in the background and its listener starts with user-data:
     // the pod's port 8080 answers once masquerade's DNAT, DHCP and the listener are all there.
-    let greeting = wait_for(
-        "the guest's port 8080 on the pod IP",
-        Duration::from_mins(3),
-        || {
-            let mut conn = TcpStream::connect_timeout(&guest_port, Duration::from_secs(5))
-                .map_err(|e| format!("{guest_port}: {e}"))?;
-            conn.set_read_timeout(Some(Duration::from_secs(10)))
-                .map_err(|e| e.to_string())?;
-            let mut text = String::new();
-            conn.read_to_string(&mut text)
-                .map_err(|e| format!("{guest_port}: {e}"))?;
-            Ok((!text.is_empty()).then_some(text))
-        },
-    )
-    .expect("the guest answers through the masquerade binding");
-    assert_eq!(
-        greeting.trim(),
-        "hello from the demo VM over the pod network"
-    );
+    let greeting = e2e::greeting(guest_port, Duration::from_mins(3))
+        .expect("the guest answers through the masquerade binding");
+    assert_eq!(greeting, "hello from the demo VM over the pod network");
 
     wait_for(
         "the guest's address in status.interfaces",

@@ -140,16 +140,11 @@ const REGISTER_RETRY: Duration = Duration::from_secs(5);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let flags = Flags::parse();
-    tracing::info!(node = %flags.hostname_override, pod_ip = ?flags.pod_ip_address, share_dir = %flags.kubevirt_share_dir.display(), "virt-handler starting");
-    let client = kube::Client::try_default()
+    let client = informer::start_component()
         .await
         .context("no Kubernetes client configuration (in-cluster or KUBECONFIG)")?;
+    tracing::info!(node = %flags.hostname_override, pod_ip = ?flags.pod_ip_address, share_dir = %flags.kubevirt_share_dir.display(), "virt-handler starting");
     let stop = CancellationToken::new();
     let mut term = signal(SignalKind::terminate()).context("SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("SIGINT handler")?;

@@ -21,6 +21,8 @@ pub enum Action {
     GuestOsInfo,
     UserList,
     FilesystemList,
+    /// A TCP connection to a port of the guest (`portforward/{port}/{protocol}`).
+    PortForward,
 }
 
 impl Action {
@@ -91,6 +93,13 @@ pub fn check(vmi: &VirtualMachineInstance, action: Action) -> Result<(), Refusal
             return Err(Refusal::new(
                 StatusCode::CONFLICT,
                 format!("VMI {name} is paused; unpause it first"),
+            ));
+        }
+        // KubeVirt's `validateVMIForPortForward`: a paused guest would not answer.
+        Action::PortForward if paused => {
+            return Err(Refusal::new(
+                StatusCode::CONFLICT,
+                format!("VMI {name} is paused"),
             ));
         }
         _ => {}
@@ -191,6 +200,15 @@ mod tests {
             (running.clone(), false, false, A::UserList, unavailable),
             (running.clone(), false, true, A::FilesystemList, ok),
             (running.clone(), true, true, A::GuestOsInfo, ok),
+            (running.clone(), false, false, A::PortForward, ok),
+            (running.clone(), true, true, A::PortForward, conflict),
+            (
+                Some(Phase::Scheduled),
+                false,
+                false,
+                A::PortForward,
+                conflict,
+            ),
         ];
         for (i, (phase, paused, agent, action, want)) in cases.into_iter().enumerate() {
             let got = check(&vmi(phase, paused, agent), action)

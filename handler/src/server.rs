@@ -1,14 +1,16 @@
 //! The console server (`--console-server-port`, 8186): mTLS, KubeVirt's routes under
 //! `/v1/namespaces/{namespace}/virtualmachineinstances/{name}/`, serial console and VNC as
-//! websockets spliced to the launcher's unix sockets, lifecycle and guest-agent calls relayed to
-//! the launcher.
+//! websockets spliced to the launcher's unix sockets, port-forward as a websocket spliced to a
+//! TCP connection to the guest, lifecycle and guest-agent calls relayed to the launcher.
 
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use api::vmi::InterfaceBinding;
 use axum::Router;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
@@ -21,9 +23,9 @@ use http::StatusCode;
 use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use launcher_api::client::LauncherClient;
-use serde::Serialize;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, UnixStream};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
+use tokio::net::{TcpListener, TcpStream, UnixStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::guestinfo;
@@ -46,6 +48,8 @@ const READ_CHUNK: usize = 256 * 1024;
 /// 128 KiB that was up to a 128 KiB memset per console frame sent. 16 KiB is one TLS record,
 /// about the most a read of the TLS stream returns anyway (rustls decrypts a record at a time).
 const WS_READ_BUFFER: usize = 16 * 1024;
+/// How long a port-forward waits for the guest's port to accept the connection.
+const DIAL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A VMI on this node and where its launcher's sockets are, as the handler sees them (through
 /// the pod's mount root in production).
@@ -55,6 +59,9 @@ pub struct Target {
     pub launcher_socket: PathBuf,
     pub serial_socket: PathBuf,
     pub vnc_socket: PathBuf,
+    /// The launcher's pid in the handler's pid namespace, when known: port-forward connects
+    /// from inside its network namespace.
+    pub launcher_pid: Option<i32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -221,12 +228,14 @@ pub fn router(vmis: Arc<dyn Vmis>, limits: Limits) -> Router {
                 .route("/unfreeze", lifecycle(Action::Unfreeze))
                 .route("/guestosinfo", get(guest_os_info))
                 .route("/userlist", get(user_list))
-                .route("/filesystemlist", get(filesystem_list)),
+                .route("/filesystemlist", get(filesystem_list))
+                .route("/portforward/{port}", get(port_forward))
+                .route("/portforward/{port}/{protocol}", get(port_forward)),
         )
         .fallback(|| async {
             Reply(Refusal::new(
                 StatusCode::BAD_REQUEST,
-                "no such endpoint: expected /v1/namespaces/{namespace}/virtualmachineinstances/{name}/<console|vnc|vnc/screenshot|pause|unpause|softreboot|reset|freeze|unfreeze|guestosinfo|userlist|filesystemlist>",
+                "no such endpoint: expected /v1/namespaces/{namespace}/virtualmachineinstances/{name}/<console|vnc|vnc/screenshot|pause|unpause|softreboot|reset|freeze|unfreeze|guestosinfo|userlist|filesystemlist|portforward/{port}[/{protocol}]>",
             ))
         })
         .with_state(state)
@@ -333,12 +342,7 @@ fn stream(
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, Reply> {
     // Checked after the VMI so that a wrong VMI or state gets its 404 / 409 either way.
-    let ws = ws.map_err(|e| {
-        Refusal::new(
-            StatusCode::BAD_REQUEST,
-            format!("a websocket upgrade (subprotocol {SUBPROTOCOL}) is required: {e}"),
-        )
-    })?;
+    let ws = upgrade(ws)?;
     let path = match which {
         Stream::Serial => &t.serial_socket,
         Stream::Vnc => &t.vnc_socket,
@@ -350,25 +354,211 @@ fn stream(
         )
     })?;
     let uid = t.vmi.metadata.uid.clone().unwrap_or_default();
-    let max = s.limits.max_message;
-    Ok(ws
-        .protocols([SUBPROTOCOL])
-        .max_message_size(max)
-        .max_frame_size(max)
-        .read_buffer_size(WS_READ_BUFFER)
-        .on_upgrade(move |socket| async move {
+    Ok(
+        configure(ws, &s.limits).on_upgrade(move |socket| async move {
             let (id, cancel) = s.sessions.begin(&uid, which);
-            splice(socket, unix, cancel).await;
+            let (rx, tx) = unix.into_split();
+            splice(socket, rx, tx, cancel).await;
             s.sessions.end(&uid, which, id);
-        }))
+        }),
+    )
 }
 
-/// Copies bytes both ways until either side ends, an error, or a newer session cancels this
-/// one. Each session is its own task, so a client that stops reading only stalls itself.
-async fn splice(ws: WebSocket, unix: UnixStream, cancel: CancellationToken) {
+/// The websocket upgrade a stream needs, or 400.
+fn upgrade(
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Result<WebSocketUpgrade, Refusal> {
+    ws.map_err(|e| {
+        Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!("a websocket upgrade (subprotocol {SUBPROTOCOL}) is required: {e}"),
+        )
+    })
+}
+
+/// KubeVirt's subprotocol and our frame limits on an upgrade.
+fn configure(ws: WebSocketUpgrade, limits: &Limits) -> WebSocketUpgrade {
+    ws.protocols([SUBPROTOCOL])
+        .max_message_size(limits.max_message)
+        .max_frame_size(limits.max_message)
+        .read_buffer_size(WS_READ_BUFFER)
+}
+
+/// `portforward/{port}[/{protocol}]`'s path parameters.
+#[derive(Deserialize)]
+struct Forward {
+    namespace: String,
+    name: String,
+    port: String,
+    protocol: Option<String>,
+}
+
+/// A port-forward port: 1 to 65535.
+fn forward_port(port: &str) -> Result<u16, Refusal> {
+    port.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| {
+        Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!("invalid port {port:?}: expected a number from 1 to 65535"),
+        )
+    })
+}
+
+/// The protocol of a port-forward (tcp when absent): only tcp is served.
+fn forward_protocol(protocol: Option<&str>) -> Result<(), Refusal> {
+    match protocol {
+        None | Some("tcp") => Ok(()),
+        Some("udp") => Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "port-forward over udp is not supported by this virt-handler: only tcp",
+        )),
+        Some(other) => Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!("unknown port-forward protocol {other:?}: expected tcp"),
+        )),
+    }
+}
+
+/// KubeVirt's `virtctl port-forward`: a websocket spliced to a TCP connection to a port of the
+/// guest. The connection is made before upgrading, so a refused port is an HTTP error rather
+/// than a websocket that closes at once. Sessions are independent: any number may be open.
+async fn port_forward(
+    State(s): State<Arc<AppState>>,
+    Path(f): Path<Forward>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Result<Response, Reply> {
+    let port = forward_port(&f.port)?;
+    forward_protocol(f.protocol.as_deref())?;
+    let t = target(&s, &(f.namespace, f.name), Action::PortForward)?;
+    let ws = upgrade(ws)?;
+    let tcp = dial(&t, port).await?;
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!(error = %e, "cannot set TCP_NODELAY on a port-forward");
+    }
+    Ok(
+        configure(ws, &s.limits).on_upgrade(move |socket| async move {
+            let (rx, tx) = tcp.into_split();
+            // Never cancelled: a port-forward is not replaced by the next one.
+            splice(socket, rx, tx, CancellationToken::new()).await;
+        }),
+    )
+}
+
+/// Connects to `port` of the guest, where KubeVirt's virt-api reaches it (the VMI's first
+/// interface's address) but from the handler's side of the pod: behind masquerade, the pod's
+/// localhost inside its network namespace, which the masquerade rules DNAT to the guest for the
+/// same ports as the pod's address (the declared `ports`, or all but the reserved ones); with a
+/// bridge binding the guest holds the pod's address and the pod itself has no route to it, so
+/// the guest's address from `status.interfaces`, from the handler's own network.
+async fn dial(t: &Target, port: u16) -> Result<TcpStream, Refusal> {
+    let name = t.vmi.metadata.name.as_deref().unwrap_or_default();
+    let iface = t
+        .vmi
+        .spec
+        .domain
+        .devices
+        .interfaces
+        .first()
+        .ok_or_else(|| {
+            Refusal::new(
+                StatusCode::BAD_REQUEST,
+                format!("VMI {name}: no network interfaces are present"),
+            )
+        })?;
+    match iface.binding_method() {
+        Some(InterfaceBinding::Masquerade) => {
+            let pid = t.launcher_pid.ok_or_else(|| {
+                Refusal::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("VMI {name}: its virt-launcher is not known yet"),
+                )
+            })?;
+            let tcp = tokio::task::spawn_blocking(move || dial_in_pod(pid, port))
+                .await
+                .map_err(|e| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+            tcp.set_nonblocking(true)
+                .and_then(|()| TcpStream::from_std(tcp))
+                .map_err(|e| Refusal::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+        }
+        Some(InterfaceBinding::Bridge) => {
+            let ip = t
+                .vmi
+                .status
+                .as_ref()
+                .and_then(|s| {
+                    s.interfaces
+                        .iter()
+                        .find(|i| i.name.as_deref() == Some(iface.name.as_str()))
+                })
+                .and_then(|i| i.ip.as_deref())
+                .and_then(|ip| ip.parse::<IpAddr>().ok())
+                .ok_or_else(|| {
+                    Refusal::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!(
+                            "VMI {name}: the guest's address on interface {} is not known yet",
+                            iface.name
+                        ),
+                    )
+                })?;
+            let addr = SocketAddr::new(ip, port);
+            match tokio::time::timeout(DIAL_TIMEOUT, TcpStream::connect(addr)).await {
+                Ok(r) => r.map_err(|e| dial_refusal(name, addr, &e)),
+                Err(_) => Err(dial_refusal(
+                    name,
+                    addr,
+                    &std::io::Error::from(std::io::ErrorKind::TimedOut),
+                )),
+            }
+        }
+        _ => Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "VMI {name}: port-forward needs a masquerade or bridge binding on interface {}",
+                iface.name
+            ),
+        )),
+    }
+}
+
+/// Connects to `127.0.0.1:port` inside the network namespace of `pid`. The socket is created
+/// on a thread that has entered the namespace and keeps it when handed back.
+fn dial_in_pod(pid: i32, port: u16) -> Result<std::net::TcpStream, Refusal> {
+    let unavailable = |e: isolation::IsolationError| {
+        Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("cannot enter the network namespace of virt-launcher (pid {pid}): {e}"),
+        )
+    };
+    let pod = isolation::detect_from_pid(pid).map_err(unavailable)?;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    pod.run_in_namespace(isolation::NsKind::Net, move || {
+        std::net::TcpStream::connect_timeout(&addr, DIAL_TIMEOUT)
+    })
+    .map_err(unavailable)?
+    .map_err(|e| dial_refusal(&format!("pid {pid}"), addr, &e))
+}
+
+/// A failed connect to the guest: 504 when it timed out, 502 otherwise (refused, unreachable).
+fn dial_refusal(what: &str, addr: SocketAddr, e: &std::io::Error) -> Refusal {
+    let status = if e.kind() == std::io::ErrorKind::TimedOut {
+        StatusCode::GATEWAY_TIMEOUT
+    } else {
+        StatusCode::BAD_GATEWAY
+    };
+    Refusal::new(status, format!("dialing {addr} for {what}: {e}"))
+}
+
+/// Copies bytes both ways between a websocket and a byte stream (a launcher's unix socket, a
+/// TCP connection to the guest) until either side ends, an error, or `cancel` (a newer session
+/// replaced this one). Each session is its own task, so a client that stops reading only
+/// stalls itself.
+async fn splice<R, W>(ws: WebSocket, mut peer_rx: R, mut peer_tx: W, cancel: CancellationToken)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let (mut ws_tx, mut ws_rx) = ws.split();
-    let (mut unix_rx, mut unix_tx) = unix.into_split();
-    let to_unix = async {
+    let to_peer = async {
         while let Some(msg) = ws_rx.next().await {
             let data = match msg {
                 Ok(Message::Binary(b)) => b,
@@ -377,13 +567,13 @@ async fn splice(ws: WebSocket, unix: UnixStream, cancel: CancellationToken) {
                 Ok(_) => continue,
                 Err(e) => return format!("client stream: {e}"),
             };
-            if let Err(e) = unix_tx.write_all(&data).await {
-                return format!("unix socket write: {e}");
+            if let Err(e) = peer_tx.write_all(&data).await {
+                return format!("peer write: {e}");
             }
         }
         "client gone".to_owned()
     };
-    let from_unix = async {
+    let from_peer = async {
         let mut buf = BytesMut::new();
         loop {
             // Frames share one allocation until little of it is left (a typed key takes one
@@ -391,31 +581,37 @@ async fn splice(ws: WebSocket, unix: UnixStream, cancel: CancellationToken) {
             if buf.capacity() < READ_CHUNK / 4 {
                 buf.reserve(READ_CHUNK);
             }
-            match unix_rx.read_buf(&mut buf).await {
-                Ok(0) => return "unix socket closed".to_owned(),
+            match peer_rx.read_buf(&mut buf).await {
+                Ok(0) => return None,
                 Ok(_) => {
                     // The frame takes the bytes as read: no copy into a message.
                     let out = Message::Binary(buf.split().freeze());
                     if let Err(e) = ws_tx.send(out).await {
-                        return format!("client write: {e}");
+                        return Some(format!("client write: {e}"));
                     }
                 }
-                Err(e) => return format!("unix socket read: {e}"),
+                Err(e) => return Some(format!("peer read: {e}")),
             }
         }
     };
-    let replaced = tokio::select! {
-        () = cancel.cancelled() => true,
-        why = to_unix => { tracing::debug!(%why, "session ended"); false }
-        why = from_unix => { tracing::debug!(%why, "session ended"); false }
-    };
-    if replaced {
-        let close = Message::Close(Some(CloseFrame {
+    let close = tokio::select! {
+        () = cancel.cancelled() => Some(CloseFrame {
             code: CLOSE_REPLACED,
             reason: "replaced by a newer session".into(),
-        }));
+        }),
+        why = to_peer => { tracing::debug!(%why, "session ended"); None }
+        why = from_peer => match why {
+            // The peer closed: say so, as a normal closure.
+            None => {
+                tracing::debug!("session ended: peer closed");
+                Some(CloseFrame { code: 1000, reason: "closed".into() })
+            }
+            Some(why) => { tracing::debug!(%why, "session ended"); None }
+        },
+    };
+    if let Some(close) = close {
         // A client that does not read would block the close: give it a moment, then drop.
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, ws_tx.send(close)).await;
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, ws_tx.send(Message::Close(Some(close)))).await;
     }
 }
 

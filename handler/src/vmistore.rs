@@ -76,6 +76,7 @@ impl Vmis for NodeVmis {
             launcher_socket,
             serial_socket,
             vnc_socket,
+            launcher_pid: pid,
         })
     }
 }

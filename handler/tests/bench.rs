@@ -246,6 +246,7 @@ async fn bench_console_throughput_proxied_vs_direct() {
         launcher_socket: dir.path().join("launcher-sock"),
         serial_socket: serial.clone(),
         vnc_socket: dir.path().join("virt-vnc"),
+        launcher_pid: None,
     })
     .await;
     let total = STREAM_MIB * MIB;

@@ -1,8 +1,11 @@
 //! The console server over real TLS on a real port: mTLS, certificate reload, REST errors,
 //! websocket splicing to unix sockets, session replacement, oversized frames, stalled clients,
-//! and (for `guest_`) a real launcher with a booted guest.
+//! port-forward into a real network namespace, and (for `guest_`) a real launcher with a booted
+//! guest.
 
 mod common;
+#[path = "../../network/tests/common/mod.rs"]
+mod netfix;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -114,6 +117,7 @@ fn target(v: VirtualMachineInstance, dir: &Path) -> Target {
         launcher_socket: dir.join("launcher-sock"),
         serial_socket: dir.join("virt-serial0"),
         vnc_socket: dir.join("virt-vnc"),
+        launcher_pid: None,
     }
 }
 
@@ -278,16 +282,7 @@ impl Server {
         what: &str,
         config: Option<WebSocketConfig>,
     ) -> tokio_tungstenite::WebSocketStream<Tls> {
-        let tls = connect(self.addr, &self.ca.der(), Some(&self.client))
-            .await
-            .expect("connect");
-        let mut req = format!("wss://localhost{}", url(vmi, what))
-            .into_client_request()
-            .expect("ws request");
-        req.headers_mut().insert(
-            "Sec-WebSocket-Protocol",
-            server::SUBPROTOCOL.parse().expect("header"),
-        );
+        let (tls, req) = self.ws_request(vmi, what).await;
         let (ws, resp) = tokio_tungstenite::client_async_with_config(req, tls, config)
             .await
             .expect("websocket upgrade");
@@ -298,6 +293,45 @@ impl Server {
             Some(server::SUBPROTOCOL)
         );
         ws
+    }
+
+    /// A fresh mTLS connection and the upgrade request for `what` of `vmi`.
+    async fn ws_request(
+        &self,
+        vmi: &str,
+        what: &str,
+    ) -> (Tls, tokio_tungstenite::tungstenite::handshake::client::Request) {
+        let tls = connect(self.addr, &self.ca.der(), Some(&self.client))
+            .await
+            .expect("connect");
+        let mut req = format!("wss://localhost{}", url(vmi, what))
+            .into_client_request()
+            .expect("ws request");
+        req.headers_mut().insert(
+            "Sec-WebSocket-Protocol",
+            server::SUBPROTOCOL.parse().expect("header"),
+        );
+        (tls, req)
+    }
+
+    /// A websocket upgrade that may be refused: the HTTP status and body of a refusal.
+    async fn try_ws(
+        &self,
+        vmi: &str,
+        what: &str,
+    ) -> Result<tokio_tungstenite::WebSocketStream<Tls>, (u16, String)> {
+        let (tls, req) = self.ws_request(vmi, what).await;
+        match tokio_tungstenite::client_async(req, tls).await {
+            Ok((ws, _)) => Ok(ws),
+            Err(WsError::Http(resp)) => Err((
+                resp.status().as_u16(),
+                resp.body()
+                    .as_deref()
+                    .map(|b| String::from_utf8_lossy(b).into_owned())
+                    .unwrap_or_default(),
+            )),
+            Err(e) => panic!("websocket to {what}: {e}"),
+        }
     }
 }
 
@@ -721,4 +755,200 @@ async fn guest_console_rest_and_agent_through_the_server() {
     let (status, body) = with_agent.call("PUT", "real", "unfreeze").await;
     assert_eq!(status, 200, "{body}");
     drop((s, paused, with_agent));
+}
+
+/// A VMI with one interface on the pod network, bound `binding` (`masquerade`, `bridge`).
+fn vmi_on_pod_network(name: &str, binding: &str, conds: &[Cond]) -> VirtualMachineInstance {
+    let mut v = common::vmi_with_conditions(name, &format!("uid-{name}"), Phase::Running, conds);
+    v.spec.domain.devices.interfaces = vec![
+        serde_json::from_value(serde_json::json!({"name": "default", binding: {}}))
+            .expect("interface"),
+    ];
+    v
+}
+
+/// A TCP listener on 127.0.0.1 inside `ns`: bound on a thread that entered the namespace (the
+/// socket stays in it after the thread ends).
+fn listen_in(ns: &netfix::Netns) -> std::net::TcpListener {
+    use std::os::fd::AsFd as _;
+    let f = ns.file();
+    std::thread::spawn(move || {
+        nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind in netns");
+        l.set_nonblocking(true).expect("nonblocking");
+        l
+    })
+    .join()
+    .expect("listener thread")
+}
+
+/// Echoes every TCP connection of `l`; each connection's end (the peer closed) is reported.
+fn tcp_echo(
+    l: std::net::TcpListener,
+    ended: tokio::sync::mpsc::UnboundedSender<()>,
+) -> tokio::task::JoinHandle<()> {
+    let l = tokio::net::TcpListener::from_std(l).expect("tokio listener");
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            let ended = ended.clone();
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = ended.send(());
+            });
+        }
+    })
+}
+
+#[tokio::test]
+async fn port_forward_connects_inside_the_pods_network_namespace() {
+    let ns = netfix::Netns::new("pf");
+    let listener = listen_in(&ns);
+    let port = listener.local_addr().expect("addr").port();
+    let (ended_tx, mut ended) = tokio::sync::mpsc::unbounded_channel();
+    let _echo = tcp_echo(listener, ended_tx.clone());
+    // The launcher stand-in: any process in the pod's network namespace.
+    let launcher = ns.spawn({
+        let mut c = std::process::Command::new("sleep");
+        c.arg("1000");
+        c
+    });
+    // The bridge case: the guest's address is reached from the handler's own network.
+    let here = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind")
+        .into_std()
+        .expect("std listener");
+    let here_port = here.local_addr().expect("addr").port();
+    let _echo_here = tcp_echo(here, ended_tx);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut vmis = StaticVmis::default();
+    let mut add = |name: &str, v: VirtualMachineInstance, pid: Option<i32>| {
+        let mut t = target(v, dir.path());
+        t.launcher_pid = pid;
+        vmis.here.insert(("default".into(), name.into()), t);
+    };
+    let pid = Some(launcher.pid());
+    add("pf", vmi_on_pod_network("pf", "masquerade", &[]), pid);
+    add(
+        "pf-paused",
+        vmi_on_pod_network("pf-paused", "masquerade", &[Cond::Paused]),
+        pid,
+    );
+    add(
+        "pf-nopid",
+        vmi_on_pod_network("pf-nopid", "masquerade", &[]),
+        None,
+    );
+    add(
+        "pf-nonet",
+        common::vmi_with_conditions("pf-nonet", "uid-nonet", Phase::Running, &[]),
+        pid,
+    );
+    let mut bridged = vmi_on_pod_network("pf-bridge", "bridge", &[]);
+    bridged.status.as_mut().expect("status").interfaces =
+        vec![api::status::VirtualMachineInstanceNetworkInterface {
+            name: Some("default".into()),
+            ip: Some("127.0.0.1".into()),
+            ..Default::default()
+        }];
+    add("pf-bridge", bridged, None);
+    let s = start(vmis, Limits::default()).await;
+
+    // Bytes round-trip, and two sessions live side by side.
+    let path = format!("portforward/{port}/tcp");
+    let mut one = s.ws("pf", &path, None).await;
+    echo_roundtrip(&mut one, b"SSH-2.0-test\r\n").await;
+    let mut two = s.ws("pf", &format!("portforward/{port}"), None).await;
+    echo_roundtrip(&mut two, b"second").await;
+    let big: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+    echo_roundtrip(&mut one, &big).await;
+    echo_roundtrip(&mut two, b"both still open").await;
+
+    // A client that closes ends its TCP connection, not the other session.
+    one.close(None).await.expect("close");
+    tokio::time::timeout(WAIT, ended.recv())
+        .await
+        .expect("the TCP connection ends with its websocket")
+        .expect("echo alive");
+    echo_roundtrip(&mut two, b"after the first closed").await;
+
+    // A closed port, a missing launcher, a VMI without a network are HTTP errors, not
+    // websockets that close at once.
+    let (status, body) = s
+        .try_ws("pf", "portforward/1/tcp")
+        .await
+        .expect_err("refused");
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("127.0.0.1:1"), "{body}");
+    let (status, body) = s.try_ws("pf-nopid", &path).await.expect_err("refused");
+    assert_eq!(status, 503, "{body}");
+    let (status, body) = s.try_ws("pf-nonet", &path).await.expect_err("refused");
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("no network interfaces"), "{body}");
+    let (status, body) = s.try_ws("pf-paused", &path).await.expect_err("refused");
+    assert_eq!(status, 409, "{body}");
+    let (status, body) = s.try_ws("nothere", &path).await.expect_err("refused");
+    assert_eq!(status, 404, "{body}");
+
+    // Only tcp, and only real ports.
+    let cases = [
+        (format!("portforward/{port}/udp"), 400, "udp"),
+        (format!("portforward/{port}/sctp"), 400, "sctp"),
+        ("portforward/0/tcp".to_owned(), 400, "\"0\""),
+        ("portforward/70000/tcp".to_owned(), 400, "\"70000\""),
+        ("portforward/ssh".to_owned(), 400, "\"ssh\""),
+    ];
+    for (what, want, needle) in cases {
+        let (status, body) = s.call("GET", "pf", &what).await;
+        assert_eq!(status, want, "{what}: {body}");
+        assert!(
+            body["message"].as_str().is_some_and(|m| m.contains(needle)),
+            "{what}: {body}"
+        );
+        let (status, _) = s.try_ws("pf", &what).await.expect_err("refused");
+        assert_eq!(status, want, "{what}");
+    }
+
+    // Bridge binding: the guest's address from the status, dialled from the handler's network.
+    let mut bridge = s
+        .ws("pf-bridge", &format!("portforward/{here_port}/tcp"), None)
+        .await;
+    echo_roundtrip(&mut bridge, b"bridged").await;
+    echo_roundtrip(&mut two, b"and the pod one still works").await;
+    drop(launcher);
+}
+
+#[tokio::test]
+async fn port_forward_says_when_the_peer_closes() {
+    let ns = netfix::Netns::new("pfc");
+    let listener = tokio::net::TcpListener::from_std(listen_in(&ns)).expect("tokio listener");
+    let port = listener.local_addr().expect("addr").port();
+    // A service that greets and hangs up.
+    let _peer = tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let _ = s.write_all(b"bye\n").await;
+        }
+    });
+    let launcher = ns.spawn({
+        let mut c = std::process::Command::new("sleep");
+        c.arg("1000");
+        c
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut vmis = StaticVmis::default();
+    let mut t = target(vmi_on_pod_network("pf", "masquerade", &[]), dir.path());
+    t.launcher_pid = Some(launcher.pid());
+    vmis.here.insert(("default".into(), "pf".into()), t);
+    let s = start(vmis, Limits::default()).await;
+    let mut ws = s.ws("pf", &format!("portforward/{port}/tcp"), None).await;
+    assert_eq!(next_binary(&mut ws).await, b"bye\n");
+    let end = tokio::time::timeout(WAIT, ws.next())
+        .await
+        .expect("the session ends in time");
+    match end {
+        Some(Ok(Message::Close(Some(f)))) => assert_eq!(u16::from(f.code), 1000),
+        other => panic!("expected a normal close, got {other:?}"),
+    }
 }

@@ -201,6 +201,17 @@ fn merge_diff(old: &Value, new: &Value) -> Value {
     Value::Object(patch)
 }
 
+/// What every cluster component does first: logs to stderr at `RUST_LOG`'s levels (`info` when
+/// unset), and a client from the in-cluster service account or `KUBECONFIG`.
+pub async fn start_component() -> Result<kube::Client, kube::Error> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    kube::Client::try_default().await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -57,13 +57,8 @@ struct Flags {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let f = Flags::parse();
-    let client = kube::Client::try_default()
+    let client = informer::start_component()
         .await
         .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;
     std::fs::create_dir_all(&f.runtime_dir)

@@ -107,8 +107,8 @@ async fn serve_inner(app: &App, req: Request<Body>) -> Result<Response, Refusal>
             namespace,
             name,
             sub,
-            rest: _,
-        } => vm_subresource(app, req, &namespace, &name, sub).await,
+            rest,
+        } => vm_subresource(app, req, &namespace, &name, sub, &rest).await,
     }
 }
 
@@ -231,6 +231,15 @@ fn precheck(vmi: &VirtualMachineInstance, sub: VmiSubresource) -> Result<(), Ref
                 return Err(conflict("VMI is paused"));
             }
         }
+        // KubeVirt's `validateVMIForPortForward`; the handler answers 409 for a VMI not running.
+        VmiSubresource::PortForward => {
+            if !running(vmi) {
+                return Err(conflict("VMI is not running"));
+            }
+            if condition(vmi, &Cond::Paused) {
+                return Err(conflict("VMI is paused"));
+            }
+        }
         VmiSubresource::GuestOsInfo | VmiSubresource::UserList | VmiSubresource::FilesystemList => {
             if !condition(vmi, &Cond::AgentConnected) {
                 return Err(conflict("VMI does not have guest agent connected"));
@@ -262,25 +271,13 @@ async fn vmi_subresource(
     rest: &[String],
 ) -> Result<Response, Refusal> {
     if sub == VmiSubresource::PortForward {
-        return Err(Refusal::bad_request(format!(
-            "port-forward ({}) is not served by this virt-api yet",
-            rest.join("/")
-        )));
+        let forward = parse_port_forward(rest)?;
+        let vmi = get_vmi(&app.client, ns, name).await?;
+        return Box::pin(port_forward(app, req, ns, &vmi, forward)).await;
     }
     let vmi = get_vmi(&app.client, ns, name).await?;
     precheck(&vmi, sub)?;
-    let node = vmi
-        .status
-        .as_ref()
-        .and_then(|s| s.node_name.clone())
-        .filter(|n| !n.is_empty())
-        .ok_or_else(|| {
-            Refusal::conflict(
-                "virtualmachineinstance",
-                name,
-                "VMI is not scheduled to a node",
-            )
-        })?;
+    let node = node_of(&vmi, name)?;
     let handler_path = format!(
         "/v1/namespaces/{ns}/virtualmachineinstances/{name}/{}",
         sub.as_str()
@@ -328,6 +325,82 @@ async fn vmi_subresource(
         resp.headers_mut().insert(http::header::CONTENT_TYPE, ct);
     }
     Ok(resp)
+}
+
+/// The node a VMI runs on, or 409.
+fn node_of(vmi: &VirtualMachineInstance, name: &str) -> Result<String, Refusal> {
+    vmi.status
+        .as_ref()
+        .and_then(|s| s.node_name.clone())
+        .filter(|n| !n.is_empty())
+        .ok_or_else(|| {
+            Refusal::conflict(
+                "virtualmachineinstance",
+                name,
+                "VMI is not scheduled to a node",
+            )
+        })
+}
+
+/// `portforward/{port}[/{protocol}]`'s port and protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Forward {
+    pub port: u16,
+    /// `tcp` or `udp`.
+    pub protocol: &'static str,
+}
+
+/// Parses what follows `portforward/`: a port from 1 to 65535 and an optional protocol (`tcp`
+/// when absent, or `udp`); 400 naming the bad value otherwise.
+pub fn parse_port_forward(rest: &[String]) -> Result<Forward, Refusal> {
+    let (port, protocol) = match rest {
+        [] => return Err(Refusal::bad_request("port must not be empty")),
+        [port] => (port, None),
+        [port, protocol] => (port, Some(protocol.as_str())),
+        more => {
+            return Err(Refusal::bad_request(format!(
+                "unexpected path after portforward: {:?}: expected {{port}}[/{{protocol}}]",
+                more.join("/")
+            )));
+        }
+    };
+    let port = port
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| {
+            Refusal::bad_request(format!(
+                "invalid port {port:?}: expected a number from 1 to 65535"
+            ))
+        })?;
+    let protocol = match protocol {
+        None | Some("tcp") => "tcp",
+        Some("udp") => "udp",
+        Some(other) => {
+            return Err(Refusal::bad_request(format!(
+                "invalid protocol {other:?}: expected tcp or udp"
+            )));
+        }
+    };
+    Ok(Forward { port, protocol })
+}
+
+/// Port-forward to a fetched VMI: KubeVirt's checks, then the handler's websocket relayed.
+async fn port_forward(
+    app: &App,
+    req: Request<Body>,
+    ns: &str,
+    vmi: &VirtualMachineInstance,
+    f: Forward,
+) -> Result<Response, Refusal> {
+    let name = vmi.metadata.name.as_deref().unwrap_or_default();
+    precheck(vmi, VmiSubresource::PortForward)?;
+    let node = node_of(vmi, name)?;
+    let path = format!(
+        "/v1/namespaces/{ns}/virtualmachineinstances/{name}/portforward/{}/{}",
+        f.port, f.protocol
+    );
+    stream(app, req, &node, &path).await
 }
 
 /// Dials the handler's websocket first, so a refusal there is this request's status rather
@@ -405,13 +478,43 @@ async fn vm_subresource(
     ns: &str,
     name: &str,
     sub: VmSubresource,
+    rest: &[String],
 ) -> Result<Response, Refusal> {
+    let forward = if sub == VmSubresource::PortForward {
+        Some(parse_port_forward(rest)?)
+    } else {
+        None
+    };
     let vms = Api::<api::VirtualMachine>::namespaced(app.client.clone(), ns);
     let vm = vms
         .get_opt(name)
         .await
         .map_err(|e| Refusal::internal(format!("unable to retrieve vm [{name}]: {e}")))?
         .ok_or_else(|| Refusal::not_found("virtualmachine", name))?;
+    if let Some(f) = forward {
+        // KubeVirt's `FetchVirtualMachineInstanceForVM`: the VM's own VMI, once created.
+        if !vm.status.as_ref().and_then(|s| s.created).unwrap_or(false) {
+            return Err(Refusal::conflict(
+                "virtualmachine",
+                name,
+                "VMI is not started",
+            ));
+        }
+        let vmi = get_vmi(&app.client, ns, name).await?;
+        let owned = vm.metadata.uid.as_ref().is_some_and(|uid| {
+            vmi.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|r| &r.uid == uid)
+        });
+        if !owned {
+            return Err(Refusal::internal(format!(
+                "unable to retrieve vmi [{name}] for vm: it is not the VM's"
+            )));
+        }
+        return Box::pin(port_forward(app, req, ns, &vmi, f)).await;
+    }
     let vmis = Api::<VirtualMachineInstance>::namespaced(app.client.clone(), ns);
     let vmi = vmis
         .get_opt(name)
@@ -444,6 +547,7 @@ async fn vm_subresource(
             return migrate(app, ns, name, vmi.as_ref(), &o).await;
         }
         VmSubresource::AddVolume | VmSubresource::RemoveVolume | VmSubresource::PortForward => {
+            // PortForward was served above.
             return Err(Refusal::bad_request(format!(
                 "{} is not served by this virt-api yet",
                 sub.as_str()
@@ -524,4 +628,43 @@ async fn migrate(
         .await
         .map_err(Refusal::internal)?;
     Ok(StatusCode::ACCEPTED.into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rest(parts: &[&str]) -> Vec<String> {
+        parts.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn port_forward_rest_is_a_port_and_an_optional_protocol() {
+        let ok = |port, protocol| Ok(Forward { port, protocol });
+        let cases: [(&[&str], Result<Forward, &str>); 12] = [
+            (&["22"], ok(22, "tcp")),
+            (&["22", "tcp"], ok(22, "tcp")),
+            (&["53", "udp"], ok(53, "udp")),
+            (&["1"], ok(1, "tcp")),
+            (&["65535", "tcp"], ok(65535, "tcp")),
+            (&[], Err("port must not be empty")),
+            (&["0"], Err("\"0\"")),
+            (&["65536"], Err("\"65536\"")),
+            (&["ssh", "tcp"], Err("\"ssh\"")),
+            (&["-1"], Err("\"-1\"")),
+            (&["22", "sctp"], Err("\"sctp\"")),
+            (&["22", "tcp", "x"], Err("\"22/tcp/x\"")),
+        ];
+        for (parts, want) in cases {
+            let got = parse_port_forward(&rest(parts));
+            match (got, want) {
+                (Ok(g), Ok(w)) => assert_eq!(g, w, "{parts:?}"),
+                (Err(e), Err(needle)) => {
+                    assert_eq!(e.code, StatusCode::BAD_REQUEST, "{parts:?}");
+                    assert!(e.message.contains(needle), "{parts:?}: {}", e.message);
+                }
+                (got, want) => panic!("{parts:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
 }

@@ -191,6 +191,7 @@ pub fn running_target(
         launcher_socket: launcher.socket.clone(),
         serial_socket: vm_dir.join("virt-serial0"),
         vnc_socket: vm_dir.join("virt-vnc"),
+        launcher_pid: None,
     }
 }
 

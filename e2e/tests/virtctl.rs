@@ -1,0 +1,382 @@
+//! virt-api and virtctl through the whole stack: kube-apiserver's aggregation layer, virt-api's
+//! authorization (SubjectAccessReview) and admission webhooks, virt-handler's console server and
+//! the launcher, driven with the `virtctl` binary as a user would.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use e2e::{Stack, bin_dir, repo_root, wait_for};
+
+const BOOT: Duration = Duration::from_mins(7);
+const CHANGE: Duration = Duration::from_mins(3);
+
+fn get(stack: &Stack, resource: &str) -> Result<serde_json::Value, String> {
+    stack
+        .get_json("default", resource, "demo")
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("no {resource} default/demo"))
+}
+
+fn vm_status(stack: &Stack) -> Result<String, String> {
+    Ok(get(stack, "vm")?["status"]["printableStatus"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned())
+}
+
+fn wait_vm_status(stack: &Stack, want: &str) {
+    wait_for(&format!("the VM to be {want}"), CHANGE, || {
+        let s = vm_status(stack)?;
+        (s == want)
+            .then_some(Some(()))
+            .ok_or(format!("VM is {s:?}"))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The VMI's uid once it runs and its guest agent is connected.
+fn running_vmi(stack: &Stack) -> String {
+    wait_for("the VMI to run with its agent connected", BOOT, || {
+        let vmi = get(stack, "vmi")?;
+        let agent = vmi["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "AgentConnected" && c["status"] == "True");
+        if vmi["status"]["phase"] == "Running" && agent {
+            Ok(Some(
+                vmi["metadata"]["uid"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            ))
+        } else {
+            Err(format!("phase {}, agent {agent}", vmi["status"]["phase"]))
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `virtctl console` in a real terminal (tmux, on its own server socket).
+struct Tmux {
+    socket: PathBuf,
+}
+
+impl Tmux {
+    fn start(dir: &Path, command: &str) -> Self {
+        let t = Tmux {
+            socket: dir.join("tmux.sock"),
+        };
+        t.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "console",
+            "-x",
+            "160",
+            "-y",
+            "40",
+            command,
+        ]);
+        t
+    }
+
+    fn run(&self, args: &[&str]) -> String {
+        let out = Command::new("tmux")
+            .arg("-S")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("tmux runs (hack/deps.sh installs it)");
+        assert!(out.status.success(), "tmux {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", "console"])
+    }
+
+    fn wait_for_text(&self, what: &str, text: &str) -> String {
+        wait_for(what, Duration::from_mins(2), || {
+            let screen = self.screen();
+            Ok(screen.contains(text).then_some(screen.clone()))
+        })
+        .unwrap_or_else(|e| panic!("{e}; screen:\n{}", self.screen()))
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .arg("-S")
+            .arg(&self.socket)
+            .arg("kill-server")
+            .output();
+    }
+}
+
+/// A kubeconfig for the service account `viewer`, bound to Kubernetes' `view` role only.
+fn viewer_kubeconfig(stack: &Stack) -> PathBuf {
+    stack
+        .kubectl(&["create", "serviceaccount", "viewer"])
+        .expect("service account");
+    stack
+        .kubectl(&[
+            "create",
+            "rolebinding",
+            "viewer",
+            "--clusterrole=view",
+            "--serviceaccount=default:viewer",
+        ])
+        .expect("role binding");
+    let token = stack
+        .kubectl(&["create", "token", "viewer"])
+        .expect("a token for viewer");
+    let path = stack.dir().join("viewer.kubeconfig");
+    std::fs::copy(stack.kubeconfig(), &path).expect("copy the kubeconfig");
+    let p = path.display().to_string();
+    for args in [
+        vec![
+            "config",
+            "set-credentials",
+            "viewer",
+            "--token",
+            token.trim(),
+        ],
+        vec!["config", "set-context", "--current", "--user", "viewer"],
+    ] {
+        let out = Command::new("kubectl")
+            .args(["--kubeconfig", &p])
+            .args(&args)
+            .output()
+            .expect("kubectl config");
+        assert!(out.status.success(), "{out:?}");
+    }
+    path
+}
+
+fn admission(stack: &Stack) {
+    let bad = serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "bad", "namespace": "default"},
+        "spec": {"domain": {"devices": {"disks": [{"name": "nope", "disk": {}}]},
+                 "memory": {"guest": "64Mi"}}}
+    });
+    let e = stack
+        .kubectl_with_input(&["apply", "-f", "-"], &bad.to_string())
+        .expect_err("an invalid VMI is refused");
+    let e = e.to_string();
+    assert!(
+        e.contains("is invalid") && e.contains("spec.domain.devices.disks[0].name"),
+        "the refusal names the field: {e}"
+    );
+    assert!(
+        stack.get_json("default", "vmi", "bad").unwrap().is_none(),
+        "nothing stored"
+    );
+
+    let minimal = serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "minimal", "namespace": "default"},
+        "spec": {"domain": {"devices": {"disks": [{"name": "data", "disk": {}}]},
+                 "memory": {"guest": "64Mi"}},
+                 "volumes": [{"name": "data", "emptyDisk": {"capacity": "16Mi"}}]}
+    });
+    stack
+        .kubectl_with_input(&["create", "-f", "-"], &minimal.to_string())
+        .expect("a minimal VMI is accepted");
+    let stored = stack
+        .get_json("default", "vmi", "minimal")
+        .unwrap()
+        .expect("stored");
+    let spec = &stored["spec"];
+    assert_eq!(spec["domain"]["devices"]["disks"][0]["disk"]["bus"], "sata");
+    assert_eq!(spec["domain"]["machine"]["type"], "q35");
+    assert_eq!(
+        spec["domain"]["devices"]["interfaces"][0]["name"],
+        "default"
+    );
+    assert_eq!(spec["networks"][0]["pod"], serde_json::json!({}));
+    assert!(
+        stored["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| f
+                .iter()
+                .any(|f| f == "kubevirt.io/foregroundDeleteVirtualMachine")),
+        "{stored:#}"
+    );
+    stack
+        .kubectl(&["delete", "vmi", "minimal", "--wait=false"])
+        .expect("delete");
+}
+
+#[test]
+fn guest_virtctl_reaches_the_vm_through_virt_api() {
+    let stack = Stack::up().expect("the stack comes up");
+    let kubeconfig = stack.kubeconfig();
+    admission(&stack);
+
+    let manifest = repo_root().join("manifests/examples/vm-demo.yaml");
+    stack
+        .kubectl(&["apply", "-f", &manifest.display().to_string()])
+        .expect("kubectl apply of the VM");
+    let first_uid = running_vmi(&stack);
+
+    // The serial console in a terminal: the guest's shell answers a command.
+    let tmux = Tmux::start(
+        stack.dir(),
+        &format!(
+            "{} --kubeconfig {} console demo",
+            bin_dir().join("virtctl").display(),
+            kubeconfig.display()
+        ),
+    );
+    tmux.wait_for_text(
+        "the console banner",
+        "Successfully connected to demo console",
+    );
+    wait_for("the guest's shell prompt", Duration::from_mins(2), || {
+        tmux.run(&["send-keys", "-t", "console", "", "Enter"]);
+        let screen = tmux.screen();
+        Ok(screen.contains("demo:~#").then_some(()))
+    })
+    .unwrap_or_else(|e| panic!("{e}; screen:\n{}", tmux.screen()));
+    tmux.run(&[
+        "send-keys",
+        "-t",
+        "console",
+        "echo virtctl-$((6*7))",
+        "Enter",
+    ]);
+    tmux.wait_for_text("the command's output", "virtctl-42");
+    // Ctrl+] leaves.
+    tmux.run(&["send-keys", "-t", "console", "C-]"]);
+    wait_for("virtctl console to exit", Duration::from_secs(30), || {
+        let panes = Command::new("tmux")
+            .arg("-S")
+            .arg(&tmux.socket)
+            .args(["list-panes", "-a"])
+            .output()
+            .map_err(|e| e.to_string())?;
+        (!panes.status.success())
+            .then_some(Some(()))
+            .ok_or_else(|| "still running".to_owned())
+    })
+    .unwrap_or_else(|e| panic!("{e}; screen:\n{}", tmux.screen()));
+    drop(tmux);
+
+    // A VNC screenshot of the guest's screen.
+    let shot = stack.dir().join("screen.png");
+    stack
+        .virtctl(&[
+            "vnc",
+            "screenshot",
+            "demo",
+            "--file",
+            &shot.display().to_string(),
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let decoder = png::Decoder::new(std::io::BufReader::new(
+        std::fs::File::open(&shot).expect("the PNG"),
+    ));
+    let mut reader = decoder.read_info().expect("a PNG header");
+    let mut pixels = vec![0; reader.output_buffer_size().expect("a buffer size")];
+    let frame = reader.next_frame(&mut pixels).expect("a decodable frame");
+    assert!(frame.width >= 640 && frame.height >= 400, "{frame:?}");
+    assert!(
+        pixels[..frame.buffer_size()].iter().any(|&b| b != 0),
+        "the guest's text console is not a black screen"
+    );
+
+    // What the guest agent reports.
+    let info: serde_json::Value = serde_json::from_str(
+        &stack
+            .virtctl(&["guestosinfo", "demo"])
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .unwrap();
+    assert_eq!(info["os"]["id"], "kubevirt-rs-guest", "{info:#}");
+
+    // Port-forward: a local port reaches the guest's listener through virt-api and virt-handler.
+    let local = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free local port");
+    let mut forward = KillOnDrop(
+        Command::new(bin_dir().join("virtctl"))
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["port-forward", "vm/demo", &format!("{}:8080", local.port())])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("virtctl port-forward starts"),
+    );
+    let greeting = e2e::greeting(local, CHANGE).unwrap_or_else(|e| {
+        let exited = forward.0.try_wait().ok().flatten();
+        panic!("{e}; virtctl port-forward exited: {exited:?}")
+    });
+    assert_eq!(greeting, "hello from the demo VM over the pod network");
+    drop(forward);
+
+    // Authorization is the API server's: `view` may read guest info but not attach.
+    let viewer = viewer_kubeconfig(&stack);
+    let said = stack
+        .virtctl_as(&viewer, &["console", "demo", "--timeout", "0"])
+        .expect_err("a view-only user is refused the console")
+        .to_string();
+    assert!(
+        said.contains("403") && said.contains("virtualmachineinstances/console"),
+        "{said}"
+    );
+    stack
+        .virtctl_as(&viewer, &["guestosinfo", "demo"])
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // Pause and unpause, as `kubectl get` shows them.
+    stack
+        .virtctl(&["pause", "vm", "demo"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_vm_status(&stack, "Paused");
+    stack
+        .virtctl(&["unpause", "vm", "demo"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_vm_status(&stack, "Running");
+
+    // Restart replaces the VMI; stop halts the VM; start brings it back.
+    stack
+        .virtctl(&["restart", "demo"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_for("a new VMI after restart", BOOT, || {
+        let vmi = get(&stack, "vmi")?;
+        let uid = vmi["metadata"]["uid"].as_str().unwrap_or_default();
+        (uid != first_uid && vmi["status"]["phase"] == "Running")
+            .then_some(Some(()))
+            .ok_or(format!("VMI {uid} {}", vmi["status"]["phase"]))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    stack
+        .virtctl(&["stop", "demo"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_vm_status(&stack, "Stopped");
+    assert_eq!(get(&stack, "vm").unwrap()["spec"]["runStrategy"], "Halted");
+    let again = stack
+        .virtctl(&["stop", "demo"])
+        .expect_err("stopping a stopped VM is refused")
+        .to_string();
+    assert!(again.contains("VM is not running"), "{again}");
+    stack
+        .virtctl(&["start", "demo"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_vm_status(&stack, "Running");
+}

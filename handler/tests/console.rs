@@ -300,7 +300,10 @@ impl Server {
         &self,
         vmi: &str,
         what: &str,
-    ) -> (Tls, tokio_tungstenite::tungstenite::handshake::client::Request) {
+    ) -> (
+        Tls,
+        tokio_tungstenite::tungstenite::handshake::client::Request,
+    ) {
         let tls = connect(self.addr, &self.ca.der(), Some(&self.client))
             .await
             .expect("connect");

@@ -306,6 +306,11 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
     )
     .unwrap();
     assert_eq!(info["os"]["id"], "kubevirt-rs-guest", "{info:#}");
+    assert_eq!(info["hostname"], "demo", "{info:#}");
+    assert!(
+        info["timezone"].as_str().is_some_and(|t| t.ends_with(", 0")),
+        "the guest runs on UTC: {info:#}"
+    );
 
     // Port-forward: a local port reaches the guest's listener through virt-api and virt-handler.
     let local = std::net::TcpListener::bind("127.0.0.1:0")

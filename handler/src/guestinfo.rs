@@ -4,7 +4,7 @@
 //! does not carry these subresource types, so they live here.
 
 use api::status::VirtualMachineInstanceGuestOsInfo;
-use launcher_api::guest::{QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
+use launcher_api::guest::{QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser};
 use serde::Serialize;
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -55,6 +55,11 @@ pub struct FileSystemInfo {
 pub struct GuestAgentInfo {
     #[serde(rename = "guestAgentVersion", skip_serializing_if = "String::is_empty")]
     pub ga_version: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub hostname: String,
+    /// KubeVirt's `"<zone>, <offset in seconds>"`.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub timezone: String,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub supported_commands: Vec<GuestAgentCommandInfo>,
     pub os: VirtualMachineInstanceGuestOsInfo,
@@ -124,6 +129,8 @@ pub fn filesystems(q: Vec<QgaFilesystem>) -> Vec<FileSystem> {
 
 pub fn agent_info(
     info: QgaInfo,
+    host: QgaHostName,
+    timezone: QgaTimezone,
     os: QgaOsInfo,
     user_list: Vec<QgaUser>,
     fs: Vec<QgaFilesystem>,
@@ -131,6 +138,8 @@ pub fn agent_info(
 ) -> GuestAgentInfo {
     GuestAgentInfo {
         ga_version: info.version,
+        hostname: host.host_name,
+        timezone: format!("{}, {}", timezone.zone.unwrap_or_default(), timezone.offset),
         supported_commands: info
             .supported_commands
             .into_iter()
@@ -196,12 +205,26 @@ mod tests {
             {"name": "proc", "mountpoint": "/proc", "type": "proc", "disk": []}
         ]))
         .expect("fsinfo");
-        let got = serde_json::to_value(agent_info(info, os, users.clone(), fs.clone(), None))
-            .expect("serializes");
+        let host: QgaHostName =
+            serde_json::from_value(json!({"host-name": "demo"})).expect("host name");
+        let timezone: QgaTimezone =
+            serde_json::from_value(json!({"zone": "CET", "offset": 3600})).expect("timezone");
+        let got = serde_json::to_value(agent_info(
+            info,
+            host,
+            timezone,
+            os,
+            users.clone(),
+            fs.clone(),
+            None,
+        ))
+        .expect("serializes");
         assert_eq!(
             got,
             json!({
                 "guestAgentVersion": "7.2.0",
+                "hostname": "demo",
+                "timezone": "CET, 3600",
                 "supportedCommands": [{"name": "guest-ping", "enabled": true}, {"name": "guest-exec"}],
                 "os": {
                     "name": "Debian GNU/Linux", "kernelRelease": "6.1.0-13-cloud-amd64",

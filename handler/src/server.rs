@@ -247,8 +247,10 @@ async fn guest_os_info(
 ) -> Result<axum::Json<guestinfo::GuestAgentInfo>, Reply> {
     let t = target(&s, &vmi, Action::GuestOsInfo)?;
     let c = client(&s, &t);
-    let (info, os, users, fs) = tokio::try_join!(
+    let (info, host, timezone, os, users, fs) = tokio::try_join!(
         c.guest_info(),
+        c.guest_host_name(),
+        c.guest_timezone(),
         c.guest_osinfo(),
         c.guest_users(),
         c.guest_filesystems()
@@ -259,7 +261,7 @@ async fn guest_os_info(
         .as_ref()
         .and_then(|s| s.fs_freeze_status.clone());
     Ok(axum::Json(guestinfo::agent_info(
-        info, os, users, fs, freeze,
+        info, host, timezone, os, users, fs, freeze,
     )))
 }
 

@@ -9,7 +9,9 @@ use http::Method;
 use serde::{Deserialize, Serialize};
 
 use crate::domain::{DiskStats, Domain, Info};
-use crate::guest::{AgentInterface, QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
+use crate::guest::{
+    AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
+};
 
 pub trait Action {
     const METHOD: Method;
@@ -117,6 +119,10 @@ actions! {
     GuestInfo = GET "/v1/guest/info", () => QgaInfo;
     /// `guest-get-osinfo`.
     GuestOsInfo = GET "/v1/guest/osinfo", () => QgaOsInfo;
+    /// `guest-get-host-name`.
+    GuestHostName = GET "/v1/guest/hostname", () => QgaHostName;
+    /// `guest-get-timezone`.
+    GuestTimezone = GET "/v1/guest/timezone", () => QgaTimezone;
     /// `guest-get-users`.
     GuestUsers = GET "/v1/guest/users", () => Vec<QgaUser>;
     /// `guest-get-fsinfo`.

@@ -18,12 +18,14 @@ use tokio_util::codec::{FramedRead, LinesCodec};
 use tokio_util::io::StreamReader;
 
 use crate::action::{
-    Action, Body, Freeze, Frozen, GetBlockStats, GetDomain, GetInfo, GuestFilesystems, GuestInfo,
-    GuestInterfaces, GuestOsInfo, GuestUsers, Kill, Pause, Ping, Reset, Screendump, Shutdown,
-    SoftReboot, SyncVmi, Thawed, Unfreeze, Unpause, WatchDomain,
+    Action, Body, Freeze, Frozen, GetBlockStats, GetDomain, GetInfo, GuestFilesystems,
+    GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo, GuestTimezone, GuestUsers, Kill, Pause,
+    Ping, Reset, Screendump, Shutdown, SoftReboot, SyncVmi, Thawed, Unfreeze, Unpause, WatchDomain,
 };
 use crate::domain::{ApiError, DiskStats, Domain, Info};
-use crate::guest::{AgentInterface, QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
+use crate::guest::{
+    AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
+};
 
 /// A domain line longer than this is not a domain.
 const MAX_WATCH_LINE: usize = 4 * 1024 * 1024;
@@ -281,6 +283,14 @@ impl LauncherClient {
 
     pub async fn guest_osinfo(&self) -> Result<QgaOsInfo, ClientError> {
         self.call::<GuestOsInfo>(&()).await
+    }
+
+    pub async fn guest_host_name(&self) -> Result<QgaHostName, ClientError> {
+        self.call::<GuestHostName>(&()).await
+    }
+
+    pub async fn guest_timezone(&self) -> Result<QgaTimezone, ClientError> {
+        self.call::<GuestTimezone>(&()).await
     }
 
     pub async fn guest_interfaces(&self) -> Result<Vec<AgentInterface>, ClientError> {

@@ -35,6 +35,21 @@ pub struct QgaOsInfo {
     pub version_id: Option<String>,
 }
 
+/// `guest-get-host-name`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct QgaHostName {
+    pub host_name: String,
+}
+
+/// `guest-get-timezone`: `offset` in seconds east of UTC.
+#[skip_serializing_none]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QgaTimezone {
+    pub zone: Option<String>,
+    pub offset: i64,
+}
+
 /// One of `guest-get-users`.
 #[skip_serializing_none]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

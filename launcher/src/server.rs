@@ -16,9 +16,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, on};
 use futures::StreamExt as _;
 use launcher_api::action::{
-    self, Action, Empty, Freeze, GetBlockStats, GetDomain, GetInfo, GuestFilesystems, GuestInfo,
-    GuestInterfaces, GuestOsInfo, GuestUsers, Kill, Pause, Ping, Reset, Screendump, Shutdown,
-    SoftReboot, SyncVmi, Unfreeze, Unpause, WatchDomain,
+    self, Action, Empty, Freeze, GetBlockStats, GetDomain, GetInfo, GuestFilesystems,
+    GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo, GuestTimezone, GuestUsers, Kill, Pause,
+    Ping, Reset, Screendump, Shutdown, SoftReboot, SyncVmi, Unfreeze, Unpause, WatchDomain,
 };
 use launcher_api::domain::{ApiError, Info};
 use serde::Serialize;
@@ -85,6 +85,14 @@ pub fn router(launcher: Arc<Launcher>) -> Router {
         .serve(Unfreeze, |l, ()| async move { l.unfreeze().await })
         .serve(GuestInfo, |l, ()| async move { l.guest_info().await })
         .serve(GuestOsInfo, |l, ()| async move { l.guest_osinfo().await })
+        .serve(
+            GuestHostName,
+            |l, ()| async move { l.guest_host_name().await },
+        )
+        .serve(
+            GuestTimezone,
+            |l, ()| async move { l.guest_timezone().await },
+        )
         .serve(GuestUsers, |l, ()| async move { l.guest_users().await })
         .serve(GuestFilesystems, |l, ()| async move {
             l.guest_filesystems().await

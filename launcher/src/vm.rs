@@ -13,7 +13,9 @@ use api::VirtualMachineInstance;
 use api::vmi::VolumeSource;
 use launcher_api::action::{Frozen, Thawed};
 use launcher_api::domain::{DiskStats, DiskStatus, Domain, DomainState, FsFreeze, InterfaceStatus};
-use launcher_api::guest::{AgentInterface, QgaFilesystem, QgaInfo, QgaOsInfo, QgaUser};
+use launcher_api::guest::{
+    AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
+};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value as Json, json};
@@ -830,6 +832,17 @@ impl Launcher {
     pub async fn guest_osinfo(&self) -> Result<QgaOsInfo, Error> {
         let a = self.agent("guest osinfo").await?;
         relay("guest-get-osinfo", a.osinfo().await)
+    }
+
+    pub async fn guest_host_name(&self) -> Result<QgaHostName, Error> {
+        let a = self.agent("guest host name").await?;
+        let host_name = a.host_name().await.map_err(Error::Agent)?;
+        Ok(QgaHostName { host_name })
+    }
+
+    pub async fn guest_timezone(&self) -> Result<QgaTimezone, Error> {
+        let a = self.agent("guest timezone").await?;
+        relay("guest-get-timezone", a.timezone().await)
     }
 
     pub async fn guest_users(&self) -> Result<Vec<QgaUser>, Error> {

@@ -97,8 +97,36 @@ pub const MIGRATION_FINALIZER: &str = "kubevirt.io/migrationJobFinalize";
 /// `VirtOperatorComponentFinalizer`: finalizer virt-operator puts on the KubeVirt CR.
 pub const OPERATOR_FINALIZER: &str = "kubevirt.io/virtOperatorFinalizer";
 
+/// KubeVirt's `CalculateVirtualMachineInstanceID`, the value of [`VMI_ID`]: the VMI's name, or
+/// for a name longer than a DNS label (63) its first 54 characters, `-` and the first 8 hex
+/// digits of its SHA-1.
+pub fn vmi_id(name: &str) -> String {
+    use sha1::Digest as _;
+    const MAX: usize = 63;
+    // The first 8 hex digits of the hash, and the `-` before them.
+    const HASH: usize = 8;
+    if name.len() <= MAX {
+        return name.to_owned();
+    }
+    // A name is ASCII (a DNS subdomain), so byte offsets are character offsets.
+    let prefix = name.get(..MAX - HASH - 1).unwrap_or(name);
+    let digest = sha1::Sha1::digest(name.as_bytes());
+    let [a, b, c, d, ..] = digest.as_slice() else {
+        unreachable!("SHA-1 digests are 20 bytes")
+    };
+    format!("{prefix}-{a:02x}{b:02x}{c:02x}{d:02x}")
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_vmi_id_label_is_kubevirts() {
+        assert_eq!(super::vmi_id("testvmi"), "testvmi");
+        let long = "a".repeat(70);
+        // Python: name[:54] + "-" + hashlib.sha1(name).hexdigest()[:8]
+        assert_eq!(super::vmi_id(&long), format!("{}-ed6c69d9", &long[..54]));
+    }
+
     use super::*;
 
     #[test]

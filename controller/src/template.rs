@@ -6,7 +6,6 @@
 //! device resources and node selector. The memory overhead is ours (see [`memory_overhead`]).
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 
 use api::ClusterConfig;
 use api::VirtualMachineInstance;
@@ -259,83 +258,9 @@ fn labels(vmi: &VirtualMachineInstance, uid: &str, host: &str) -> BTreeMap<Strin
     l.insert(labels::VM_NAME.into(), host.into());
     l.insert(
         labels::VMI_ID.into(),
-        vmi_id(vmi.metadata.name.as_deref().unwrap_or_default()),
+        labels::vmi_id(vmi.metadata.name.as_deref().unwrap_or_default()),
     );
     l
-}
-
-/// KubeVirt's `CalculateVirtualMachineInstanceID`: the VMI's name, or for a name longer than a
-/// DNS label (63) its first 54 characters, `-` and the first 8 hex digits of its SHA-1.
-pub fn vmi_id(name: &str) -> String {
-    const MAX: usize = 63;
-    const HASH: usize = 8;
-    if name.len() <= MAX {
-        return name.to_owned();
-    }
-    // A name is ASCII (a DNS subdomain), so byte offsets are character offsets.
-    let prefix = name.get(..MAX - HASH - 1).unwrap_or(name);
-    let mut hex = String::new();
-    for b in sha1(name.as_bytes()) {
-        let _ = write!(hex, "{b:02x}");
-    }
-    format!("{prefix}-{}", &hex[..HASH])
-}
-
-/// SHA-1 (FIPS 180-4), for [`vmi_id`] only: KubeVirt's label value needs it, and no SHA-1 crate
-/// is among the workspace's dependencies. The one-letter names are FIPS 180-4's.
-#[allow(clippy::many_single_char_names)]
-fn sha1(data: &[u8]) -> [u8; 20] {
-    let mut h: [u32; 5] = [
-        0x6745_2301,
-        0xEFCD_AB89,
-        0x98BA_DCFE,
-        0x1032_5476,
-        0xC3D2_E1F0,
-    ];
-    let mut msg = data.to_vec();
-    msg.push(0x80);
-    while msg.len() % 64 != 56 {
-        msg.push(0);
-    }
-    msg.extend_from_slice(
-        &(u64::try_from(data.len())
-            .unwrap_or(u64::MAX)
-            .wrapping_mul(8))
-        .to_be_bytes(),
-    );
-    for block in msg.chunks_exact(64) {
-        let mut w = [0u32; 80];
-        for (i, word) in block.chunks_exact(4).enumerate() {
-            w[i] = u32::from_be_bytes([word[0], word[1], word[2], word[3]]);
-        }
-        for i in 16..80 {
-            w[i] = (w[i - 3] ^ w[i - 8] ^ w[i - 14] ^ w[i - 16]).rotate_left(1);
-        }
-        let [mut a, mut b, mut c, mut d, mut e] = h;
-        for (i, wi) in w.iter().enumerate() {
-            let (f, k) = match i {
-                0..20 => ((b & c) | (!b & d), 0x5A82_7999),
-                20..40 => (b ^ c ^ d, 0x6ED9_EBA1),
-                40..60 => ((b & c) | (b & d) | (c & d), 0x8F1B_BCDC),
-                _ => (b ^ c ^ d, 0xCA62_C1D6),
-            };
-            let t = a
-                .rotate_left(5)
-                .wrapping_add(f)
-                .wrapping_add(e)
-                .wrapping_add(k)
-                .wrapping_add(*wi);
-            (e, d, c, b, a) = (d, c, b.rotate_left(30), a, t);
-        }
-        for (hi, v) in h.iter_mut().zip([a, b, c, d, e]) {
-            *hi = hi.wrapping_add(v);
-        }
-    }
-    let mut out = [0u8; 20];
-    for (chunk, v) in out.chunks_exact_mut(4).zip(h) {
-        chunk.copy_from_slice(&v.to_be_bytes());
-    }
-    out
 }
 
 /// KubeVirt's pod annotations: the domain, the VMI's own (minus kubectl bookkeeping), the
@@ -861,21 +786,6 @@ spec: {nodeSelector: {disk: ssd}, domain: {resources: {requests: {memory: 64Mi}}
         assert_eq!(
             (sel["disk"].as_str(), sel[labels::NODE_SCHEDULABLE].as_str()),
             ("ssd", "true")
-        );
-    }
-
-    #[test]
-    fn the_vmi_id_label_is_kubevirts() {
-        assert_eq!(vmi_id("testvmi"), "testvmi");
-        let long = "a".repeat(70);
-        // Python: name[:54] + "-" + hashlib.sha1(name).hexdigest()[:8]
-        assert_eq!(vmi_id(&long), format!("{}-ed6c69d9", &long[..54]));
-        assert_eq!(
-            sha1(b"abc"),
-            [
-                0xa9, 0x99, 0x3e, 0x36, 0x47, 0x06, 0x81, 0x6a, 0xba, 0x3e, 0x25, 0x71, 0x78, 0x50,
-                0xc2, 0x6c, 0x9c, 0xd0, 0xd8, 0x9d
-            ]
         );
     }
 }

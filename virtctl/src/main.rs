@@ -3,7 +3,9 @@
 
 mod client;
 mod console;
+mod create;
 mod error;
+mod expose;
 mod portforward;
 mod ssh;
 mod stream;
@@ -128,12 +130,26 @@ enum Command {
     Ssh(ssh::SshArgs),
     /// SCP files from/to a virtual machine instance.
     Scp(ssh::ScpArgs),
+    /// Expose a virtual machine instance, virtual machine, or virtual machine instance replica
+    /// set as a new service.
+    Expose(expose::ExposeArgs),
+    /// Create a manifest for the specified Kind.
+    Create {
+        #[command(subcommand)]
+        sub: CreateCommand,
+    },
     /// Print the client and server version information.
     Version {
         /// Client version only (no server required)
         #[arg(short, long, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
         client: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+enum CreateCommand {
+    /// Create a VirtualMachine manifest.
+    Vm(Box<create::CreateVmArgs>),
 }
 
 #[derive(Debug, Subcommand)]
@@ -175,14 +191,24 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             version::run(&cli.kube, *client).await?;
             return Ok(ExitCode::SUCCESS);
         }
+        Command::Create {
+            sub: CreateCommand::Vm(a),
+        } => {
+            create::run(a, cli.kube.namespace.as_deref())?;
+            return Ok(ExitCode::SUCCESS);
+        }
         Command::Pause(a) | Command::Unpause(a) => {
             vmi::parse_kind(&a.kind)?;
+        }
+        Command::Expose(a) => {
+            expose::parse_kind(&a.kind)?;
+            expose::params(a, "")?;
         }
         _ => {}
     }
     let cluster = Cluster::connect(&cli.kube).await?;
     match cli.command {
-        Command::Version { .. } => {}
+        Command::Version { .. } | Command::Create { .. } => {}
         Command::Start {
             name,
             paused,
@@ -230,6 +256,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             (None, None) => anyhow::bail!("vnc needs a VMI name, or the screenshot command"),
         },
         Command::PortForward(a) => portforward::run(&cluster, &a).await?,
+        Command::Expose(a) => expose::run(&cluster, &a).await?,
         Command::Ssh(a) => return ssh::ssh(&cluster, &cli.kube, &a),
         Command::Scp(a) => return ssh::scp(&cluster, &cli.kube, &a),
     }
@@ -387,6 +414,48 @@ mod tests {
             panic!("not migrate");
         };
         assert_eq!(added_node_selector, vec!["zone=a,rack=1"]);
+    }
+
+    #[test]
+    fn expose_flags() {
+        let Command::Expose(a) = parse(&[
+            "expose", "vmi", "demo", "--name", "ssh", "--port", "22", "--type", "NodePort",
+        ])
+        .unwrap()
+        .command
+        else {
+            panic!("not expose");
+        };
+        assert_eq!(
+            (a.kind.as_str(), a.object.as_str(), a.name.as_str(), a.port),
+            ("vmi", "demo", "ssh", 22)
+        );
+        assert_eq!(
+            (a.service_type.as_str(), a.protocol.as_str()),
+            ("NodePort", "TCP")
+        );
+        // --name is required, as in KubeVirt.
+        assert!(parse(&["expose", "vm", "demo", "--port", "22"]).is_err());
+    }
+
+    #[test]
+    fn create_vm_user_is_the_cloud_init_user() {
+        // KubeVirt's local --user shadows kubectl's global one on `create vm`.
+        let Command::Create {
+            sub: CreateCommand::Vm(a),
+        } = parse(&["create", "vm", "--user", "fedora", "--ssh-key", "k1,k2"])
+            .unwrap()
+            .command
+        else {
+            panic!("not create vm");
+        };
+        assert_eq!(a.user.as_deref(), Some("fedora"));
+        assert_eq!(a.ssh_key, ["k1", "k2"]);
+        // Elsewhere --user stays the kubeconfig user.
+        let cli = parse(&["start", "demo", "--user", "admin"]).unwrap();
+        assert_eq!(cli.kube.user.as_deref(), Some("admin"));
+        let cli = parse(&["-n", "team", "create", "vm"]).unwrap();
+        assert_eq!(cli.kube.namespace.as_deref(), Some("team"));
     }
 
     #[test]

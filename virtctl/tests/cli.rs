@@ -55,6 +55,13 @@ fn record(seen: &Mutex<Vec<Seen>>, method: &Method, uri: &Uri, body: &Bytes) -> 
             r#"virtualmachines.kubevirt.io "missing" not found"#,
         );
     }
+    if method == Method::GET && path == "/apis/kubevirt.io/v1/namespaces/ctxns/virtualmachines/demo"
+    {
+        return r#"{"apiVersion":"kubevirt.io/v1","kind":"VirtualMachine","metadata":{"name":"demo","namespace":"ctxns","uid":"u-1"},"spec":{"template":{"spec":{"domain":{"devices":{}}}}}}"#.into_response();
+    }
+    if method == Method::POST && path.ends_with("/services") {
+        return (StatusCode::CREATED, body.clone()).into_response();
+    }
     if path.ends_with("/guestosinfo") {
         return r#"{"guestAgentVersion":"5.2.0","hostname":"demo","os":{"name":"Debian GNU/Linux","id":"debian"}}"#.into_response();
     }
@@ -367,6 +374,95 @@ fn port_forward_stdio_is_sshs_proxy() {
     assert_eq!(&echoed, b"SSH-2.0");
     drop(stdin);
     assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn expose_creates_a_service_for_the_vms_pods() {
+    let server = Server::start();
+    let out = server.run(&[
+        "expose", "vm", "demo", "--name", "demo-ssh", "--port", "22", "--type", "NodePort",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "Service demo-ssh successfully created for vm demo\n"
+    );
+    let seen = server.seen();
+    assert_eq!(
+        (seen[0].method.as_str(), seen[0].uri.as_str()),
+        (
+            "GET",
+            "/apis/kubevirt.io/v1/namespaces/ctxns/virtualmachines/demo"
+        )
+    );
+    assert_eq!(
+        (seen[1].method.as_str(), seen[1].uri.as_str()),
+        ("POST", "/api/v1/namespaces/ctxns/services?")
+    );
+    let svc: serde_json::Value = serde_json::from_str(&seen[1].body).unwrap();
+    assert_eq!(
+        svc,
+        serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {
+                "name": "demo-ssh", "namespace": "ctxns",
+                "ownerReferences": [{
+                    "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "name": "demo",
+                    "uid": "u-1", "controller": true, "blockOwnerDeletion": false,
+                }],
+            },
+            "spec": {
+                "ports": [{"port": 22, "protocol": "TCP"}],
+                "selector": {"vmi.kubevirt.io/id": "demo"},
+                "type": "NodePort",
+            },
+        })
+    );
+
+    // No ports on the VM's pod network and no --port: nothing is created.
+    let out = server.run(&["expose", "vm", "demo", "--name", "s"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stderr),
+        "couldn't find port via --port flag or introspection\n"
+    );
+    let out = server.run(&["expose", "vm", "missing", "--name", "s", "--port", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).starts_with("error fetching VirtualMachine: "),
+        "{}",
+        text(&out.stderr)
+    );
+    // Bad flags fail before the cluster is asked.
+    let before = server.seen().len();
+    let out = server.run(&["expose", "pod", "demo", "--name", "s"]);
+    assert_eq!(text(&out.stderr), "unsupported resource type: pod\n");
+    let out = server.run(&["expose", "vm", "demo", "--name", "s", "--protocol", "sctp"]);
+    assert_eq!(text(&out.stderr), "unknown protocol: sctp\n");
+    assert_eq!(server.seen().len(), before);
+}
+
+#[test]
+fn create_vm_prints_a_manifest_without_a_cluster() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_virtctl"))
+        .args([
+            "create",
+            "vm",
+            "--name",
+            "demo",
+            "--volume-containerdisk",
+            "src:img",
+        ])
+        .env("KUBECONFIG", "/nonexistent")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let vm: serde_json::Value = serde_saphyr::from_str(&text(&out.stdout)).unwrap();
+    assert_eq!(vm["metadata"]["name"], "demo");
+    assert_eq!(
+        vm["spec"]["template"]["spec"]["volumes"][0]["containerDisk"]["image"],
+        "img"
+    );
 }
 
 #[test]

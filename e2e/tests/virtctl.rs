@@ -308,7 +308,9 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
     assert_eq!(info["os"]["id"], "kubevirt-rs-guest", "{info:#}");
     assert_eq!(info["hostname"], "demo", "{info:#}");
     assert!(
-        info["timezone"].as_str().is_some_and(|t| t.ends_with(", 0")),
+        info["timezone"]
+            .as_str()
+            .is_some_and(|t| t.ends_with(", 0")),
         "the guest runs on UTC: {info:#}"
     );
 

@@ -23,6 +23,9 @@
 //!   kubevirt-rs does not hotplug volumes.
 //! - The migration validators do not look up the VMI (exists, not final, migratable) or in-flight
 //!   migrations of it: that needs the API and is left to the migration controller.
+//! - The migration mutator adds the `kubevirt.io/vmi-name` label but not KubeVirt's
+//!   `kubevirt.io/migrationJobFinalize` finalizer: nothing would remove it before the migration
+//!   controller exists, and every deleted migration would stay.
 //! - KubeVirt's schema check (`ValidateSchema` against its OpenAPI definitions) is the CRD's
 //!   structural schema here; an object that does not decode into the `api` types is refused with
 //!   code 400, as KubeVirt refuses undecodable objects.
@@ -736,10 +739,9 @@ fn mutate_migration(req: &Request) -> Outcome {
         MIGRATION_SELECTOR_LABEL.to_owned(),
         original.spec.vmi_name.clone().unwrap_or_default(),
     );
-    let finalizers = meta.finalizers.get_or_insert_with(Vec::new);
-    if !finalizers.iter().any(|f| f == labels::MIGRATION_FINALIZER) {
-        finalizers.push(labels::MIGRATION_FINALIZER.to_owned());
-    }
+    // KubeVirt also adds `kubevirt.io/migrationJobFinalize` here, which its migration
+    // controller removes; with no migration controller yet (issue 18) that finalizer would
+    // leave every deleted migration stuck, so it is not added until the controller exists.
     patch_between(&original, &migration)
 }
 

@@ -3,10 +3,12 @@
 //!
 //! Pure cores: [`authn`] (who asks for what), [`lifecycle`] (VM start/stop/restart as
 //! patches), [`discovery`], [`admission`]; I/O shells: [`subresource`] (the API calls and the
-//! relay to virt-handler through [`virthandler`]) and [`server`] (TLS and routes).
+//! relay to virt-handler through [`virthandler`]) and [`server`] (TLS and routes); [`daemon`]
+//! puts them together as the binary runs them (and as tests run them in-process).
 
 pub mod admission;
 pub mod authn;
+pub mod daemon;
 pub mod discovery;
 pub mod lifecycle;
 pub mod server;

@@ -1,0 +1,544 @@
+//! virt-api behind the real kube-apiserver's aggregation layer (see `common`): discovery, the
+//! console relayed to virt-handler's console server, authorization by the API server and by
+//! virt-api's own SubjectAccessReview, VMI actions relayed with the handler's answer, VM
+//! start/stop/restart as patches of the VM.
+
+mod common;
+
+use api::VirtualMachineInstancePhase as Phase;
+use api::vm::RunStrategy;
+use common::{Cluster, NS, subresources, vm_path, vmi_path};
+use futures::{SinkExt as _, StreamExt as _};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::Api;
+use kube::api::PostParams;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::UnixListener;
+use tokio_tungstenite::tungstenite::Message;
+
+fn names(list: &Value) -> Vec<&str> {
+    list["resources"]
+        .as_array()
+        .expect("resources")
+        .iter()
+        .filter_map(|r| r["name"].as_str())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_through_kube_apiserver_and_an_unknown_subresource() {
+    let c = Cluster::start().await;
+    let admin = c.admin();
+    for version in api::subresources::VERSIONS {
+        let r = admin
+            .request("GET", &subresources(version), &[], None)
+            .await
+            .expect("discovery");
+        assert_eq!(r.status, 200, "{version}: {}", r.text());
+        let list = r.json();
+        assert_eq!(
+            list["groupVersion"],
+            format!("{}/{version}", api::subresources::GROUP)
+        );
+        let served = names(&list);
+        for want in [
+            "virtualmachineinstances/console",
+            "virtualmachineinstances/vnc",
+            "virtualmachineinstances/pause",
+            "virtualmachines/start",
+        ] {
+            assert!(served.contains(&want), "{version} lacks {want}: {served:?}");
+        }
+    }
+    // kube-apiserver's own group list names the aggregated group.
+    let groups = admin
+        .request("GET", "/apis", &[("Accept", "application/json")], None)
+        .await
+        .expect("/apis");
+    assert!(
+        groups.json()["groups"]
+            .as_array()
+            .expect("groups")
+            .iter()
+            .any(|g| g["name"] == api::subresources::GROUP),
+        "{}",
+        groups.text()
+    );
+
+    c.vmi("demo", Phase::Running).await;
+    let r = admin
+        .request("GET", &vmi_path("demo", "nonsense"), &[], None)
+        .await
+        .expect("request");
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert!(r.message().contains("nonsense"), "{}", r.text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_through_kube_apiserver_carries_bytes_both_ways() {
+    let c = Cluster::start().await;
+    c.vmi("demo", Phase::Running).await;
+    let serial = UnixListener::bind(c.serial_socket("demo")).expect("bind the serial socket");
+    let mut ws = c
+        .admin()
+        .websocket(&vmi_path("demo", "console"), &[])
+        .await
+        .expect("console websocket");
+    let (mut peer, _) = serial.accept().await.expect("the handler connects");
+
+    // The guest writes: the user reads it.
+    peer.write_all(b"login: ").await.expect("guest writes");
+    let mut got = Vec::new();
+    while got.len() < b"login: ".len() {
+        match ws.next().await {
+            Some(Ok(Message::Binary(b))) => got.extend_from_slice(&b),
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
+            other => panic!("after {got:?}: {other:?}"),
+        }
+    }
+    assert_eq!(got, b"login: ");
+
+    // The user types: the guest reads it.
+    ws.send(Message::Binary(b"root\n".to_vec().into()))
+        .await
+        .expect("user types");
+    let mut typed = [0u8; 5];
+    peer.read_exact(&mut typed).await.expect("guest reads");
+    assert_eq!(&typed, b"root\n");
+
+    // The guest's side closing ends the session for the user.
+    drop(peer);
+    loop {
+        match ws.next().await {
+            None | Some(Ok(Message::Close(_)) | Err(_)) => break,
+            Some(Ok(_)) => {}
+        }
+    }
+
+    // No serial socket: the handler's 503 is the upgrade's answer.
+    c.vmi("no-console", Phase::Running).await;
+    let refused = c
+        .admin()
+        .websocket(&vmi_path("no-console", "console"), &[])
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.0, 503, "{}", refused.1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn authorization_by_kube_apiserver_and_by_virt_api() {
+    let c = Cluster::start().await;
+    c.vmi("demo", Phase::Running).await;
+    let _serial = UnixListener::bind(c.serial_socket("demo")).expect("bind the serial socket");
+
+    // No RBAC: kube-apiserver refuses before the request reaches virt-api.
+    let nobody = c.user("nobody", &[]);
+    let refused = nobody
+        .websocket(&vmi_path("demo", "console"), &[])
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.0, 403, "{}", refused.1);
+    assert!(
+        refused.1.contains("virtualmachineinstances/console") && refused.1.contains("nobody"),
+        "{}",
+        refused.1
+    );
+    let r = nobody
+        .request("PUT", &vmi_path("demo", "pause"), &[], Some(json!({})))
+        .await
+        .expect("request");
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert!(
+        r.message().contains("virtualmachineinstances/pause"),
+        "{}",
+        r.text()
+    );
+
+    // A Role granting the console: kube-apiserver and virt-api's SubjectAccessReview agree.
+    let role: Role = serde_json::from_value(json!({
+        "metadata": {"name": "console"},
+        "rules": [{
+            "apiGroups": [api::subresources::GROUP],
+            "resources": ["virtualmachineinstances/console"],
+            "verbs": ["get"],
+        }],
+    }))
+    .expect("role");
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "console"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "console"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "console-user"}],
+    }))
+    .expect("binding");
+    Api::<Role>::namespaced(c.client.clone(), NS)
+        .create(&PostParams::default(), &role)
+        .await
+        .expect("role");
+    Api::<RoleBinding>::namespaced(c.client.clone(), NS)
+        .create(&PostParams::default(), &binding)
+        .await
+        .expect("binding");
+    let console_user = c.user("console-user", &[]);
+    // RBAC's cache in kube-apiserver follows the binding within moments.
+    common::wait_for("the console-user's binding in effect", || async {
+        match console_user
+            .websocket(&vmi_path("demo", "console"), &[])
+            .await
+        {
+            Ok(_) => true,
+            Err((403, _)) => false,
+            Err(other) => panic!("console-user: {other:?}"),
+        }
+    })
+    .await;
+    let r = console_user
+        .request("PUT", &vmi_path("demo", "pause"), &[], Some(json!({})))
+        .await
+        .expect("request");
+    assert_eq!(r.status, 403, "console does not grant pause: {}", r.text());
+
+    // virt-api's own check, reached directly as kube-apiserver's front proxy would: the
+    // SubjectAccessReview for the user in the headers refuses, naming the subresource.
+    let front_proxy = c.virt_api_direct(true);
+    let as_user = |user: &'static str| {
+        [
+            ("X-Remote-User", user),
+            ("X-Remote-Group", "system:authenticated"),
+        ]
+    };
+    let refused = front_proxy
+        .websocket(&vmi_path("demo", "console"), &as_user("nobody"))
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.0, 403, "{}", refused.1);
+    assert!(
+        refused.1.contains("nobody") && refused.1.contains("virtualmachineinstances/console"),
+        "{}",
+        refused.1
+    );
+    let r = front_proxy
+        .request(
+            "PUT",
+            &vmi_path("demo", "pause"),
+            &as_user("console-user"),
+            Some(json!({})),
+        )
+        .await
+        .expect("request");
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert!(
+        r.message().contains("virtualmachineinstances/pause"),
+        "{}",
+        r.text()
+    );
+    front_proxy
+        .websocket(&vmi_path("demo", "console"), &as_user("console-user"))
+        .await
+        .expect("console-user may open the console");
+
+    // Headers from anyone but the front proxy are not believed.
+    let r = c
+        .virt_api_direct(false)
+        .request(
+            "PUT",
+            &vmi_path("demo", "pause"),
+            &[
+                ("X-Remote-User", "test-admin"),
+                ("X-Remote-Group", "system:masters"),
+            ],
+            Some(json!({})),
+        )
+        .await
+        .expect("request");
+    assert_eq!(r.status, 401, "{}", r.text());
+    // Discovery and health need no authentication, as KubeVirt's.
+    let r = c
+        .virt_api_direct(false)
+        .request("GET", &format!("{}/healthz", subresources("v1")), &[], None)
+        .await
+        .expect("healthz");
+    assert_eq!((r.status, r.text().as_str()), (200, "ok"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vmi_actions_relay_the_handlers_answer() {
+    let c = Cluster::start().await;
+    let admin = c.admin();
+    // Running for the API (virt-api's checks pass), not yet for the handler: its 409.
+    c.vmi("starting", Phase::Scheduled).await;
+    let r = admin
+        .request("PUT", &vmi_path("starting", "pause"), &[], Some(json!({})))
+        .await
+        .expect("pause");
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(
+        r.message().contains("is not running (phase Scheduled)"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(r.json()["reason"], "Conflict", "{}", r.text());
+
+    // Running for both, but no launcher answers: the handler's 503.
+    c.vmi("no-launcher", Phase::Running).await;
+    let r = admin
+        .request(
+            "PUT",
+            &vmi_path("no-launcher", "pause"),
+            &[],
+            Some(json!({})),
+        )
+        .await
+        .expect("pause");
+    assert_eq!(r.status, 503, "{}", r.text());
+
+    // dryRun returns before the handler is called.
+    let r = admin
+        .request(
+            "PUT",
+            &vmi_path("no-launcher", "pause"),
+            &[],
+            Some(json!({"dryRun": ["All"]})),
+        )
+        .await
+        .expect("pause");
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // virt-api's own pre-checks, with KubeVirt's messages: a VMI not Running for the API.
+    let r = admin
+        .request("PUT", &vmi_path("missing", "pause"), &[], Some(json!({})))
+        .await
+        .expect("pause");
+    assert_eq!(r.status, 404, "{}", r.text());
+    let r = admin
+        .request(
+            "PUT",
+            &vmi_path("no-launcher", "unpause"),
+            &[],
+            Some(json!({})),
+        )
+        .await
+        .expect("unpause");
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.message().contains("VMI is not paused"), "{}", r.text());
+}
+
+fn halted_vm(name: &str) -> api::VirtualMachine {
+    serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "runStrategy": "Halted",
+            "template": {"spec": {"domain": {"devices": {}}}},
+        },
+    }))
+    .expect("VM")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vm_start_stop_restart_patch_the_vm() {
+    let c = Cluster::start().await;
+    let admin = c.admin();
+    let vms: Api<api::VirtualMachine> = Api::namespaced(c.client.clone(), NS);
+    vms.create(&PostParams::default(), &halted_vm("demo"))
+        .await
+        .expect("create the VM");
+    let strategy = |vm: api::VirtualMachine| vm.spec.run_strategy;
+
+    let r = admin
+        .request("PUT", &vm_path("demo", "restart"), &[], Some(json!({})))
+        .await
+        .expect("restart");
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(
+        r.message(),
+        "Operation cannot be fulfilled on virtualmachine.kubevirt.io \"demo\": RunStategy Halted does not support manual restart requests"
+    );
+
+    let r = admin
+        .request("PUT", &vm_path("demo", "start"), &[], Some(json!({})))
+        .await
+        .expect("start");
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert_eq!(
+        strategy(vms.get("demo").await.expect("VM")),
+        Some(RunStrategy::Always)
+    );
+
+    // dryRun changes nothing.
+    let r = admin
+        .request(
+            "PUT",
+            &vm_path("demo", "stop"),
+            &[],
+            Some(json!({"dryRun": ["All"]})),
+        )
+        .await
+        .expect("stop");
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert_eq!(
+        strategy(vms.get("demo").await.expect("VM")),
+        Some(RunStrategy::Always)
+    );
+
+    let r = admin
+        .request("PUT", &vm_path("demo", "stop"), &[], Some(json!({})))
+        .await
+        .expect("stop");
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert_eq!(
+        strategy(vms.get("demo").await.expect("VM")),
+        Some(RunStrategy::Halted)
+    );
+
+    // Halted with no VMI: nothing to stop.
+    let r = admin
+        .request("PUT", &vm_path("demo", "stop"), &[], Some(json!({})))
+        .await
+        .expect("stop");
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(r.message().ends_with("VM is not running"), "{}", r.text());
+
+    // The old API version is served the same.
+    let r = admin
+        .request(
+            "PUT",
+            &vm_path("demo", "start").replacen("/v1/", "/v1alpha3/", 1),
+            &[],
+            Some(json!({})),
+        )
+        .await
+        .expect("start");
+    assert_eq!(r.status, 202, "{}", r.text());
+
+    let r = admin
+        .request("PUT", &vm_path("missing", "start"), &[], Some(json!({})))
+        .await
+        .expect("start");
+    assert_eq!(r.status, 404, "{}", r.text());
+    // A VM subresource asked with the wrong method.
+    let r = admin
+        .request("GET", &vm_path("demo", "start"), &[], None)
+        .await
+        .expect("start");
+    assert_eq!(r.status, 405, "{}", r.text());
+}
+
+/// KubeVirt's webhook configurations (`manifests/install/55-virt-api-webhooks.yaml`) with the
+/// CA of virt-api's certificate: kube-apiserver reaches them through the same EndpointSlice.
+async fn install_webhooks(c: &Cluster) {
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    };
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../manifests/install/55-virt-api-webhooks.yaml"),
+    )
+    .expect("the webhooks manifest");
+    let ca = || Some(ByteString(c.certs.ca_pem.as_bytes().to_vec()));
+    for doc in text.split("\n---\n") {
+        let v: Value = serde_saphyr::from_str(doc).expect("YAML");
+        match v["kind"].as_str() {
+            Some("MutatingWebhookConfiguration") => {
+                let mut m: MutatingWebhookConfiguration =
+                    serde_json::from_value(v).expect("mutating");
+                for w in m.webhooks.iter_mut().flatten() {
+                    w.client_config.ca_bundle = ca();
+                }
+                Api::all(c.client.clone())
+                    .create(&PostParams::default(), &m)
+                    .await
+                    .expect("create the mutating webhooks");
+            }
+            Some("ValidatingWebhookConfiguration") => {
+                let mut m: ValidatingWebhookConfiguration =
+                    serde_json::from_value(v).expect("validating");
+                for w in m.webhooks.iter_mut().flatten() {
+                    w.client_config.ca_bundle = ca();
+                }
+                Api::all(c.client.clone())
+                    .create(&PostParams::default(), &m)
+                    .await
+                    .expect("create the validating webhooks");
+            }
+            other => panic!("unexpected document {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_webhooks_default_and_validate_vmis() {
+    let c = Cluster::start().await;
+    install_webhooks(&c).await;
+    let vmis: Api<api::VirtualMachineInstance> = Api::namespaced(c.client.clone(), NS);
+    let minimal: api::VirtualMachineInstance = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "minimal", "namespace": NS},
+        "spec": {"domain": {"devices": {"disks": [{"name": "data", "disk": {}}]},
+                 "memory": {"guest": "64Mi"}},
+                 "volumes": [{"name": "data", "emptyDisk": {"capacity": "16Mi"}}]}
+    }))
+    .expect("VMI");
+    // kube-apiserver's webhook clients notice new configurations within moments.
+    // kube-apiserver's webhook clients notice new configurations within moments: until then a
+    // VMI is stored as sent.
+    let deadline = std::time::Instant::now() + common::WAIT;
+    let stored = loop {
+        let mut v = minimal.clone();
+        v.metadata.name = Some(format!("minimal-{}", uuid::Uuid::new_v4().simple()));
+        let created = vmis
+            .create(&PostParams::default(), &v)
+            .await
+            .expect("a minimal VMI is accepted");
+        if created
+            .metadata
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| !f.is_empty())
+        {
+            break created;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the mutating webhook is never called"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let stored = serde_json::to_value(stored).expect("JSON");
+    let spec = &stored["spec"];
+    assert_eq!(spec["domain"]["devices"]["disks"][0]["disk"]["bus"], "sata");
+    assert_eq!(spec["domain"]["machine"]["type"], "q35");
+    assert_eq!(
+        spec["domain"]["devices"]["interfaces"][0]["name"],
+        "default"
+    );
+    assert_eq!(spec["networks"][0]["pod"], json!({}));
+    assert!(
+        stored["metadata"]["finalizers"]
+            .as_array()
+            .is_some_and(|f| f
+                .iter()
+                .any(|f| f == "kubevirt.io/foregroundDeleteVirtualMachine")),
+        "{stored:#}"
+    );
+
+    let bad: api::VirtualMachineInstance = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "bad", "namespace": NS},
+        "spec": {"domain": {"devices": {"disks": [{"name": "nope", "disk": {}}]},
+                 "memory": {"guest": "64Mi"}}}
+    }))
+    .expect("VMI");
+    match vmis.create(&PostParams::default(), &bad).await {
+        Err(kube::Error::Api(s)) => {
+            assert_eq!(s.code, 422, "{s:?}");
+            assert!(
+                s.message.contains("spec.domain.devices.disks[0].name"),
+                "{s:?}"
+            );
+        }
+        other => panic!("an invalid VMI is refused: {other:?}"),
+    }
+}

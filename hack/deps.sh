@@ -18,6 +18,7 @@ packages=(
   e2fsprogs         # mkfs.ext4: the test guest's freezable data disk (label kvrs-data)
   ca-certificates curl jq yq socat openssl
   tmux              # e2e: `virtctl console` in a real terminal
+  openssh-client    # ssh, scp, ssh-keygen: `virtctl ssh`/`virtctl scp` against the test guest's dropbear
 )
 
 missing=()
@@ -52,7 +53,7 @@ fi
 # install can remove a tool another package provided.
 missing_tools=()
 for tool in qemu-system-x86_64 qemu-img nft ip cpio xz zstd mcopy mkfs.fat \
-  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux go cargo-nextest; do
+  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux ssh ssh-keygen scp go cargo-nextest; do
   command -v "$tool" >/dev/null 2>&1 || missing_tools+=("$tool")
 done
 if ((${#missing_tools[@]})); then

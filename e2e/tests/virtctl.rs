@@ -226,9 +226,46 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
     let kubeconfig = stack.kubeconfig();
     admission(&stack);
 
+    // The demo VM, with a fresh key authorised for root by its cloud-init user-data and port 22
+    // open.
+    let key = stack.dir().join("id_ed25519");
+    let keygen = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&key)
+        .output()
+        .expect("ssh-keygen runs (hack/deps.sh installs openssh-client)");
+    assert!(keygen.status.success(), "{keygen:?}");
+    let public = std::fs::read_to_string(key.with_extension("pub")).expect("the public key");
     let manifest = repo_root().join("manifests/examples/vm-demo.yaml");
+    let mut vm: serde_json::Value = serde_json::from_str(
+        &stack
+            .kubectl(&[
+                "create",
+                "--dry-run=client",
+                "-o",
+                "json",
+                "-f",
+                &manifest.display().to_string(),
+            ])
+            .expect("the demo VM as JSON"),
+    )
+    .expect("JSON");
+    let user_data =
+        &mut vm["spec"]["template"]["spec"]["volumes"][0]["cloudInitNoCloud"]["userData"];
+    let script = user_data.as_str().expect("the demo's user-data").to_owned();
+    let (shebang, rest) = script.split_once('\n').expect("a script");
+    *user_data = format!(
+        "{shebang}\nmkdir -m 700 -p /root/.ssh\necho '{}' > /root/.ssh/authorized_keys\nchmod 600 /root/.ssh/authorized_keys\n{rest}",
+        public.trim()
+    )
+    .into();
+    // Masquerade forwards only the declared ports when any are declared, as KubeVirt's does.
+    vm["spec"]["template"]["spec"]["domain"]["devices"]["interfaces"][0]["ports"]
+        .as_array_mut()
+        .expect("the demo declares its ports")
+        .push(serde_json::json!({"port": 22}));
     stack
-        .kubectl(&["apply", "-f", &manifest.display().to_string()])
+        .kubectl_with_input(&["apply", "-f", "-"], &vm.to_string())
         .expect("kubectl apply of the VM");
     let first_uid = running_vmi(&stack);
 
@@ -335,6 +372,47 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
     });
     assert_eq!(greeting, "hello from the demo VM over the pod network");
     drop(forward);
+
+    // ssh and scp through port-forward, with the system's OpenSSH client. The guest's host key
+    // is new on every boot.
+    let ssh_opts = [
+        "-i",
+        key.to_str().expect("a UTF-8 path"),
+        "-t",
+        "-o StrictHostKeyChecking=no",
+        "-t",
+        "-o UserKnownHostsFile=/dev/null",
+    ];
+    let mut ssh = vec![
+        "ssh",
+        "root@vmi/demo",
+        "-c",
+        "echo ssh-$((6*7)) $(hostname)",
+    ];
+    ssh.extend(ssh_opts);
+    let said = stack.virtctl(&ssh).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(said.trim(), "ssh-42 demo");
+    let sent = stack.dir().join("sent.txt");
+    std::fs::write(&sent, "through virtctl scp\n").expect("write");
+    let back = stack.dir().join("back.txt");
+    for (from, to) in [
+        (
+            sent.display().to_string(),
+            "root@vmi/demo:/tmp/copy.txt".to_owned(),
+        ),
+        (
+            "root@vmi/demo:/tmp/copy.txt".to_owned(),
+            back.display().to_string(),
+        ),
+    ] {
+        let mut scp = vec!["scp", from.as_str(), to.as_str()];
+        scp.extend(ssh_opts);
+        stack.virtctl(&scp).unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert_eq!(
+        std::fs::read_to_string(&back).expect("the copy came back"),
+        "through virtctl scp\n"
+    );
 
     // Authorization is the API server's: `view` may read guest info but not attach.
     let viewer = viewer_kubeconfig(&stack);

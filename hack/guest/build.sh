@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the test guest from Debian packages only (see docs/test-guest.md):
-#   vmlinuz, initrd.img (busybox + qemu-guest-agent + virtio modules), disk.qcow2 (bootable with
+#   vmlinuz, initrd.img (busybox + qemu-guest-agent + dropbear + virtio modules), disk.qcow2 (bootable with
 #   SeaBIOS through syslinux and with OVMF through shim and GRUB, Secure Boot included),
 #   containerdisk/disk/disk.qcow2 and manifest.json, into ${KUBEVIRT_RS_GUEST_DIR:-<repo>/.cache/guest}.
 # Cached by a hash of its inputs (this script, rootfs/, the packages' versions): a second run
@@ -22,20 +22,24 @@ debs=${KUBEVIRT_RS_GUEST_DEBS:-$repo/.cache/guest-debs}
 kernel_meta=linux-image-amd64
 # Loaded in this order (their dependencies first, resolved from modules.dep); arguments follow.
 # ext4 is there so the guest has a file system qemu-ga can freeze (a disk labelled kvrs-data);
-# crc32c_generic comes first because ext4 and jbd2 only name it as a softdep, which
-# modules.dep does not list and busybox insmod does not resolve, and the metadata checksums
-# mkfs.ext4 turns on by default need it.
+# nls_ascii is vfat's default iocharset in this kernel (CONFIG_FAT_DEFAULT_IOCHARSET): without
+# it a VFAT seed does not mount ("IO charset ascii not found"). crc32c_generic comes first
+# because ext4 and jbd2 only name it as a softdep, which modules.dep does not list and busybox
+# insmod does not resolve, and the metadata checksums mkfs.ext4 turns on by default need it.
 modules=(
   "scsi_mod scan=sync"
   virtio_pci virtio_console virtio_blk virtio_net virtio_scsi virtio_rng virtio_balloon
   sd_mod sr_mod ahci ata_piix
-  isofs vfat nls_cp437 nls_iso8859-1 nls_utf8
+  isofs vfat nls_cp437 nls_iso8859-1 nls_utf8 nls_ascii
   crc32c_generic ext4
   button evdev
 )
-# qemu-ga and the libraries it links (checked below against its ELF NEEDED entries); the
-# signed EFI boot chain (shim signed by Microsoft's UEFI CA, GRUB and the kernel by Debian).
+# qemu-ga; the SSH server (dropbear, and OpenSSH's sftp-server, which scp uses: OpenSSH 9's
+# scp speaks SFTP); the packages holding the libraries these link (resolved and checked below
+# against their ELF NEEDED entries: a library none of them holds fails the build, naming it);
+# the signed EFI boot chain (shim signed by Microsoft's UEFI CA, GRUB and the kernel by Debian).
 packages=(busybox-static qemu-guest-agent libc6 libglib2.0-0 libpcre2-8-0 libnuma1 libudev1 liburing2
+  dropbear-bin openssh-sftp-server libcrypt1 libtomcrypt1 libtommath1 libgmp10 zlib1g
   shim-signed grub-efi-amd64-signed)
 
 log() { echo "guest: $*" >&2; }
@@ -146,8 +150,19 @@ ln -s /bin/busybox "$root/init"
 cp "$x/usr/share/doc/busybox-static/examples/udhcp/simple.script" "$root/usr/share/udhcpc/default.script"
 chmod +x "$root/usr/share/udhcpc/default.script"
 
-# qemu-ga and the shared libraries it needs, transitively, taken from the extracted packages.
-cp "$x/usr/sbin/qemu-ga" "$root/usr/sbin/qemu-ga"
+# qemu-ga, dropbear (server and dropbearkey) and sftp-server, and the shared libraries they
+# need, transitively, taken from the extracted packages.
+binaries=(usr/sbin/qemu-ga usr/sbin/dropbear usr/bin/dropbearkey usr/lib/openssh/sftp-server)
+for b in "${binaries[@]}"; do
+  mkdir -p "$root/$(dirname "$b")"
+  cp "$x/$b" "$root/$b"
+done
+# dropbear runs the sftp subsystem as /usr/lib/sftp-server (Debian's build), the package's link.
+ln -s openssh/sftp-server "$root/usr/lib/sftp-server"
+# dropbear -R writes the host keys it generates here; root's home must not be group- or
+# world-writable, or dropbear ignores ~/.ssh/authorized_keys.
+mkdir -p "$root/etc/dropbear"
+chmod 0700 "$root/root"
 libdirs=("$x/lib/x86_64-linux-gnu" "$x/usr/lib/x86_64-linux-gnu")
 declare -A copied=()
 copy_needed() {
@@ -162,7 +177,7 @@ copy_needed() {
     copy_needed "$f"
   done
 }
-copy_needed "$x/usr/sbin/qemu-ga"
+for b in "${binaries[@]}"; do copy_needed "$x/$b"; done
 cp -L "$x/lib64/ld-linux-x86-64.so.2" "$root/lib64/ld-linux-x86-64.so.2"
 
 # Kernel modules in load order: each module after its dependencies (modules.dep lists them).

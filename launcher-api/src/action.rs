@@ -154,7 +154,7 @@ mod tests {
                 "{method} {path}"
             );
         }
-        assert_eq!(ALL.len(), 20);
+        assert_eq!(ALL.len(), 22);
     }
 
     #[test]

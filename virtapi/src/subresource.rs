@@ -13,18 +13,16 @@ use api::subresources::{
 };
 use api::{ConditionStatus, VirtualMachineInstance};
 use axum::body::Body;
-use axum::extract::FromRequestParts as _;
-use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use futures::{SinkExt as _, StreamExt as _};
 use http::{Request, StatusCode};
+use hyper_util::rt::TokioIo;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes as SarAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::{Api, Client};
-use tokio_tungstenite::tungstenite::Message as TMessage;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
 use crate::authn::{self, Denied, Peer, RequestHeaderConfig, ResourceAttributes, Target, User};
 use crate::lifecycle::{self, Call};
@@ -33,8 +31,9 @@ use crate::virthandler::{Handlers, handler_message};
 
 /// The largest request body virt-api reads (options objects are small).
 const MAX_BODY: usize = 1024 * 1024;
-/// The largest websocket message relayed (as virt-handler's limit).
-const MAX_MESSAGE: usize = 1024 * 1024;
+/// Each direction's copy buffer of a relayed stream: a read returns what TLS decrypted (up to
+/// a 16 KiB record), so a larger buffer mostly lets bulk output go out in fewer writes.
+const RELAY_BUFFER: usize = 64 * 1024;
 
 pub struct App {
     pub client: Client,
@@ -404,7 +403,10 @@ async fn port_forward(
 }
 
 /// Dials the handler's websocket first, so a refusal there is this request's status rather
-/// than a websocket that closes at once, then upgrades the client and relays frames both ways.
+/// than a websocket that closes at once; then answers the client's upgrade and splices the two
+/// upgraded connections byte for byte. Both hops carry the same websocket framing (frames from
+/// the client masked, from the server not, no extension negotiated on either), so the frames
+/// need no decoding here: kube-apiserver relays the same bytes the same way.
 async fn stream(
     app: &App,
     req: Request<Body>,
@@ -412,64 +414,93 @@ async fn stream(
     handler_path: &str,
 ) -> Result<Response, Refusal> {
     let (mut parts, _) = req.into_parts();
-    let upgrade = WebSocketUpgrade::from_request_parts(&mut parts, &())
-        .await
-        .map_err(|e| {
-            Refusal::bad_request(format!(
-                "a websocket upgrade (subprotocol {}) is required: {e}",
-                sr::PLAIN_STREAM_PROTOCOL
-            ))
-        })?;
-    let upstream = app.handlers.websocket(node, handler_path).await?;
-    Ok(upgrade
-        .protocols([sr::PLAIN_STREAM_PROTOCOL])
-        .max_message_size(MAX_MESSAGE)
-        .max_frame_size(MAX_MESSAGE)
-        .on_upgrade(move |client| relay(client, upstream)))
+    let key = websocket_key(&parts.headers).map_err(|why| {
+        Refusal::bad_request(format!(
+            "a websocket upgrade (subprotocol {}) is required: {why}",
+            sr::PLAIN_STREAM_PROTOCOL
+        ))
+    })?;
+    let on_upgrade = parts
+        .extensions
+        .remove::<hyper::upgrade::OnUpgrade>()
+        .ok_or_else(|| Refusal::bad_request("the connection cannot be upgraded"))?;
+    let upstream = app.handlers.upgrade(node, handler_path).await?;
+    tokio::spawn(async move {
+        match on_upgrade.await {
+            Ok(client) => {
+                let (mut client, mut upstream) = (TokioIo::new(client), TokioIo::new(upstream));
+                if let Err(e) = tokio::io::copy_bidirectional_with_sizes(
+                    &mut client,
+                    &mut upstream,
+                    RELAY_BUFFER,
+                    RELAY_BUFFER,
+                )
+                .await
+                {
+                    tracing::debug!(error = %e, "stream ended");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "client upgrade failed"),
+        }
+    });
+    let mut resp = Response::new(Body::empty());
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("Upgrade"),
+    );
+    h.insert(
+        http::header::UPGRADE,
+        http::HeaderValue::from_static("websocket"),
+    );
+    h.insert(
+        http::header::SEC_WEBSOCKET_ACCEPT,
+        derive_accept_key(key.as_bytes())
+            .parse()
+            .map_err(Refusal::internal)?,
+    );
+    h.insert(
+        http::header::SEC_WEBSOCKET_PROTOCOL,
+        http::HeaderValue::from_static(sr::PLAIN_STREAM_PROTOCOL),
+    );
+    Ok(resp)
 }
 
-async fn relay<S>(client: WebSocket, upstream: tokio_tungstenite::WebSocketStream<S>)
-where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
-{
-    let (mut up_tx, mut up_rx) = upstream.split();
-    let (mut cl_tx, mut cl_rx) = client.split();
-    let to_handler = async {
-        while let Some(Ok(m)) = cl_rx.next().await {
-            let m = match m {
-                Message::Binary(b) => TMessage::Binary(b),
-                Message::Text(t) => TMessage::Text(t.as_str().into()),
-                Message::Ping(p) => TMessage::Ping(p),
-                Message::Pong(p) => TMessage::Pong(p),
-                Message::Close(_) => break,
-            };
-            if up_tx.send(m).await.is_err() {
-                break;
-            }
-        }
-        let _ = up_tx.close().await;
+/// The client's `Sec-WebSocket-Key` of a valid websocket upgrade request (RFC 6455 4.2.1),
+/// offering KubeVirt's subprotocol when it offers any.
+fn websocket_key(h: &http::HeaderMap) -> Result<String, &'static str> {
+    let has = |name: http::header::HeaderName, token: &str| {
+        h.get_all(name).iter().any(|v| {
+            v.to_str()
+                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+        })
     };
-    let to_client = async {
-        while let Some(Ok(m)) = up_rx.next().await {
-            let m = match m {
-                TMessage::Binary(b) => Message::Binary(b),
-                TMessage::Text(t) => Message::Text(t.as_str().into()),
-                TMessage::Ping(p) => Message::Ping(p),
-                TMessage::Pong(p) => Message::Pong(p),
-                TMessage::Close(_) => break,
-                TMessage::Frame(_) => continue,
-            };
-            if cl_tx.send(m).await.is_err() {
-                break;
-            }
-        }
-        let _ = cl_tx.close().await;
-    };
-    // Either side ending ends the session, as KubeVirt's streamer does.
-    tokio::select! {
-        () = to_handler => {},
-        () = to_client => {},
+    if !has(http::header::CONNECTION, "upgrade") {
+        return Err("no Connection: upgrade");
     }
+    if !has(http::header::UPGRADE, "websocket") {
+        return Err("no Upgrade: websocket");
+    }
+    if h.get(http::header::SEC_WEBSOCKET_VERSION)
+        .map(http::HeaderValue::as_bytes)
+        != Some(b"13")
+    {
+        return Err("Sec-WebSocket-Version is not 13");
+    }
+    if h.contains_key(http::header::SEC_WEBSOCKET_PROTOCOL)
+        && !has(
+            http::header::SEC_WEBSOCKET_PROTOCOL,
+            sr::PLAIN_STREAM_PROTOCOL,
+        )
+    {
+        return Err("the subprotocols offered do not include plain.kubevirt.io");
+    }
+    h.get(http::header::SEC_WEBSOCKET_KEY)
+        .and_then(|k| k.to_str().ok())
+        .filter(|k| !k.is_empty())
+        .map(str::to_owned)
+        .ok_or("no Sec-WebSocket-Key")
 }
 
 async fn vm_subresource(

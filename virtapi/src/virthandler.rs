@@ -10,6 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Method, StatusCode};
 use http_body_util::{BodyExt as _, Full};
+use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
@@ -17,7 +18,8 @@ use kube::api::ListParams;
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
-use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::handshake::client::generate_key;
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
 use crate::status::Refusal;
 
@@ -157,46 +159,70 @@ impl Handlers {
             .map_err(|_| Refusal::internal(format!("virt-handler on {node} did not answer")))?
     }
 
-    /// A websocket to the handler of `node` (console, VNC).
-    pub async fn websocket(
-        &self,
-        node: &str,
-        path: &str,
-    ) -> Result<WebSocketStream<TlsStream<TcpStream>>, Refusal> {
-        use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
+    /// Upgrades a connection to the handler of `node` to a `plain.kubevirt.io` websocket
+    /// (console, VNC, port-forward) and returns the raw upgraded stream: virt-api relays its
+    /// bytes without decoding frames (see `subresource::stream`).
+    pub async fn upgrade(&self, node: &str, path: &str) -> Result<Upgraded, Refusal> {
         let tls = self.connect(node).await?;
-        let mut req = format!("wss://{HANDLER_SERVER_NAME}{path}")
-            .into_client_request()
-            .map_err(Refusal::internal)?;
-        req.headers_mut().insert(
-            http::header::SEC_WEBSOCKET_PROTOCOL,
-            http::HeaderValue::from_static(api::subresources::PLAIN_STREAM_PROTOCOL),
-        );
-        let (ws, _) =
-            tokio::time::timeout(CONNECT_TIMEOUT, tokio_tungstenite::client_async(req, tls))
+        let dial = async {
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
                 .await
-                .map_err(|_| {
-                    Refusal::internal(format!("websocket to virt-handler on {node} timed out"))
-                })?
-                .map_err(|e| match e {
-                    tokio_tungstenite::tungstenite::Error::Http(resp) => {
-                        let body = resp
-                            .body()
-                            .as_deref()
-                            .map(String::from_utf8_lossy)
-                            .unwrap_or_default()
-                            .into_owned();
-                        Refusal {
-                            code: resp.status(),
-                            reason: "InternalError",
-                            message: handler_message(&body),
-                        }
-                    }
-                    other => {
-                        Refusal::internal(format!("websocket to virt-handler on {node}: {other}"))
-                    }
-                })?;
-        Ok(ws)
+                .map_err(|e| Refusal::internal(format!("virt-handler on {node}: {e}")))?;
+            tokio::spawn(conn.with_upgrades());
+            let key = generate_key();
+            let req = http::Request::builder()
+                .method(Method::GET)
+                .uri(path)
+                .header(http::header::HOST, HANDLER_SERVER_NAME)
+                .header(http::header::CONNECTION, "Upgrade")
+                .header(http::header::UPGRADE, "websocket")
+                .header(http::header::SEC_WEBSOCKET_VERSION, "13")
+                .header(http::header::SEC_WEBSOCKET_KEY, &key)
+                .header(
+                    http::header::SEC_WEBSOCKET_PROTOCOL,
+                    api::subresources::PLAIN_STREAM_PROTOCOL,
+                )
+                .body(Full::new(Bytes::new()))
+                .map_err(Refusal::internal)?;
+            let mut resp = sender
+                .send_request(req)
+                .await
+                .map_err(|e| Refusal::internal(format!("virt-handler on {node}: {e}")))?;
+            if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+                let status = resp.status();
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map(http_body_util::Collected::to_bytes)
+                    .unwrap_or_default();
+                return Err(Refusal {
+                    code: status,
+                    reason: if status == StatusCode::CONFLICT {
+                        "Conflict"
+                    } else {
+                        "InternalError"
+                    },
+                    message: handler_message(&String::from_utf8_lossy(&body)),
+                });
+            }
+            let accept = resp.headers().get(http::header::SEC_WEBSOCKET_ACCEPT);
+            if accept.and_then(|v| v.to_str().ok())
+                != Some(derive_accept_key(key.as_bytes()).as_str())
+            {
+                return Err(Refusal::internal(format!(
+                    "virt-handler on {node} answered the websocket upgrade with a wrong Sec-WebSocket-Accept"
+                )));
+            }
+            hyper::upgrade::on(&mut resp)
+                .await
+                .map_err(|e| Refusal::internal(format!("virt-handler on {node}: {e}")))
+        };
+        tokio::time::timeout(CONNECT_TIMEOUT, dial)
+            .await
+            .map_err(|_| {
+                Refusal::internal(format!("websocket to virt-handler on {node} timed out"))
+            })?
     }
 }
 

@@ -69,7 +69,7 @@ impl Cluster {
             user: flags.user.clone(),
         };
         let explicit = flags.context.is_some() || flags.cluster.is_some() || flags.user.is_some();
-        let config = if let Some(path) = &flags.kubeconfig {
+        let mut config = if let Some(path) = &flags.kubeconfig {
             let kubeconfig = Kubeconfig::read_from(path)
                 .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kubeconfig, &options)
@@ -87,6 +87,10 @@ impl Cluster {
             }
         };
         let namespace = effective_namespace(flags.namespace.as_deref(), &config.default_namespace);
+        // kube's client retries 429, 503 and 504 with backoff; a user at a terminal should see
+        // virt-api's answer at once (a 503 says the launcher's socket is not there), as
+        // KubeVirt's virtctl shows it.
+        config.default_retry = false;
         let client = kube::Client::try_from(config).context("cannot build API client")?;
         Ok(Cluster { client, namespace })
     }

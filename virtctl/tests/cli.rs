@@ -48,6 +48,13 @@ fn record(seen: &Mutex<Vec<Seen>>, method: &Method, uri: &Uri, body: &Bytes) -> 
         body: String::from_utf8_lossy(body).into_owned(),
     });
     let path = uri.path();
+    if path.contains("/unavailable/") {
+        return status(
+            503,
+            "InternalError",
+            "cannot connect to the launcher's serial socket",
+        );
+    }
     if path.contains("/missing/") {
         return status(
             404,
@@ -225,6 +232,19 @@ fn stop_rules_and_errors() {
         text(&out.stderr),
         "error stopping VirtualMachine virtualmachines.kubevirt.io \"missing\" not found (HTTP 404 Not Found)\n"
     );
+}
+
+#[test]
+fn a_503_is_reported_at_once_not_retried() {
+    let server = Server::start();
+    let out = server.run(&["pause", "vmi", "unavailable"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("cannot connect to the launcher's serial socket"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(server.seen().len(), 1, "one request, no retries");
 }
 
 #[test]

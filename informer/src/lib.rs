@@ -9,7 +9,7 @@
 //! `null` for those that went away.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use futures::StreamExt as _;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
@@ -95,58 +95,89 @@ where
         + 'static,
 {
     let (reader, writer) = reflector::store();
-    let seen: Mutex<HashSet<String>> = Mutex::new(HashSet::new());
     let objects = watcher(api, wc).modify(trim);
     let stream = reflector::reflector(writer, objects).default_backoff();
     let cached = reader.clone();
-    // A re-list (after a failed or expired watch) only lists what exists: what was deleted
-    // while no watch ran never comes as a Delete. The cache as it was before the re-list
-    // (the store swaps at InitDone) tells which objects those are.
-    let mut before_relist: Vec<Arc<K>> = Vec::new();
-    let mut relisted: HashSet<String> = HashSet::new();
     tasks.spawn(async move {
+        let mut dispatch = Dispatch::default();
         futures::pin_mut!(stream);
         while let Some(ev) = stream.next().await {
-            let ev = match ev {
-                Ok(ev) => ev,
+            match ev {
+                Ok(ev) => dispatch.event(&ev, &cached, &on),
                 Err(e) => {
                     tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
-                    continue;
-                }
-            };
-            let mut seen = seen.lock().unwrap_or_else(PoisonError::into_inner);
-            match &ev {
-                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
-                    if matches!(ev, watcher::Event::InitApply(_)) {
-                        relisted.insert(o.uid().unwrap_or_default());
-                    }
-                    if seen.insert(o.uid().unwrap_or_default()) {
-                        on(Seen::Added(o));
-                    } else {
-                        on(Seen::Changed(o));
-                    }
-                }
-                watcher::Event::Delete(o) => {
-                    seen.remove(&o.uid().unwrap_or_default());
-                    on(Seen::Deleted(o));
-                }
-                watcher::Event::Init => {
-                    before_relist = cached.state();
-                    relisted.clear();
-                }
-                watcher::Event::InitDone => {
-                    for o in before_relist.drain(..) {
-                        let uid = o.uid().unwrap_or_default();
-                        if !relisted.contains(&uid) && seen.remove(&uid) {
-                            on(Seen::Deleted(o.as_ref()));
-                        }
-                    }
-                    relisted.clear();
                 }
             }
         }
     });
     reader
+}
+
+/// Turns watch events, once the reflector's store has applied them, into what a handler sees.
+struct Dispatch<K: Resource<DynamicType = ()>> {
+    /// The uids reported and not deleted since.
+    seen: HashSet<String>,
+    /// The cache as it was when a (re-)list began.
+    before: Vec<Arc<K>>,
+    /// The objects a (re-)list in progress has listed, in order.
+    listed: Vec<reflector::ObjectRef<K>>,
+}
+
+impl<K: Resource<DynamicType = ()>> Default for Dispatch<K> {
+    fn default() -> Self {
+        Dispatch {
+            seen: HashSet::new(),
+            before: Vec::new(),
+            listed: Vec::new(),
+        }
+    }
+}
+
+impl<K: Resource<DynamicType = ()> + Clone> Dispatch<K> {
+    fn event(&mut self, ev: &watcher::Event<K>, cached: &Store<K>, on: &impl Fn(Seen<'_, K>)) {
+        match ev {
+            watcher::Event::Apply(o) => {
+                if self.seen.insert(o.uid().unwrap_or_default()) {
+                    on(Seen::Added(o));
+                } else {
+                    on(Seen::Changed(o));
+                }
+            }
+            watcher::Event::Delete(o) => {
+                self.seen.remove(&o.uid().unwrap_or_default());
+                on(Seen::Deleted(o));
+            }
+            watcher::Event::Init => {
+                self.before = cached.state();
+                self.listed.clear();
+            }
+            // The store swaps in a (re-)list's objects only at InitDone: a handler told about
+            // one now would look it up in the cache and find it missing (or stale), and
+            // nothing would tell it again. They are reported at InitDone.
+            watcher::Event::InitApply(o) => self.listed.push(reflector::ObjectRef::from_obj(o)),
+            watcher::Event::InitDone => {
+                let mut listed = HashSet::with_capacity(self.listed.len());
+                for oref in self.listed.drain(..) {
+                    let Some(o) = cached.get(&oref) else { continue };
+                    let uid = o.uid().unwrap_or_default();
+                    listed.insert(uid.clone());
+                    if self.seen.insert(uid) {
+                        on(Seen::Added(o.as_ref()));
+                    } else {
+                        on(Seen::Changed(o.as_ref()));
+                    }
+                }
+                // A re-list only lists what exists: what was deleted while no watch ran never
+                // comes as a Delete. The cache as it was before the re-list tells which.
+                for o in self.before.drain(..) {
+                    let uid = o.uid().unwrap_or_default();
+                    if !listed.contains(&uid) && self.seen.remove(&uid) {
+                        on(Seen::Deleted(o.as_ref()));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A trim that keeps everything, for [`reflect`].
@@ -278,6 +309,71 @@ mod tests {
         assert_eq!(
             cas_status_patch(Some("42"), &old, &new),
             json!({"metadata": {"resourceVersion": "42"}, "status": {"phase": "Running", "reason": null}})
+        );
+    }
+
+    #[test]
+    fn a_relisted_object_is_reported_once_the_cache_holds_it() {
+        use k8s_openapi::api::core::v1::ConfigMap;
+        use kube::runtime::reflector::store::Writer;
+        let cm = |name: &str, uid: &str| {
+            let mut c = ConfigMap::default();
+            c.metadata.name = Some(name.into());
+            c.metadata.namespace = Some("ns".into());
+            c.metadata.uid = Some(uid.into());
+            c
+        };
+        let mut writer: Writer<ConfigMap> = Writer::default();
+        let store = writer.as_reader();
+        let mut dispatch = Dispatch::default();
+        let log = std::cell::RefCell::new(Vec::new());
+        let on = |s: Seen<'_, ConfigMap>| {
+            let o = s.object();
+            let cached = store
+                .get(&reflector::ObjectRef::from_obj(o))
+                .is_some_and(|c| c.metadata.uid == o.metadata.uid);
+            let what = match s {
+                Seen::Added(_) => "added",
+                Seen::Changed(_) => "changed",
+                Seen::Deleted(_) => "deleted",
+            };
+            log.borrow_mut().push(format!(
+                "{what} {} cached={cached}",
+                o.metadata.name.as_deref().unwrap_or("")
+            ));
+        };
+        let mut feed = |ev: watcher::Event<ConfigMap>| {
+            writer.apply_watcher_event(&ev);
+            dispatch.event(&ev, &store, &on);
+        };
+        // The first list, then a watch event.
+        feed(watcher::Event::Init);
+        feed(watcher::Event::InitApply(cm("a", "1")));
+        feed(watcher::Event::InitApply(cm("gone", "2")));
+        assert!(
+            log.borrow().is_empty(),
+            "nothing before the list is in the cache"
+        );
+        feed(watcher::Event::InitDone);
+        feed(watcher::Event::Apply(cm("b", "3")));
+        // A re-list (after an expired watch): `gone` was deleted meanwhile, `late` was
+        // created and never came as a watch event.
+        feed(watcher::Event::Init);
+        feed(watcher::Event::InitApply(cm("a", "1")));
+        feed(watcher::Event::InitApply(cm("b", "3")));
+        feed(watcher::Event::InitApply(cm("late", "4")));
+        feed(watcher::Event::InitDone);
+        assert_eq!(
+            *log.borrow(),
+            [
+                "added a cached=true",
+                "added gone cached=true",
+                "added b cached=true",
+                "changed a cached=true",
+                "changed b cached=true",
+                "added late cached=true",
+                "deleted gone cached=false",
+            ]
         );
     }
 }

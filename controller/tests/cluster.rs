@@ -51,8 +51,13 @@ async fn cluster() -> (Cluster, Client) {
 
 /// With `scheduler`, kube-scheduler runs too.
 async fn cluster_with(scheduler: bool) -> (Cluster, Client) {
+    // The controllers' decisions at debug: nextest shows a test's output only when it fails,
+    // and a rare failure is only understood from them.
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "controller=debug,informer=info".into()),
+        )
         .with_test_writer()
         .try_init();
     let plane = TestControlPlane::start(scheduler).await;

@@ -20,8 +20,6 @@ use axum::routing::{get, put};
 use bytes::{Bytes, BytesMut};
 use futures::{SinkExt as _, StreamExt as _};
 use http::StatusCode;
-use hyper_util::rt::TokioIo;
-use hyper_util::service::TowerToHyperService;
 use launcher_api::client::LauncherClient;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
@@ -35,7 +33,6 @@ use tlsconfig::ReloadingConfig;
 /// KubeVirt's websocket subprotocol for console and VNC streams.
 pub const SUBPROTOCOL: &str = "plain.kubevirt.io";
 const CLOSE_REPLACED: u16 = 4000;
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The most read from a console socket at once, sent as one websocket frame. A read returns
 /// what is there, so a typed key still goes out alone and at once; a flood goes out in frames
@@ -617,54 +614,12 @@ where
     }
 }
 
-/// Accepts TLS connections on `listener` until `shutdown`, each with the config current at
-/// accept time (so rotated certificates apply to new connections).
+/// Accepts TLS connections on `listener` until `shutdown` (`tlsconfig::serve_https`).
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ReloadingConfig>,
     app: Router,
     shutdown: CancellationToken,
 ) {
-    loop {
-        let (tcp, peer) = tokio::select! {
-            () = shutdown.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    continue;
-                }
-            },
-        };
-        // A console is interactive: a typed key's echo is a small write that must not wait for
-        // the ACK of the previous one (Nagle), which with delayed ACKs costs up to 40 ms. Bulk
-        // output goes in frames of up to READ_CHUNK, full segments either way.
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
-        }
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.get());
-        let app = app.clone();
-        tokio::spawn(async move {
-            let tls = match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await
-            {
-                Ok(Ok(s)) => s,
-                Ok(Err(e)) => {
-                    tracing::info!(%peer, error = %e, "TLS handshake refused");
-                    return;
-                }
-                Err(_) => {
-                    tracing::info!(%peer, "TLS handshake timed out");
-                    return;
-                }
-            };
-            let service = TowerToHyperService::new(app);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(tls), service)
-                .with_upgrades()
-                .await
-            {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
-            }
-        });
-    }
+    tlsconfig::serve_https(listener, tls, move |_| app.clone(), shutdown).await;
 }

@@ -230,3 +230,61 @@ impl ReloadingConfig {
         cur.1.clone()
     }
 }
+
+/// How long a client may take over its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves HTTP/1.1 over TLS on `listener` until `shutdown`: each connection gets the config
+/// current at accept time (so rotated certificates apply to new connections), `TCP_NODELAY`
+/// (consoles are interactive: a typed key's echo must not wait for the previous segment's ACK),
+/// upgrades (websockets), and the router `app` makes from the client's verified certificate
+/// chain, if it presented one.
+pub async fn serve_https<F>(
+    listener: tokio::net::TcpListener,
+    tls: Arc<ReloadingConfig>,
+    app: F,
+    shutdown: tokio_util::sync::CancellationToken,
+) where
+    F: Fn(Option<&[CertificateDer<'static>]>) -> axum::Router + Clone + Send + 'static,
+{
+    loop {
+        let (tcp, remote) = tokio::select! {
+            () = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    continue;
+                }
+            },
+        };
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(%remote, error = %e, "cannot set TCP_NODELAY");
+        }
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls.get());
+        let app = app.clone();
+        tokio::spawn(async move {
+            let stream =
+                match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        tracing::info!(%remote, error = %e, "TLS handshake refused");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::info!(%remote, "TLS handshake timed out");
+                        return;
+                    }
+                };
+            let router = app(stream.get_ref().1.peer_certificates());
+            let service = hyper_util::service::TowerToHyperService::new(router);
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .with_upgrades()
+                .await
+            {
+                tracing::debug!(%remote, error = %e, "connection ended with an error");
+            }
+        });
+    }
+}

@@ -4,15 +4,12 @@
 //! the admission webhooks, which kube-apiserver calls without a client certificate.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use hyper_util::rt::TokioIo;
-use hyper_util::service::TowerToHyperService;
 use tlsconfig::ReloadingConfig;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -21,7 +18,6 @@ use crate::authn::Peer;
 use crate::discovery;
 use crate::subresource::{self, App};
 
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The largest AdmissionReview read: a VM with a large cloud-init payload stays well below.
 const MAX_REVIEW: usize = 8 * 1024 * 1024;
 
@@ -118,58 +114,24 @@ fn common_name(der: &[u8]) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// Serves `app` on `listener` until `shutdown`.
+/// Serves `app` on `listener` until `shutdown`; a client certificate, when offered, becomes
+/// the request's [`Peer`] (TLS verified its chain; none means an anonymous caller: admission
+/// webhooks, health checks).
 pub async fn serve(
     listener: TcpListener,
     tls: Arc<ReloadingConfig>,
     app: Router,
     shutdown: CancellationToken,
 ) {
-    loop {
-        let (tcp, remote) = tokio::select! {
-            () = shutdown.cancelled() => return,
-            r = listener.accept() => match r {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    continue;
-                }
+    let per_connection = move |certs: Option<&[rustls::pki_types::CertificateDer<'static>]>| {
+        let peer = match certs {
+            Some([leaf, ..]) => Peer {
+                verified: true,
+                common_name: common_name(leaf),
             },
+            _ => Peer::default(),
         };
-        tcp.set_nodelay(true).ok();
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.get());
-        let app = app.clone();
-        tokio::spawn(async move {
-            let stream =
-                match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        tracing::info!(%remote, error = %e, "TLS handshake refused");
-                        return;
-                    }
-                    Err(_) => {
-                        tracing::info!(%remote, "TLS handshake timed out");
-                        return;
-                    }
-                };
-            // TLS verified the chain when a certificate was offered; no certificate means an
-            // anonymous caller (admission webhooks, health checks).
-            let peer = match stream.get_ref().1.peer_certificates() {
-                Some([leaf, ..]) => Peer {
-                    verified: true,
-                    common_name: common_name(leaf),
-                },
-                _ => Peer::default(),
-            };
-            let app = app.layer(axum::Extension(peer));
-            let service = TowerToHyperService::new(app);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .with_upgrades()
-                .await
-            {
-                tracing::debug!(%remote, error = %e, "connection ended with an error");
-            }
-        });
-    }
+        app.clone().layer(axum::Extension(peer))
+    };
+    tlsconfig::serve_https(listener, tls, per_connection, shutdown).await;
 }

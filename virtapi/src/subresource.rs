@@ -589,32 +589,16 @@ async fn vm_subresource(
         dry_run: dry,
         ..Default::default()
     };
+    let json_patch = |p| {
+        serde_json::from_value(p)
+            .map(Patch::<()>::Json)
+            .map_err(Refusal::internal)
+    };
     for call in calls {
         let result = match call {
-            Call::PatchVmi(p) => vmis
-                .patch(
-                    name,
-                    &pp,
-                    &Patch::<()>::Json(serde_json::from_value(p).map_err(Refusal::internal)?),
-                )
-                .await
-                .map(drop),
-            Call::PatchVm(p) => vms
-                .patch(
-                    name,
-                    &pp,
-                    &Patch::<()>::Json(serde_json::from_value(p).map_err(Refusal::internal)?),
-                )
-                .await
-                .map(drop),
-            Call::PatchVmStatus(p) => vms
-                .patch_status(
-                    name,
-                    &pp,
-                    &Patch::<()>::Json(serde_json::from_value(p).map_err(Refusal::internal)?),
-                )
-                .await
-                .map(drop),
+            Call::PatchVmi(p) => vmis.patch(name, &pp, &json_patch(p)?).await.map(drop),
+            Call::PatchVm(p) => vms.patch(name, &pp, &json_patch(p)?).await.map(drop),
+            Call::PatchVmStatus(p) => vms.patch_status(name, &pp, &json_patch(p)?).await.map(drop),
         };
         result.map_err(|e| match e {
             // A failed `test` op: the VM changed since it was read.

@@ -19,6 +19,8 @@ packages=(
   ca-certificates curl jq yq socat openssl
   tmux              # e2e: `virtctl console` in a real terminal
   openssh-client    # ssh, scp, ssh-keygen: `virtctl ssh`/`virtctl scp` against the test guest's dropbear
+  busybox-static    # the test-tools image's shell and tools (one static binary)
+  skopeo            # tests read the release's OCI archives as users' tools do
 )
 
 missing=()
@@ -53,7 +55,7 @@ fi
 # install can remove a tool another package provided.
 missing_tools=()
 for tool in qemu-system-x86_64 qemu-img nft ip cpio xz zstd mcopy mkfs.fat \
-  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux ssh ssh-keygen scp go cargo-nextest; do
+  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux ssh ssh-keygen scp busybox skopeo go cargo-nextest; do
   command -v "$tool" >/dev/null 2>&1 || missing_tools+=("$tool")
 done
 if ((${#missing_tools[@]})); then

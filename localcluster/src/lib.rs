@@ -1,11 +1,11 @@
 //! localcluster: the whole system on one machine with no cluster. It runs the upstream
 //! Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
 //! kube-proxy: `controlplane`, built from pinned Go modules in `upstream/`), writes its
-//! certificates (`pki`), and runs our process kubelet (`kubelet`), which runs pods from the
-//! image table (`images`) in real namespaces and cgroups. See `docs/localcluster.md`.
+//! certificates (`pki`), and runs our process kubelet (`kubelet`), which runs pods from OCI
+//! images in its local image store (the `ociimage` crate) in real namespaces and cgroups. See
+//! `docs/localcluster.md`.
 
 pub mod controlplane;
-pub mod images;
 pub mod kubectl;
 pub mod kubelet;
 pub mod nsexec;

@@ -48,6 +48,14 @@ enum Command {
         #[command(flatten)]
         nodes: localcluster::kubelet::cluster::NodeArgs,
     },
+    /// Load OCI archives or image layouts into the nodes' image store (running or not), as
+    /// `kind load image-archive` does for kind: pods may then use the images by name or digest.
+    Load {
+        #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
+        dir: PathBuf,
+        #[arg(required = true)]
+        images: Vec<PathBuf>,
+    },
     /// Runs a command in a running container (the kubelet's exec, through its streaming helper).
     #[command(hide = true)]
     Nsexec(localcluster::nsexec::Args),
@@ -115,6 +123,18 @@ async fn run(command: Command) -> anyhow::Result<()> {
             up(config, &nodes).await
         }
         Command::Down { dir } => down(&dir).await,
+        Command::Load { dir, images } => {
+            let store = localcluster::kubelet::cluster::image_store(&dir)?;
+            for image in images {
+                for name in store
+                    .import(&image)
+                    .with_context(|| format!("loading {}", image.display()))?
+                {
+                    println!("{name}");
+                }
+            }
+            Ok(())
+        }
         Command::Nsexec(_) => unreachable!("nsexec runs before the runtime starts"),
     }
 }

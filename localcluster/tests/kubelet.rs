@@ -13,12 +13,11 @@ use common::{Cluster, eventually};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
-use localcluster::images::{ImageTable, Rootfs};
 use localcluster::kubelet::network::PodCidr;
 use localcluster::kubelet::{Kubelet, NodeConfig, Serving};
 use serde_json::{Value, json};
 
-const IMAGE: &str = "kubevirt-rs/test-tools:latest";
+const IMAGE: &str = common::TOOLS_IMAGE;
 
 /// A node with a unique name, bridge and pod CIDR, rooted in a temp dir, so tests can run in
 /// parallel. Dropping it kills its pods and removes what they held.
@@ -34,40 +33,24 @@ fn fresh_node_name() -> String {
 
 impl TestNode {
     async fn start(cluster: &Cluster) -> Self {
-        Self::start_with(cluster, ImageTable::default()).await
-    }
-
-    async fn start_with(cluster: &Cluster, images: ImageTable) -> Self {
-        Self::start_config(cluster, images, |_| {}).await
+        Self::start_config(cluster, |_| {}).await
     }
 
     /// Starts a node whose configuration `adjust` changes last.
-    async fn start_config(
-        cluster: &Cluster,
-        images: ImageTable,
-        adjust: impl FnOnce(&mut NodeConfig),
-    ) -> Self {
-        Self::start_named(cluster, &fresh_node_name(), images, false, adjust).await
+    async fn start_config(cluster: &Cluster, adjust: impl FnOnce(&mut NodeConfig)) -> Self {
+        Self::start_named(cluster, &fresh_node_name(), false, adjust).await
     }
 
     /// A node serving the kubelet API (on a free port, with the serving certificate of its
     /// credentials), which kube-apiserver dials for logs and exec.
     async fn start_serving(cluster: &Cluster) -> Self {
-        Self::start_named(
-            cluster,
-            &fresh_node_name(),
-            ImageTable::default(),
-            true,
-            |_| {},
-        )
-        .await
+        Self::start_named(cluster, &fresh_node_name(), true, |_| {}).await
     }
 
     /// Starts node `name` as `system:node:<name>`, serving the kubelet API if `serve`.
     async fn start_named(
         cluster: &Cluster,
         name: &str,
-        mut images: ImageTable,
         serve: bool,
         adjust: impl FnOnce(&mut NodeConfig),
     ) -> Self {
@@ -80,8 +63,7 @@ impl TestNode {
             u32::from(bytes[7]) * 2 % 250
         ))
         .expect("cidr");
-        images.insert(IMAGE, Rootfs::Host);
-        let mut config = NodeConfig::new(name, dir.path(), cidr, images);
+        let mut config = NodeConfig::new(name, dir.path(), cidr, common::images());
         config.restart_backoff = Duration::from_millis(500);
         config.heartbeat = Duration::from_secs(2);
         let (client, creds) = cluster.node_client(name).await;
@@ -199,22 +181,11 @@ async fn pod_runs_isolated_with_volumes_is_reachable_and_leaves_nothing_behind()
     .await
     .expect("configmap");
 
-    let server_script = r"
-import socket
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(('0.0.0.0', 8080))
-s.listen()
-while True:
-    c, _ = s.accept()
-    c.sendall(open('/etc/config/greeting').read().encode())
-    c.close()
-";
     let mut server = sh(
         "server",
-        "ip -o addr show > /data/addrs; hostname > /data/hostname; cat /etc/config/greeting > /data/greet; exec python3 -c \"$SERVER\"",
+        "ip -o addr show > /data/addrs; hostname > /data/hostname; cat /etc/config/greeting > /data/greet; exec socat TCP-LISTEN:8080,fork,reuseaddr SYSTEM:'cat /etc/config/greeting'",
     );
-    server["env"] = json!([{"name": "SERVER", "value": server_script},
+    server["env"] = json!([
         {"name": "MY_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]);
     server["volumeMounts"] = json!([
         {"name": "data", "mountPath": "/data"},
@@ -286,11 +257,10 @@ while True:
     assert!(!mounts_mention(&node.pods_dir()));
 
     // Another pod on the node reaches the server over TCP by pod IP.
-    let client_script = format!(
-        "import socket; s = socket.create_connection(('{pod_ip}', 8080), 10); print('got', s.recv(100).decode())"
+    let client = sh(
+        "client",
+        &format!("echo got $(socat -T10 - TCP:{pod_ip}:8080,connect-timeout=10)"),
     );
-    let mut client = sh("client", "exec python3 -c \"$CLIENT\"");
-    client["env"] = json!([{"name": "CLIENT", "value": client_script}]);
     pods.create(
         &PostParams::default(),
         &pod(
@@ -712,53 +682,77 @@ async fn grace_period_ends_with_sigkill_and_node_heartbeats() {
     node.stop().await;
 }
 
+/// A container's root is its image's layers (read-only, stacked by overlayfs) under its own
+/// writable layer: nothing of the host's root shows, writes never reach the image store, and
+/// KubeVirt's container-disk pattern works: an init container copies a static program out of
+/// one image into an emptyDir that a container of a bare disk image (no shell, no libc) mounts
+/// over `/usr/bin`.
 #[tokio::test]
-async fn directory_images_are_bound_read_only_over_the_host_root() {
+async fn containers_run_on_their_image_layers_only() {
     let cluster = Cluster::start().await;
-    let image_dir = tempfile::tempdir().expect("image dir");
-    std::fs::create_dir(image_dir.path().join("disk")).unwrap();
-    std::fs::write(image_dir.path().join("disk/disk.qcow2"), "not really qcow2").unwrap();
-    let mut images = ImageTable::default();
-    images.insert(
-        "example.com/container-disk:1",
-        Rootfs::Dir(image_dir.path().to_path_buf()),
-    );
-    let node = TestNode::start_with(&cluster, images).await;
+    let node = TestNode::start(&cluster).await;
     let pods: Api<Pod> = cluster.api();
-    let mut c = sh(
-        "disk",
-        "cat /disk/disk.qcow2 > /out/seen; if echo changed > /disk/disk.qcow2 || touch /disk/new; then exit 1; fi",
+    let copy = json!({"name": "copy", "image": IMAGE,
+        "command": ["/bin/cp", "/bin/busybox", "/init/usr/bin/busybox"],
+        "volumeMounts": [{"name": "bin", "mountPath": "/init/usr/bin"}]});
+    // The host has /etc/debian_version and cargo; the image has busybox and socat only.
+    let mut alone = sh(
+        "alone",
+        "test ! -e /etc/debian_version && test ! -e /root/.cargo && test ! -e /disk \
+         && test -x /bin/busybox && test -x /usr/bin/socat \
+         && echo changed > /usr/bin/socat && echo alone",
     );
-    c["image"] = json!("example.com/container-disk:1");
-    c["volumeMounts"] = json!([{"name": "out", "mountPath": "/out"}]);
+    alone["volumeMounts"] = json!([{"name": "out", "mountPath": "/out"}]);
+    let disk = json!({"name": "disk", "image": common::DISK_IMAGE,
+        "command": ["/usr/bin/busybox", "sh", "-c",
+                    "/usr/bin/busybox cat /disk/disk.qcow2; echo changed > /disk/disk.qcow2"],
+        "volumeMounts": [{"name": "bin", "mountPath": "/usr/bin"}]});
     pods.create(
         &PostParams::default(),
         &pod(
-            "disk",
+            "layers",
             &node.name(),
-            &json!({"restartPolicy": "Never", "containers": [c],
-                    "volumes": [{"name": "out", "emptyDir": {}}]}),
+            &json!({"restartPolicy": "Never",
+                    "volumes": [{"name": "bin", "emptyDir": {}}, {"name": "out", "emptyDir": {}}],
+                    "initContainers": [copy], "containers": [alone, disk]}),
         ),
     )
     .await
     .expect("creating the pod");
-    let p = wait_pod(&pods, "disk", "pod finished", |p| {
+    let p = wait_pod(&pods, "layers", "pod finished", |p| {
         matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
     })
     .await;
     assert_eq!(p["status"]["phase"], "Succeeded", "{p}");
-    let uid = p["metadata"]["uid"].as_str().unwrap();
-    let seen = node
-        .pods_dir()
-        .join(uid)
-        .join("volumes/kubernetes.io~empty-dir/out/seen");
-    assert_eq!(std::fs::read_to_string(seen).unwrap(), "not really qcow2");
-    // The image is read-only to the container.
     assert_eq!(
-        std::fs::read_to_string(image_dir.path().join("disk/disk.qcow2")).unwrap(),
+        container_log(&node, &cluster.namespace, &p, "alone"),
+        "alone\n"
+    );
+    assert_eq!(
+        container_log(&node, &cluster.namespace, &p, "disk"),
         "not really qcow2"
     );
-    assert!(!image_dir.path().join("disk/new").exists());
+    // Each container wrote into its own upper layer; the store's layers are untouched.
+    let store = common::images();
+    let disk_image = store.resolve(common::DISK_IMAGE).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(disk_image.layers[0].join("disk/disk.qcow2")).unwrap(),
+        "not really qcow2"
+    );
+    let tools = store.resolve(IMAGE).unwrap();
+    assert_eq!(
+        std::fs::read(tools.layers[0].join("usr/bin/socat")).unwrap(),
+        std::fs::read("/usr/bin/socat").unwrap()
+    );
+    let statuses = p["status"]["containerStatuses"].as_array().unwrap();
+    let ids: Vec<&str> = statuses
+        .iter()
+        .filter_map(|c| c["imageID"].as_str())
+        .collect();
+    assert!(
+        ids.contains(&tools.id.as_str()) && ids.contains(&disk_image.id.as_str()),
+        "imageID is repository@digest: {ids:?}"
+    );
     node.stop().await;
 }
 
@@ -769,13 +763,13 @@ async fn http_and_tcp_readiness_probes() {
     let pods: Api<Pod> = cluster.api();
     let mut web = sh(
         "web",
-        "exec python3 -m http.server 8080 --bind 0.0.0.0 --directory /",
+        "mkdir /www && echo up > /www/index.html && exec httpd -f -p 8080 -h /www",
     );
     web["ports"] = json!([{"name": "http", "containerPort": 8080}]);
     web["readinessProbe"] = json!({"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1});
     let mut tcp = sh(
         "tcp",
-        "exec python3 -m http.server 8081 --bind 0.0.0.0 --directory /",
+        "exec socat TCP-LISTEN:8081,fork,reuseaddr SYSTEM:true",
     );
     tcp["readinessProbe"] = json!({"tcpSocket": {"port": 8081}, "periodSeconds": 1});
     let mut never = sh("never", "exec sleep 1000");
@@ -952,67 +946,62 @@ fn container_log(node: &TestNode, namespace: &str, pod: &Value, container: &str)
     std::fs::read_to_string(&path).unwrap_or_else(|e| format!("{}: {e}", path.display()))
 }
 
+/// The image's entrypoint, cmd, environment and working directory, with Kubernetes' rules for
+/// `command`, `args`, `env` and `workingDir` over them.
 #[tokio::test]
-async fn host_images_carry_the_bin_dir_in_usr_bin() {
-    use std::os::unix::fs::PermissionsExt as _;
+async fn image_entrypoint_cmd_env_and_workdir_apply() {
     let cluster = Cluster::start().await;
-    // A real ELF program (coreutils' echo), so it also runs where /bin/sh is hidden.
-    let bin = tempfile::tempdir().expect("bin dir");
-    std::fs::copy("/usr/bin/echo", bin.path().join("lc-echo")).expect("copying echo");
-    std::fs::write(bin.path().join("notes"), "not a program").unwrap();
-    std::fs::set_permissions(
-        bin.path().join("notes"),
-        std::fs::Permissions::from_mode(0o644),
-    )
-    .unwrap();
-    let image_dir = tempfile::tempdir().expect("image dir");
-    std::fs::create_dir(image_dir.path().join("disk")).unwrap();
-    let mut images = ImageTable::default();
-    images.insert(
-        "example.com/container-disk:1",
-        Rootfs::Dir(image_dir.path().to_path_buf()),
-    );
-    let bin_dir = bin.path().to_path_buf();
-    let node = TestNode::start_config(&cluster, images, |c| c.bin_dir = Some(bin_dir)).await;
+    let node = TestNode::start(&cluster).await;
     let pods: Api<Pod> = cluster.api();
-    // KubeVirt's container-disk pattern: an init container of our image copies a binary into
-    // an emptyDir that the disk container mounts over /usr/bin.
-    let copy = json!({"name": "copy", "image": IMAGE,
-        "command": ["/usr/bin/cp", "/usr/bin/lc-echo", "/init/usr/bin/lc-echo"],
-        "volumeMounts": [{"name": "bin", "mountPath": "/init/usr/bin"}]});
-    let host = sh(
-        "host",
-        "/usr/bin/lc-echo host && test ! -e /usr/bin/notes && test -x /usr/bin/cat",
-    );
-    let disk = json!({"name": "disk", "image": "example.com/container-disk:1",
-        "command": ["/usr/bin/lc-echo", "disk"],
-        "volumeMounts": [{"name": "bin", "mountPath": "/usr/bin"}]});
-    let mut plain = sh("plain", "test ! -e /usr/bin/lc-echo");
-    plain["image"] = json!("example.com/container-disk:1");
+    let out = json!([{"name": "out", "mountPath": "/out"}]);
+    let c = |name: &str, extra: Value| {
+        let mut c = json!({"name": name, "image": common::ENTRY_IMAGE, "volumeMounts": out,
+                           "env": [{"name": "NAME", "value": name}]});
+        json_patch::merge(&mut c, &extra);
+        c
+    };
+    let containers = json!([
+        c("image", json!({})),
+        c(
+            "args",
+            json!({"args": ["x", "y"],
+                         "env": [{"name": "NAME", "value": "args"}, {"name": "GREETING", "value": "pod"}]})
+        ),
+        c(
+            "command",
+            json!({"command": ["/bin/sh", "-c", "echo \"$0 $GREETING $(pwd) $PATH\" > /out/command"],
+                            "workingDir": "/tmp"})
+        ),
+    ]);
     pods.create(
         &PostParams::default(),
         &pod(
-            "bins",
+            "entry",
             &node.name(),
-            &json!({"restartPolicy": "Never", "volumes": [{"name": "bin", "emptyDir": {}}],
-                    "initContainers": [copy], "containers": [host, disk, plain]}),
+            &json!({"restartPolicy": "Never", "containers": containers,
+                    "volumes": [{"name": "out", "emptyDir": {}}]}),
         ),
     )
     .await
     .expect("creating the pod");
-    let p = wait_pod(&pods, "bins", "pod finished", |p| {
+    let p = wait_pod(&pods, "entry", "pod finished", |p| {
         matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
     })
     .await;
     assert_eq!(p["status"]["phase"], "Succeeded", "{p}");
-    assert_eq!(
-        container_log(&node, &cluster.namespace, &p, "host"),
-        "host\n"
-    );
-    assert_eq!(
-        container_log(&node, &cluster.namespace, &p, "disk"),
-        "disk\n"
-    );
+    let uid = p["metadata"]["uid"].as_str().unwrap();
+    let read = |name: &str| {
+        std::fs::read_to_string(
+            node.pods_dir()
+                .join(uid)
+                .join("volumes/kubernetes.io~empty-dir/out")
+                .join(name),
+        )
+        .unwrap()
+    };
+    assert_eq!(read("image"), "from-cmd image /app /app/bin:/bin\n");
+    assert_eq!(read("args"), "x y pod /app /app/bin:/bin\n");
+    assert_eq!(read("command"), "/bin/sh image /tmp /app/bin:/bin\n");
     node.stop().await;
 }
 
@@ -1033,8 +1022,7 @@ async fn kube_proxy_serves_the_kubernetes_service_to_pods_with_their_own_tokens(
         c.proxy_node = Some(proxy_node);
     })
     .await;
-    let node =
-        TestNode::start_named(&cluster, &node_name, ImageTable::default(), false, |_| {}).await;
+    let node = TestNode::start_named(&cluster, &node_name, false, |_| {}).await;
     // Once the node exists: kube-proxy reads its addresses at start.
     cluster.plane.start_proxy().await.expect("kube-proxy");
     let ns = cluster.namespace.clone();
@@ -1074,13 +1062,21 @@ async fn kube_proxy_serves_the_kubernetes_service_to_pods_with_their_own_tokens(
           -o /tmp/body -w 'status %{http_code}\\n' \
           https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT/api/v1/namespaces/$NS/secrets; \
         cat /tmp/body; echo; \
-        kubectl get pods -o name; \
+        /opt/kube/kubectl get pods -o name; \
         if echo x > $d/token; then exit 9; fi";
+    // kubectl is the control plane's multi-call binary (static), from the host.
+    let kube_dir = localcluster::controlplane::kube_binary()
+        .expect("the kube binary")
+        .parent()
+        .expect("its directory")
+        .to_path_buf();
     let with_ns = |mut c: Value| {
         c["env"] =
             json!([{"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]);
+        c["volumeMounts"] = json!([{"name": "kube", "mountPath": "/opt/kube", "readOnly": true}]);
         c
     };
+    let kube_volume = json!([{"name": "kube", "hostPath": {"path": kube_dir}}]);
     let no_token = sh(
         "main",
         "test \"$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT\" = 10.96.0.1:443 \
@@ -1088,8 +1084,9 @@ async fn kube_proxy_serves_the_kubernetes_service_to_pods_with_their_own_tokens(
     );
     let names = ["incluster", "incluster-host", "no-token"];
     for (name, spec) in names.iter().zip([
-        json!({"containers": [with_ns(sh("main", script))]}),
-        json!({"hostNetwork": true, "containers": [with_ns(sh("main", script))]}),
+        json!({"containers": [with_ns(sh("main", script))], "volumes": kube_volume}),
+        json!({"hostNetwork": true, "containers": [with_ns(sh("main", script))],
+               "volumes": kube_volume}),
         json!({"automountServiceAccountToken": false, "containers": [no_token]}),
     ]) {
         let mut p = json!({"metadata": {"name": name}, "spec": spec});
@@ -1387,7 +1384,7 @@ async fn a_starting_kubelet_sweeps_what_a_killed_one_left() {
     let stale_uid = uuid::Uuid::new_v4().to_string();
     let stray = format!("lcv{}", &uuid::Uuid::new_v4().simple().to_string()[..11]);
     let mut stale = None;
-    let node = TestNode::start_config(&cluster, ImageTable::default(), |c| {
+    let node = TestNode::start_config(&cluster, |c| {
         // What a kubelet killed with SIGKILL leaves: the bridge with a pod's veth, the pod's
         // netns and directories, and a veth whose pod directory is already gone.
         localcluster::kubelet::network::ensure_bridge(&c.bridge, c.pod_cidr).expect("bridge");

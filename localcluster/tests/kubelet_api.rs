@@ -14,13 +14,12 @@ use common::{Cluster, eventually};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::PostParams;
-use localcluster::images::{ImageTable, Rootfs};
 use localcluster::kubelet::network::PodCidr;
 use localcluster::kubelet::{Kubelet, NodeConfig, Serving};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-const IMAGE: &str = "kubevirt-rs/test-tools:latest";
+const IMAGE: &str = common::TOOLS_IMAGE;
 
 /// A serving kubelet on a fresh node rooted in a temp dir.
 async fn serving_node(cluster: &Cluster) -> (Kubelet, tempfile::TempDir) {
@@ -34,9 +33,7 @@ async fn serving_node(cluster: &Cluster) -> (Kubelet, tempfile::TempDir) {
         u32::from(bytes[9]) * 2 % 250
     ))
     .expect("cidr");
-    let mut images = ImageTable::default();
-    images.insert(IMAGE, Rootfs::Host);
-    let mut config = NodeConfig::new(&name, dir.path(), cidr, images);
+    let mut config = NodeConfig::new(&name, dir.path(), cidr, common::images());
     config.heartbeat = Duration::from_secs(2);
     let (client, creds) = cluster.node_client(&name).await;
     config.serving = Some(Serving {

@@ -9,7 +9,6 @@ use api::quantity::ParsedQuantity;
 use super::network::PodCidr;
 use super::{Kubelet, KubeletError, NodeConfig, Serving};
 use crate::controlplane::{self, ControlPlane, ControlPlaneError};
-use crate::images::{self, ImageTable};
 
 /// Node flags of `localcluster up`.
 #[derive(Debug, Clone, clap::Args)]
@@ -21,19 +20,10 @@ pub struct NodeArgs {
     /// default `<dir>/nodes`.
     #[arg(long = "root")]
     pub root: Option<PathBuf>,
-    /// An image table (YAML, `image: {rootfs: host | <dir>}`) merged over the built-in one.
-    #[arg(long = "images")]
-    pub images: Option<PathBuf>,
-    /// Our binaries, put first on every container's PATH; default: this binary's directory.
-    #[arg(long = "bin-dir")]
-    pub bin_dir: Option<PathBuf>,
-    /// The test guest build, for the guest images.
-    #[arg(
-        long = "guest-dir",
-        env = "KUBEVIRT_RS_GUEST_DIR",
-        default_value = ".cache/guest"
-    )]
-    pub guest_dir: PathBuf,
+    /// OCI archives or image layouts to load into the nodes' image store (`<dir>/images`)
+    /// before they start; `localcluster load` adds images to a running cluster.
+    #[arg(long = "image")]
+    pub images: Vec<PathBuf>,
     /// Extended resources every node offers, `name=quantity` (stand-ins for device plugins).
     #[arg(long = "extended-resource", value_parser = parse_resource, default_values = [
         "devices.kubevirt.io/kvm=1k", "devices.kubevirt.io/tun=1k", "devices.kubevirt.io/vhost-net=1k",
@@ -60,10 +50,8 @@ pub enum NodesError {
         "the process kubelet needs root (pod network namespaces, mounts, cgroups): run localcluster as root, or with `--nodes 0` for the API server alone"
     )]
     NotRoot,
-    #[error("image table")]
-    Images(#[from] images::ImageError),
-    #[error("preparing the guest kernel image under {dir}")]
-    GuestKernel { dir: String, source: std::io::Error },
+    #[error("the image store")]
+    Images(#[from] ociimage::StoreError),
     #[error("node {node}")]
     Node { node: String, source: KubeletError },
     #[error("the machine's address {0:?} is not an IP address")]
@@ -87,21 +75,9 @@ fn kubelet_port(i: u8) -> u16 {
     10250 + u16::from(i) - 1
 }
 
-/// The image table of `args`: built-in entries, then the file's.
-pub fn image_table(args: &NodeArgs) -> Result<ImageTable, NodesError> {
-    let mut table = ImageTable::builtin(&args.guest_dir);
-    if args.guest_dir.join("vmlinuz").exists() {
-        images::prepare_guest_kernel_image(&args.guest_dir).map_err(|source| {
-            NodesError::GuestKernel {
-                dir: args.guest_dir.display().to_string(),
-                source,
-            }
-        })?;
-    }
-    if let Some(file) = &args.images {
-        table.merge(ImageTable::load(file)?);
-    }
-    Ok(table)
+/// The image store of a cluster whose state is in `state_dir`.
+pub fn image_store(state_dir: &Path) -> Result<ociimage::Store, NodesError> {
+    Ok(ociimage::Store::open(&state_dir.join("images"))?)
 }
 
 /// Whether this process can run `args.nodes` nodes: root, and iproute2's `ip`. `up` asks
@@ -136,18 +112,18 @@ impl LocalNodes {
             return Ok(nodes);
         }
         preflight(args)?;
-        let table = image_table(args)?;
+        let store = image_store(state_dir)?;
+        for image in &args.images {
+            for name in store.import(image)? {
+                tracing::info!(%name, from = %image.display(), "image loaded");
+            }
+        }
+        let store = std::sync::Arc::new(store);
         let root = args.root.clone().unwrap_or_else(|| state_dir.join("nodes"));
-        let bin_dir = args.bin_dir.clone().or_else(|| {
-            std::env::current_exe()
-                .ok()
-                .and_then(|e| e.parent().map(Path::to_path_buf))
-        });
         for i in 1..=args.nodes {
             let name = format!("node-{i}");
             let cidr = PodCidr::parse(&format!("10.244.{i}.0/24")).expect("a valid CIDR");
-            let mut config = NodeConfig::new(&name, &root, cidr, table.clone());
-            config.bin_dir.clone_from(&bin_dir);
+            let mut config = NodeConfig::new(&name, &root, cidr, store.clone());
             config.extended_resources = args
                 .extended_resources
                 .iter()

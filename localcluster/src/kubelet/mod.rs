@@ -35,7 +35,6 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::images::ImageTable;
 use network::{PodCidr, PodNetwork};
 
 /// Why the kubelet or one of its pods failed.
@@ -54,7 +53,7 @@ pub enum KubeletError {
     #[error("`{command}` failed: {stderr}")]
     Network { command: String, stderr: String },
     #[error(
-        "the container has no command: localcluster images carry no entrypoint, so set `command`"
+        "the container has nothing to run: neither `command`/`args` nor the image's entrypoint/cmd"
     )]
     NoCommand,
     #[error("starting {program}")]
@@ -66,8 +65,15 @@ pub enum KubeletError {
     Volume { volume: String, message: String },
     #[error("{what}")]
     Api { what: String, source: kube::Error },
-    #[error("image {image:?} is not in the image table")]
-    Image { image: String },
+    #[error("image {image:?}")]
+    Image {
+        image: String,
+        source: ociimage::StoreError,
+    },
+    #[error(
+        "image {image:?} runs as user {user:?}: only root is supported (the process kubelet does not switch users)"
+    )]
+    ImageUser { image: String, user: String },
     #[error("the pod CIDR {cidr} has no free address")]
     AddressesExhausted { cidr: String },
     #[error("device plugin resource {resource}: {message}")]
@@ -85,9 +91,8 @@ pub struct NodeConfig {
     pub pod_cidr: PodCidr,
     /// The node bridge (at most 15 bytes).
     pub bridge: String,
-    /// Put first on `PATH` of every container (our binaries).
-    pub bin_dir: Option<PathBuf>,
-    pub images: ImageTable,
+    /// The images containers run from.
+    pub images: std::sync::Arc<ociimage::Store>,
     pub labels: BTreeMap<String, String>,
     /// Extra allocatable resources, e.g. `devices.kubevirt.io/kvm: "1k"`.
     pub extended_resources: BTreeMap<String, String>,
@@ -124,7 +129,12 @@ impl std::fmt::Debug for Serving {
 
 impl NodeConfig {
     /// A node named `name` rooted at `<base>/<name>` with the machine's cpus and memory.
-    pub fn new(name: &str, base: &Path, pod_cidr: PodCidr, images: ImageTable) -> Self {
+    pub fn new(
+        name: &str,
+        base: &Path,
+        pod_cidr: PodCidr,
+        images: std::sync::Arc<ociimage::Store>,
+    ) -> Self {
         let cpu = std::thread::available_parallelism()
             .map_or(1, std::num::NonZero::get)
             .to_string();
@@ -137,7 +147,6 @@ impl NodeConfig {
             root: base.join(name),
             pod_cidr,
             bridge: format!("lc-{}", &name[..name.len().min(12)]),
-            bin_dir: None,
             images,
             labels: BTreeMap::new(),
             extended_resources: BTreeMap::new(),

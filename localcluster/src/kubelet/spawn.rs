@@ -39,13 +39,21 @@ fn cstr(p: &Path) -> CString {
     CString::new(p.as_os_str().as_bytes()).unwrap_or_default()
 }
 
-/// `path` inside a container whose root mirrors `lower` (the host root, every container's lower
-/// layer), with the symlinks along it resolved against that root rather than the host's:
-/// Debian's `/var/run -> /run` makes `/var/run/secrets` `/run/secrets`. Mount targets are
-/// reached from outside the new root, where an absolute link would lead into the host's own
-/// directories (and the mount would be invisible in the container). Loops stop after 40 links,
-/// like the kernel's.
-pub fn resolve_links(lower: &Path, path: &Path) -> PathBuf {
+/// The entry at `path` (relative to the image root) as the container sees it: from the
+/// topmost of `lowers` (the image's unpacked layers, top first) that has it.
+fn lookup(lowers: &[PathBuf], path: &Path) -> Option<PathBuf> {
+    lowers
+        .iter()
+        .map(|l| l.join(path))
+        .find(|p| std::fs::symlink_metadata(p).is_ok())
+}
+
+/// `path` inside a container whose root stacks `lowers` (top first), with the symlinks along
+/// it resolved against that root rather than the host's: Debian's `/var/run -> /run` makes
+/// `/var/run/secrets` `/run/secrets`. Mount targets are reached from outside the new root,
+/// where an absolute link would lead into the host's own directories (and the mount would be
+/// invisible in the container). Loops stop after 40 links, like the kernel's.
+pub fn resolve_links(lowers: &[PathBuf], path: &Path) -> PathBuf {
     use std::collections::VecDeque;
     use std::path::Component;
     let mut out = PathBuf::from("/");
@@ -64,9 +72,9 @@ pub fn resolve_links(lower: &Path, path: &Path) -> PathBuf {
             continue;
         }
         let candidate = out.join(&c);
-        let on_host = lower.join(candidate.strip_prefix("/").unwrap_or(&candidate));
-        match std::fs::read_link(&on_host) {
-            Ok(link) if links < 40 => {
+        let inside = candidate.strip_prefix("/").unwrap_or(&candidate);
+        match lookup(lowers, inside).map(std::fs::read_link) {
+            Some(Ok(link)) if links < 40 => {
                 links += 1;
                 if link.is_absolute() {
                     out = PathBuf::from("/");
@@ -89,6 +97,8 @@ pub fn resolve_links(lower: &Path, path: &Path) -> PathBuf {
 #[derive(Debug, Default)]
 pub struct RootPlan {
     pub steps: Vec<Step>,
+    /// The image's layers, top first: what the root shows before anything is mounted on it.
+    pub lowers: Vec<PathBuf>,
     /// The directory that becomes `/` (a mount point after `steps`).
     pub root: Option<CString>,
     /// Propagation applied to the inherited tree right after `unshare`.
@@ -112,7 +122,7 @@ impl RootPlan {
     /// Symlinks along `target` are resolved as the container sees them (see
     /// [`resolve_links`]).
     pub fn mount_point(&mut self, root: &Path, target: &Path, source_is_file: bool) -> PathBuf {
-        let target = &resolve_links(Path::new("/"), target);
+        let target = &resolve_links(&self.lowers, target);
         let inside = root.join(target.strip_prefix("/").unwrap_or(target));
         if source_is_file {
             if let Some(parent) = target.parent() {
@@ -479,7 +489,16 @@ mod tests {
         std::os::unix::fs::symlink("usr/lib", l.join("lib")).unwrap();
         std::os::unix::fs::symlink("../run", l.join("usr/up")).unwrap();
         std::os::unix::fs::symlink("loop", l.join("loop")).unwrap();
-        let r = |p: &str| resolve_links(l, Path::new(p));
+        // A layer above shadows a lower one's entry: here `lib` is a plain directory.
+        let upper = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(upper.path().join("opt/lib")).unwrap();
+        std::os::unix::fs::symlink("/run", upper.path().join("opt/run")).unwrap();
+        std::fs::create_dir_all(l.join("opt")).unwrap();
+        std::os::unix::fs::symlink("/usr", l.join("opt/lib")).unwrap();
+        let lowers = [upper.path().to_path_buf(), l.to_path_buf()];
+        let r = |p: &str| resolve_links(&lowers, Path::new(p));
+        assert_eq!(r("/opt/lib/x"), Path::new("/opt/lib/x"));
+        assert_eq!(r("/opt/run/x"), Path::new("/run/x"));
         assert_eq!(r("/var-run/secrets/x"), Path::new("/run/secrets/x"));
         assert_eq!(r("/lib/modules"), Path::new("/usr/lib/modules"));
         assert_eq!(r("/usr/up/a"), Path::new("/run/a"));

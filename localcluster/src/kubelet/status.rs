@@ -81,6 +81,8 @@ pub struct Record {
     pub ready: bool,
     /// Its process has started at least once.
     pub started: bool,
+    /// `repository@manifest-digest` of the image, once resolved.
+    pub image_id: String,
 }
 
 impl Record {
@@ -93,12 +95,13 @@ impl Record {
             restart_count: 0,
             ready: false,
             started: false,
+            image_id: String::new(),
         }
     }
 
     fn to_json(&self, uid: &str) -> Value {
         let mut v = json!({
-            "name": self.name, "image": self.image, "imageID": "",
+            "name": self.name, "image": self.image, "imageID": self.image_id,
             "state": self.state.to_json(), "ready": self.ready,
             "restartCount": self.restart_count, "started": self.state.is_running(),
             "lastState": self.last.as_ref().map_or(json!({}), State::to_json),

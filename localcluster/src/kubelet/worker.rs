@@ -25,7 +25,6 @@ use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
 use super::{KubeletError, Sandbox, Shared, now};
 use super::{deviceplugin, serviceaccount};
-use crate::images::{self, Rootfs};
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// How long the kubelet waits for containers after SIGKILL before giving up on them.
@@ -486,16 +485,26 @@ impl Worker {
         }
     }
 
-    async fn env(&self, c: &Container) -> Result<Vec<(String, String)>, KubeletError> {
+    /// The container's environment: the image's (`PATH` defaulted), `HOSTNAME`, the
+    /// `kubernetes` Service's variables, then the container's `env`, each overriding what came
+    /// before.
+    async fn env(
+        &self,
+        c: &Container,
+        image: &ociimage::ImageConfig,
+    ) -> Result<Vec<(String, String)>, KubeletError> {
         let namespace = self.pod.metadata.namespace.clone().unwrap_or_default();
-        let path = match &self.config().bin_dir {
-            Some(b) => format!("{}:{DEFAULT_PATH}", b.display()),
-            None => DEFAULT_PATH.to_string(),
+        let mut env: Vec<(String, String)> = Vec::new();
+        let set = |env: &mut Vec<(String, String)>, k: String, v: String| {
+            env.retain(|(n, _)| *n != k);
+            env.push((k, v));
         };
-        let mut env = vec![
-            ("PATH".to_string(), path),
-            ("HOSTNAME".to_string(), self.name.clone()),
-        ];
+        set(&mut env, "PATH".into(), DEFAULT_PATH.into());
+        for pair in &image.env {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            set(&mut env, k.into(), v.into());
+        }
+        set(&mut env, "HOSTNAME".into(), self.name.clone());
         if let Some(address) = self.kubernetes_service {
             env.extend(serviceaccount::service_env(address));
         }
@@ -573,21 +582,42 @@ impl Worker {
         let spec = self.ctr(kind, idx).spec.clone();
         let restart = self.ctr(kind, idx).record.restart_count
             + i32::from(self.ctr(kind, idx).record.started);
-        let image = spec.image.clone().unwrap_or_default();
-        let rootfs = self
-            .config()
-            .images
-            .resolve(&image)
-            .cloned()
-            .ok_or(KubeletError::Image {
-                image: image.clone(),
+        let image_name = spec.image.clone().unwrap_or_default();
+        let store = self.config().images.clone();
+        let wanted = image_name.clone();
+        let image = tokio::task::spawn_blocking(move || store.resolve(&wanted))
+            .await
+            .map_err(|e| KubeletError::Io {
+                path: format!("resolving image {image_name}"),
+                source: std::io::Error::other(e),
+            })?
+            .map_err(|source| KubeletError::Image {
+                image: image_name.clone(),
+                source,
             })?;
-        let mut argv: Vec<String> = spec.command.clone().unwrap_or_default();
-        argv.extend(spec.args.clone().unwrap_or_default());
+        self.ctr(kind, idx).record.image_id.clone_from(&image.id);
+        if let Some(user) = image
+            .config
+            .user
+            .as_deref()
+            .filter(|u| !matches!(*u, "0" | "root" | "0:0" | "root:root"))
+        {
+            return Err(KubeletError::ImageUser {
+                image: image_name,
+                user: user.to_owned(),
+            });
+        }
+        let argv = container_argv(spec.command.as_deref(), spec.args.as_deref(), &image.config);
         if argv.is_empty() {
             return Err(KubeletError::NoCommand);
         }
-        let mut env = self.env(&spec).await?;
+        let workdir = spec
+            .working_dir
+            .clone()
+            .filter(|w| !w.is_empty())
+            .or_else(|| image.config.working_dir.clone())
+            .unwrap_or_else(|| "/".into());
+        let mut env = self.env(&spec, &image.config).await?;
         let io = |path: &std::path::Path| {
             let path = path.display().to_string();
             move |source| KubeletError::Io { path, source }
@@ -606,39 +636,29 @@ impl Worker {
         for d in [&upper, &work, &root] {
             std::fs::create_dir_all(d).map_err(io(d))?;
         }
-        // The image's own files are bound read-only over the host root rather than stacked as
-        // an overlay layer: overlayfs refuses a layer inside another layer ("/").
-        let image_entries: Vec<PathBuf> = match &rootfs {
-            Rootfs::Host => Vec::new(),
-            Rootfs::Dir(d) => std::fs::read_dir(d)
-                .map_err(|source| KubeletError::Io {
-                    path: format!("root of image {image}: {}", d.display()),
-                    source,
-                })?
-                .flatten()
-                .map(|e| e.path())
-                .collect(),
+        // The image's layers, read-only, top first as overlayfs stacks them, under the
+        // container's own writable layer.
+        let lowers: Vec<PathBuf> = image.layers.iter().rev().cloned().collect();
+        let lowerdir = lowers
+            .iter()
+            .map(|l| l.display().to_string())
+            .collect::<Vec<_>>()
+            .join(":");
+        let mut plan = RootPlan {
+            lowers,
+            ..RootPlan::default()
         };
-        let lower = "/";
-        let mut plan = RootPlan::default();
         plan.mount(
             Some("overlay"),
             &root,
             Some("overlay"),
             MsFlags::empty(),
             Some(&format!(
-                "lowerdir={lower},upperdir={},workdir={}",
+                "lowerdir={lowerdir},upperdir={},workdir={}",
                 upper.display(),
                 work.display()
             )),
         );
-        for entry in &image_entries {
-            let Some(name) = entry.file_name() else {
-                continue;
-            };
-            let target = plan.mount_point(&root, &PathBuf::from("/").join(name), entry.is_file());
-            plan.bind(entry, &target, true);
-        }
         let proc_dir = plan.mount_point(&root, std::path::Path::new("/proc"), false);
         plan.mount(
             Some("proc"),
@@ -650,23 +670,6 @@ impl Worker {
         for host in ["/dev", "/sys"] {
             let target = plan.mount_point(&root, std::path::Path::new(host), false);
             plan.bind(std::path::Path::new(host), &target, false);
-        }
-        if let Some(bin) = self.config().bin_dir.clone() {
-            let target = plan.mount_point(&root, &bin, false);
-            plan.bind(&bin, &target, true);
-            // Our component images ship their binaries in /usr/bin, and KubeVirt's pod
-            // templates name them by that absolute path (`/usr/bin/virt-launcher`), so a
-            // host-root container sees each binary of the bin dir there too. Volumes are
-            // mounted after these, so an emptyDir over /usr/bin still hides them, as it would
-            // hide an image's.
-            if rootfs == Rootfs::Host {
-                for binary in images::image_binaries(&bin).map_err(io(&bin))? {
-                    let inside = Path::new(images::IMAGE_BIN_DIR)
-                        .join(binary.file_name().unwrap_or_default());
-                    let target = plan.mount_point(&root, &inside, true);
-                    plan.bind(&binary, &target, true);
-                }
-            }
         }
         let mut propagation = MsFlags::MS_PRIVATE;
         for m in spec.volume_mounts.iter().flatten() {
@@ -743,7 +746,7 @@ impl Worker {
         let spawned = spawn(Launch {
             argv,
             env,
-            workdir: PathBuf::from(spec.working_dir.clone().unwrap_or_else(|| "/".into())),
+            workdir: PathBuf::from(workdir),
             netns,
             mntns: None,
             pidns,
@@ -1116,6 +1119,26 @@ fn port_number(
     }
 }
 
+/// What a container runs, by Kubernetes' rule: `command` replaces the image's entrypoint and
+/// its cmd (then `args` alone are the arguments); without `command`, the entrypoint runs with
+/// `args` if given, else with the image's cmd.
+fn container_argv(
+    command: Option<&[String]>,
+    args: Option<&[String]>,
+    image: &ociimage::ImageConfig,
+) -> Vec<String> {
+    let args = args.filter(|a| !a.is_empty());
+    match command.filter(|c| !c.is_empty()) {
+        Some(c) => c.iter().chain(args.unwrap_or_default()).cloned().collect(),
+        None => image
+            .entrypoint
+            .iter()
+            .chain(args.unwrap_or(&image.cmd))
+            .cloned()
+            .collect(),
+    }
+}
+
 fn next_backoff(current: Duration, base: Duration) -> Duration {
     if current.is_zero() {
         base
@@ -1138,6 +1161,30 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn commands_follow_kubernetes_over_the_image() {
+        let v = |s: &[&str]| s.iter().map(|x| (*x).to_owned()).collect::<Vec<_>>();
+        let image = ociimage::ImageConfig {
+            entrypoint: v(&["/entry"]),
+            cmd: v(&["default"]),
+            ..ociimage::ImageConfig::default()
+        };
+        let run = |c: Option<&[&str]>, a: Option<&[&str]>| {
+            let c = c.map(v);
+            let a = a.map(v);
+            container_argv(c.as_deref(), a.as_deref(), &image)
+        };
+        assert_eq!(run(None, None), ["/entry", "default"]);
+        assert_eq!(run(None, Some(&["x"])), ["/entry", "x"]);
+        assert_eq!(run(Some(&["/bin/sh"]), None), ["/bin/sh"]);
+        assert_eq!(
+            run(Some(&["/bin/sh"]), Some(&["-c", "true"])),
+            ["/bin/sh", "-c", "true"]
+        );
+        assert_eq!(run(Some(&[]), Some(&[])), ["/entry", "default"]);
+        assert!(container_argv(None, None, &ociimage::ImageConfig::default()).is_empty());
+    }
 
     #[test]
     fn qos_classes() {

@@ -161,3 +161,68 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The image plain test pods run: busybox's shell and tools, and socat.
+pub const TOOLS_IMAGE: &str = "kubevirt-rs/test-tools:latest";
+/// An image with a shell whose entrypoint, cmd, environment and working directory are set:
+/// `/bin/sh /app/run.sh from-cmd` in `/app`, `GREETING=image`, `PATH=/app/bin:/bin`.
+pub const ENTRY_IMAGE: &str = "example.com/entry:1";
+/// A container-disk-like image: `/disk/disk.qcow2` and nothing else (no shell, no libc).
+pub const DISK_IMAGE: &str = "example.com/container-disk:1";
+
+/// One image store for every node of a test binary, holding the images above (built once, as
+/// `build-images` builds them, into an OCI layout that the store imports).
+pub fn images() -> std::sync::Arc<ociimage::Store> {
+    use ociimage::{Compression, ImageSpec, Layout, Reference, Source, Tree};
+    static STORE: std::sync::OnceLock<(tempfile::TempDir, std::sync::Arc<ociimage::Store>)> =
+        std::sync::OnceLock::new();
+    STORE
+        .get_or_init(|| {
+            let dir = tempfile::tempdir().expect("image dir");
+            let layout = Layout::create(&dir.path().join("build")).expect("layout");
+            let tools = imagebuild::recipes::test_tools_layer().expect("test-tools layer");
+            let mut spec = ImageSpec::new(Reference::parse(TOOLS_IMAGE).unwrap());
+            spec.layers = vec![tools.clone()];
+            spec.cmd = vec!["/bin/sh".into()];
+            layout
+                .write_image(&spec, Compression::None)
+                .expect("test-tools");
+
+            let mut app = Tree::new();
+            app.file(
+                "/app/run.sh",
+                Source::Bytes(b"echo \"$* $GREETING $(pwd) $PATH\" > /out/$NAME\n".to_vec()),
+                0o755,
+            );
+            let mut spec = ImageSpec::new(Reference::parse(ENTRY_IMAGE).unwrap());
+            spec.layers = vec![tools, app];
+            spec.entrypoint = vec!["/bin/sh".into(), "/app/run.sh".into()];
+            spec.cmd = vec!["from-cmd".into()];
+            spec.env = vec!["GREETING=image".into(), "PATH=/app/bin:/bin".into()];
+            spec.working_dir = Some("/app".into());
+            layout
+                .write_image(&spec, Compression::Gzip)
+                .expect("entry image");
+
+            let mut disk = Tree::new();
+            disk.file(
+                "/disk/disk.qcow2",
+                Source::Bytes(b"not really qcow2".to_vec()),
+                0o444,
+            );
+            let mut spec = ImageSpec::new(Reference::parse(DISK_IMAGE).unwrap());
+            spec.layers = vec![disk];
+            spec.env.clear();
+            layout
+                .write_image(&spec, Compression::None)
+                .expect("disk image");
+
+            let store = ociimage::Store::open(&dir.path().join("store")).expect("store");
+            store
+                .import(layout.dir())
+                .expect("importing the test images");
+            (dir, std::sync::Arc::new(store))
+        })
+        .1
+        .clone()
+}

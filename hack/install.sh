@@ -4,13 +4,16 @@
 # manifests/install/, the CA bundle of the APIServices and admission webhooks; then waits until
 # virt-api and virt-controller are rolled out and virt-handler has marked a node schedulable.
 # Usage: hack/install.sh PKI_DIR
+# MANIFESTS names another directory of install manifests, e.g. the release's _out/manifests
+# (our images pinned by digest).
 set -euo pipefail
 pki=${1:?usage: hack/install.sh PKI_DIR}
 cd "$(dirname "$0")/.."
+manifests=${MANIFESTS:-manifests/install}
 
 kubectl apply -f manifests/crds/
 kubectl wait --for condition=established --timeout=60s crd --all >/dev/null
-kubectl apply -f manifests/install/00-namespace.yaml
+kubectl apply -f "$manifests/00-namespace.yaml"
 kubectl apply -f manifests/examples/kubevirt-cr.yaml
 
 hack/pki.sh "$pki"
@@ -28,7 +31,7 @@ secret kubevirt-virt-handler-certs --from-file=tls.crt="$pki/client.crt" \
 secret kubevirt-virt-api-certs --from-file=tls.crt="$pki/virt-api.crt" \
   --from-file=tls.key="$pki/virt-api.key"
 
-kubectl apply -f manifests/install/
+kubectl apply -f "$manifests/"
 ca=$(base64 -w0 <"$pki/ca.crt")
 for apiservice in v1.subresources.kubevirt.io v1alpha3.subresources.kubevirt.io; do
   kubectl patch apiservice "$apiservice" --type merge -p "{\"spec\":{\"caBundle\":\"$ca\"}}" >/dev/null

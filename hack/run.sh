@@ -27,8 +27,9 @@ kube=$(localcluster/upstream/build.sh)
 export PATH="$(dirname "$kube"):$PATH"
 kubectl version --client
 
-step "building localcluster, virt-api, virt-controller, virt-handler, virt-launcher, container-disk, virtctl"
-CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p virtapi -p controller -p handler -p launcher -p containerdisk -p virtctl --bins
+step "building localcluster, virt-api, virt-controller, virt-handler, virt-launcher, container-disk, virtctl, build-images"
+CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p virtapi -p controller -p handler -p launcher -p containerdisk -p virtctl -p imagebuild --bins
+CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" hack/build-static.sh
 bins=${CARGO_TARGET_DIR:-$repo/target}/debug
 
 state=${LOCALCLUSTER_DIR:-$HOME/.localcluster}
@@ -38,10 +39,13 @@ if [[ -f $state/localcluster.pid ]] && kill -0 "$(cat "$state/localcluster.pid")
   fail "localcluster is already running (pid $(cat "$state/localcluster.pid")); stop it first: $bins/localcluster down"
 fi
 
-step "starting localcluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy and one node (log: $state/localcluster.log)"
+step "building the images: virt-api, virt-controller, virt-handler, virt-launcher (with QEMU), container-disk, the test guest's"
 mkdir -p "$state"
+"$bins/build-images" --bin-dir "$bins" --guest-dir "$guest" --layout "$state/images-build"
+
+step "starting localcluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy and one node running those images (log: $state/localcluster.log)"
 rm -f "$KUBECONFIG"
-setsid "$bins/localcluster" up --nodes 1 --kube "$kube" --bin-dir "$bins" --guest-dir "$guest" \
+setsid "$bins/localcluster" up --nodes 1 --kube "$kube" --image "$state/images-build" \
   >"$state/localcluster.log" 2>&1 </dev/null &
 lc_pid=$!
 # The kubeconfig is written once the control plane is ready; the node follows.

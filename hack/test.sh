@@ -27,6 +27,8 @@ unformatted=$(cd localcluster/upstream && gofmt -l .)
 (cd localcluster/upstream && CGO_ENABLED=0 go vet -trimpath ./...)
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== static container-disk (it runs in container-disk images, which have no C library)"
+hack/build-static.sh
 echo "== tests"
 export KUBEVIRT_RS_GUEST_DIR="${KUBEVIRT_RS_GUEST_DIR:-$PWD/.cache/guest}"
 cargo nextest run --workspace --locked --no-fail-fast "$@"

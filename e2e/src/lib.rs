@@ -20,8 +20,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 /// The programs the stack runs; pods find them at `/usr/bin/<name>`.
-pub const BINARIES: [&str; 7] = [
+pub const BINARIES: [&str; 8] = [
     "localcluster",
+    "build-images",
     "virtctl",
     "virt-api",
     "virt-controller",
@@ -225,6 +226,18 @@ impl Stack {
         let dir = tempfile::Builder::new()
             .prefix("kubevirt-rs-e2e")
             .tempdir()?;
+        // The images the stack runs, built from these binaries as `hack/release.sh` builds a
+        // release's (uncompressed: they never leave the machine).
+        let images = dir.path().join("images-build");
+        let mut build = Command::new(bins.join("build-images"));
+        build
+            .arg("--bin-dir")
+            .arg(&bins)
+            .arg("--guest-dir")
+            .arg(testguest::dir())
+            .arg("--layout")
+            .arg(&images);
+        run(&mut build, None)?;
         let log = std::fs::File::create(dir.path().join("localcluster.log"))?;
         let cluster = Command::new(bins.join("localcluster"))
             .arg("up")
@@ -233,10 +246,8 @@ impl Stack {
             .args(["--port", "0", "--nodes", "1"])
             .arg("--kube")
             .arg(&kube)
-            .arg("--bin-dir")
-            .arg(&bins)
-            .arg("--guest-dir")
-            .arg(testguest::dir())
+            .arg("--image")
+            .arg(&images)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

@@ -65,8 +65,8 @@ fn vmi_manifest(name: &str, binding: &str, ports: &[u16], peer_ip: &str) -> Valu
     })
 }
 
-/// A plain pod (the host's root file system, localcluster's `kubevirt-rs/*` images) answering
-/// `peer-answer` on [`PEER_PORT`], with bash for connecting out.
+/// A plain pod (the `test-tools` image: busybox and socat) answering `peer-answer` on
+/// [`PEER_PORT`], with socat for connecting out.
 fn peer_manifest() -> Value {
     json!({
         "apiVersion": "v1",
@@ -76,7 +76,7 @@ fn peer_manifest() -> Value {
             "terminationGracePeriodSeconds": 1,
             "containers": [{
                 "name": "peer",
-                "image": "kubevirt-rs/tools:latest",
+                "image": "kubevirt-rs/test-tools:latest",
                 "command": ["socat", format!("TCP-LISTEN:{PEER_PORT},fork,reuseaddr"),
                             "SYSTEM:echo peer-answer"],
             }],
@@ -303,9 +303,10 @@ fn guest_masquerade_and_bridge_through_the_stack() {
                 "--",
                 "timeout",
                 "30",
-                "bash",
-                "-c",
-                &format!("exec 3<>/dev/tcp/{}/8080; cat <&3", bridged.pod_ip),
+                "socat",
+                "-T20",
+                "-",
+                &format!("TCP:{}:8080", bridged.pod_ip),
             ])
             .map_err(|e| e.to_string())?;
         Ok((!out.trim().is_empty()).then(|| out.trim().to_owned()))

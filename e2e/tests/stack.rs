@@ -1,8 +1,10 @@
 //! The README's main job as a test: a VM applied with kubectl boots through localcluster,
 //! virt-controller, virt-handler and virt-launcher, is reachable on its pod's IP through the
-//! masquerade binding, and stops when its run strategy says Halted.
+//! masquerade binding, and stops when its run strategy says Halted. Every component runs from
+//! its image: virt-handler and the guest's QEMU see their image's layers as `/`, not the host.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::Duration;
 
 use e2e::{Stack, repo_root, wait_for};
@@ -15,6 +17,52 @@ fn demo(stack: &Stack, resource: &str) -> Result<serde_json::Value, String> {
         .get_json("default", resource, "demo")
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("no {resource} default/demo yet"))
+}
+
+/// The pids whose command line starts with `argv0` and contains `marker`.
+fn processes(argv0: &str, marker: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.first().is_some_and(|a| a == argv0) && args.iter().any(|a| a.contains(marker)) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// The process's `/` is an overlay of layers from the stack's image store holding `program`,
+/// and none of the host's own files (Debian's `/etc/debian_version`, cargo's home).
+fn assert_runs_from_image(stack: &Stack, pid: u32, program: &str) {
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).expect("mountinfo");
+    let root = mountinfo
+        .lines()
+        .find(|l| l.split(' ').nth(4) == Some("/"))
+        .expect("a root mount");
+    let (_, fs) = root.split_once(" - ").expect("mountinfo's separator");
+    let layers = stack.dir().join("images/layers");
+    assert!(
+        fs.starts_with("overlay ") && fs.contains(&format!("lowerdir={}", layers.display())),
+        "pid {pid}'s root is its image's layers in {}: {root}",
+        layers.display()
+    );
+    let inside = |p: &str| Path::new(&format!("/proc/{pid}/root")).join(p.trim_start_matches('/'));
+    assert!(inside(program).is_file(), "{program} in pid {pid}'s image");
+    for host_only in ["/etc/debian_version", "/root/.cargo", "/usr/bin/apt"] {
+        assert!(
+            !inside(host_only).exists(),
+            "{host_only} of the host is visible to pid {pid}"
+        );
+    }
 }
 
 #[test]
@@ -56,6 +104,13 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         }
     })
     .expect("the guest boots");
+    // QEMU comes from the launcher image (with its libraries and firmware), not the host.
+    let qemu = processes("qemu-system-x86_64", "guest=default_demo");
+    assert_eq!(qemu.len(), 1, "one QEMU for the demo VM: {qemu:?}");
+    assert_runs_from_image(&stack, qemu[0], "/usr/bin/qemu-system-x86_64");
+    let handler = processes("/usr/bin/virt-handler", "--console-server-port");
+    assert_eq!(handler.len(), 1, "one virt-handler: {handler:?}");
+    assert_runs_from_image(&stack, handler[0], "/usr/bin/virt-handler");
     let vmi_uid = vmi["metadata"]["uid"].as_str().expect("uid").to_owned();
     let pod_ip = stack
         .kubectl(&[

@@ -2,7 +2,7 @@
 //!
 //! - Rust components (`virt-api`, `virt-controller`, `virt-handler`): a distroless-style base
 //!   layer (the C library closure of our programs, `/etc/passwd`, `/tmp`) shared by every
-//!   component image, plus the program.
+//!   component image, plus the program (and for virt-handler, `nft`).
 //! - `virt-launcher`: the same base, a QEMU layer (`qemu-system-x86_64`, `qemu-img`, the TCG
 //!   accelerator module, firmware, VNC keymaps and exactly the libraries they need, copied from
 //!   this machine's Debian packages) and the launcher with `container-disk` and `cp`, which the
@@ -140,12 +140,25 @@ fn base_layer(inputs: &Inputs) -> Result<Tree, FilesError> {
     Ok(layer.tree)
 }
 
-fn program_layer(inputs: &Inputs, program: &str) -> Result<Tree, FilesError> {
-    let mut layer = Layer::new(None);
+/// The programs a component runs besides its own: virt-handler plugs pod networks with
+/// nftables through `nft` (the `nftables` crate drives its JSON interface).
+fn tools_of(program: &str) -> &'static [&'static str] {
+    match program {
+        "virt-handler" => &["/usr/sbin/nft"],
+        _ => &[],
+    }
+}
+
+/// The component's program, and the tools it runs with what they need beyond `base`.
+fn program_layer(inputs: &Inputs, program: &str, base: &Tree) -> Result<Tree, FilesError> {
+    let mut layer = Layer::new(Some(base));
     layer.program(
         &inputs.bin_dir.join(program),
         &Path::new("/usr/bin").join(program),
     )?;
+    for tool in tools_of(program) {
+        layer.elf_with_libraries(Path::new(tool))?;
+    }
     Ok(layer.tree)
 }
 
@@ -179,13 +192,13 @@ pub fn components(inputs: &Inputs, naming: &Naming) -> Result<Vec<ImageSpec>, Re
     for name in ["virt-api", "virt-controller", "virt-handler"] {
         out.push(component(
             name,
-            vec![base.clone(), program_layer(inputs, name)?],
+            vec![base.clone(), program_layer(inputs, name, &base)?],
             naming,
         )?);
     }
     files::check_static(&inputs.container_disk)?;
     let disk = Source::Path(inputs.container_disk.clone());
-    let mut launcher = program_layer(inputs, "virt-launcher")?;
+    let mut launcher = program_layer(inputs, "virt-launcher", &base)?;
     launcher.file("/usr/bin/container-disk", disk.clone(), 0o755);
     let qemu = qemu_layer(&base)?;
     out.push(component(

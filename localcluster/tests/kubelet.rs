@@ -608,9 +608,9 @@ async fn init_containers_run_in_order_and_restart_policy_applies() {
     .await;
     assert_eq!(p["status"]["containerStatuses"][0]["restartCount"], 0);
 
-    // An image missing from the table: the container waits with ErrImagePull.
+    // An image missing from the store: the container waits with ErrImagePull, saying so.
     let mut unknown = sh("main", "true");
-    unknown["image"] = json!("docker.io/library/nginx:1");
+    unknown["image"] = json!("nginx:1");
     pods.create(
         &PostParams::default(),
         &pod("no-image", &node_name, &json!({"containers": [unknown]})),
@@ -622,6 +622,31 @@ async fn init_containers_run_in_order_and_restart_policy_applies() {
     })
     .await;
     assert_eq!(p["status"]["phase"], "Pending");
+    let message = p["status"]["containerStatuses"][0]["state"]["waiting"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        message.contains("docker.io/library/nginx:1 is not in the local image store")
+            && message.contains("localcluster load"),
+        "{message}"
+    );
+
+    // An image with neither entrypoint nor cmd, and no command: nothing to run.
+    let bare = json!({"name": "main", "image": common::DISK_IMAGE});
+    pods.create(
+        &PostParams::default(),
+        &pod("no-command", &node_name, &json!({"containers": [bare]})),
+    )
+    .await
+    .expect("creating the pod");
+    let p = wait_pod(&pods, "no-command", "CreateContainerError", |p| {
+        p["status"]["containerStatuses"][0]["state"]["waiting"]["reason"] == "CreateContainerError"
+    })
+    .await;
+    let message = p["status"]["containerStatuses"][0]["state"]["waiting"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(message.contains("nothing to run"), "{message}");
     node.stop().await;
 }
 

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Builds container-disk statically linked (glibc's static-pie), for the given cargo profile
+# (default dev): it runs inside container-disk images, which carry a disk and no C library.
+# The result is target/x86_64-unknown-linux-gnu/<profile dir>/container-disk, where build-images
+# looks for it. Only this crate gets the flag: static glibc would break name lookups in the
+# components that use the network.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
+  cargo build --locked -p containerdisk --bin container-disk --target x86_64-unknown-linux-gnu "$@"

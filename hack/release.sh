@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The release step: release builds of every component, their OCI images with gzip layers (one
+# OCI archive each, loadable with skopeo, `ctr images import` and `kind load image-archive`), the
+# install manifests with our images pinned by digest, and virtctl, all in _out/:
+#   _out/images/<name>.tar   _out/oci/ (the same images as one OCI layout)
+#   _out/manifests/*.yaml    _out/virtctl
+# REGISTRY (default kubevirt-rs, i.e. docker.io/kubevirt-rs) and TAG (default v<workspace
+# version>) name the images. Building twice from the same sources gives the same digests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+started=$SECONDS
+
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+registry=${REGISTRY:-kubevirt-rs}
+tag=${TAG:-v$version}
+
+hack/deps.sh
+echo "== release build: virt-api, virt-controller, virt-handler, virt-launcher, virtctl, build-images"
+cargo build --release --locked -p virtapi -p controller -p handler -p launcher -p virtctl -p imagebuild --bins
+echo "== release build: container-disk, statically linked"
+hack/build-static.sh --release
+built=$SECONDS
+
+target=${CARGO_TARGET_DIR:-target}
+rm -rf _out
+mkdir -p _out
+"$target/release/build-images" --bin-dir "$target/release" --set components --gzip \
+  --registry "$registry" --tag "$tag" --layout _out/oci --archives _out/images \
+  --pin-manifests manifests/install --manifests-out _out/manifests
+cp "$target/release/virtctl" _out/virtctl
+echo "== _out/"
+du -h _out/images/*.tar _out/virtctl
+echo "release step: $((SECONDS - started)) s (builds $((built - started)) s, images $((SECONDS - built)) s)"

@@ -1,0 +1,126 @@
+//! `build-images` as the release step runs it: gzip layers, one OCI archive per image, the
+//! install manifests pinned by digest. Built twice from the same inputs, the digests are the
+//! same; skopeo (what users load and push images with) reads every archive.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+fn build(out: &Path) -> String {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_build-images"));
+    let bins = exe.parent().expect("the profile dir");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let output = Command::new(&exe)
+        .arg("--bin-dir")
+        .arg(bins)
+        .arg("--guest-dir")
+        .arg(testguest::dir())
+        .arg("--layout")
+        .arg(out.join("oci"))
+        .arg("--archives")
+        .arg(out.join("images"))
+        .arg("--gzip")
+        .args(["--registry", "quay.io/kubevirt-rs", "--tag", "v9.9.9"])
+        .arg("--pin-manifests")
+        .arg(repo.join("manifests/install"))
+        .arg("--manifests-out")
+        .arg(out.join("manifests"))
+        .output()
+        .expect("running build-images");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "build-images failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+fn skopeo(args: &[&str]) -> Value {
+    let out = Command::new("skopeo")
+        .arg("inspect")
+        .args(args)
+        .output()
+        .expect("running skopeo (hack/deps.sh installs it)");
+    assert!(
+        out.status.success(),
+        "skopeo inspect {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("skopeo's JSON")
+}
+
+#[test]
+fn release_images_are_reproducible_inspectable_and_pinned() {
+    let first = tempfile::tempdir().unwrap();
+    let second = tempfile::tempdir().unwrap();
+    let printed = build(first.path());
+    println!("{printed}");
+    build(second.path());
+
+    let index = |dir: &Path| -> Value {
+        serde_json::from_slice(&std::fs::read(dir.join("oci/index.json")).unwrap()).unwrap()
+    };
+    assert_eq!(
+        index(first.path()),
+        index(second.path()),
+        "same inputs, same digests"
+    );
+
+    let images = [
+        "virt-api",
+        "virt-controller",
+        "virt-handler",
+        "virt-launcher",
+        "container-disk",
+        "test-guest-disk",
+        "test-guest-kernel",
+        "test-tools",
+    ];
+    for image in images {
+        let archive = first.path().join(format!("images/{image}.tar"));
+        assert_eq!(
+            std::fs::read(&archive).unwrap(),
+            std::fs::read(second.path().join(format!("images/{image}.tar"))).unwrap(),
+            "{image}.tar is byte for byte the same"
+        );
+        let reference = format!("oci-archive:{}", archive.display());
+        let inspected = skopeo(&[&reference]);
+        let config = skopeo(&["--config", &reference]);
+        let layers = inspected["Layers"].as_array().expect("layers").len();
+        let entrypoint = &config["config"]["Entrypoint"];
+        let expected_layers = match image {
+            "virt-launcher" => 3,
+            "virt-api" | "virt-controller" | "virt-handler" => 2,
+            _ => 1,
+        };
+        assert_eq!(layers, expected_layers, "{image}: {inspected}");
+        if image.starts_with("test-") {
+            continue;
+        }
+        assert_eq!(
+            entrypoint,
+            &serde_json::json!([format!("/usr/bin/{image}")]),
+            "{image}"
+        );
+        let digest = inspected["Digest"].as_str().expect("digest");
+        assert!(
+            printed.contains(&format!("quay.io/kubevirt-rs/{image}:v9.9.9"))
+                && printed.contains(digest),
+            "{image} {digest} is what build-images printed"
+        );
+        let pinned = format!("quay.io/kubevirt-rs/{image}@{digest}");
+        let manifests: String = std::fs::read_dir(first.path().join("manifests"))
+            .unwrap()
+            .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+            .collect();
+        if image != "container-disk" {
+            assert!(manifests.contains(&pinned), "the manifests name {pinned}");
+        }
+        assert!(
+            !manifests.contains(&format!("kubevirt-rs/{image}:")),
+            "{image} pinned everywhere"
+        );
+    }
+}

@@ -15,19 +15,19 @@ registry=${REGISTRY:-kubevirt-rs}
 tag=${TAG:-v$version}
 
 hack/deps.sh
-echo "== release build: virt-api, virt-controller, virt-handler, virt-launcher, virtctl, build-images"
-cargo build --release --locked -p virtapi -p controller -p handler -p launcher -p virtctl -p imagebuild --bins
+echo "== release build (profile dist: release without debug information): virt-api, virt-controller, virt-handler, virt-launcher, virtctl, build-images"
+cargo build --profile dist --locked -p virtapi -p controller -p handler -p launcher -p virtctl -p imagebuild --bins
 echo "== release build: container-disk, statically linked"
-hack/build-static.sh --release
+hack/build-static.sh --profile dist
 built=$SECONDS
 
 target=${CARGO_TARGET_DIR:-target}
 rm -rf _out
 mkdir -p _out
-"$target/release/build-images" --bin-dir "$target/release" --set components --gzip \
+"$target/dist/build-images" --bin-dir "$target/dist" --set components --gzip \
   --registry "$registry" --tag "$tag" --layout _out/oci --archives _out/images \
   --pin-manifests manifests/install --manifests-out _out/manifests
-cp "$target/release/virtctl" _out/virtctl
+cp "$target/dist/virtctl" _out/virtctl
 echo "== _out/"
 du -h _out/images/*.tar _out/virtctl
 echo "release step: $((SECONDS - started)) s (builds $((built - started)) s, images $((SECONDS - built)) s)"

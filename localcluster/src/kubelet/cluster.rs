@@ -118,6 +118,9 @@ impl LocalNodes {
                 tracing::info!(%name, from = %image.display(), "image loaded");
             }
         }
+        // No container runs from the store yet: what replaced images left behind can go.
+        let freed = store.prune()?;
+        tracing::info!(mib = freed / (1 << 20), "image store pruned");
         let store = std::sync::Arc::new(store);
         let root = args.root.clone().unwrap_or_else(|| state_dir.join("nodes"));
         for i in 1..=args.nodes {

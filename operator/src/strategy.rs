@@ -85,10 +85,12 @@ pub struct FieldError {
     pub message: String,
 }
 
-fn field_error(field: impl Into<String>, message: impl Into<String>) -> FieldError {
-    FieldError {
-        field: field.into(),
-        message: message.into(),
+impl FieldError {
+    pub fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
     }
 }
 
@@ -158,10 +160,10 @@ fn images(spec: &KubeVirtSpec, release: &Release) -> Result<BTreeMap<String, Str
         .unwrap_or_else(|| release.tag.clone());
     // Docker's reference grammar decides, as the kubelet will when it pulls.
     if let Err(e) = ociimage::Reference::parse(&format!("{registry}/virt-api:latest")) {
-        return Err(field_error("spec.imageRegistry", e.to_string()));
+        return Err(FieldError::new("spec.imageRegistry", e.to_string()));
     }
     if let Err(e) = ociimage::Reference::parse(&format!("kubevirt-rs/virt-api:{tag}")) {
-        return Err(field_error("spec.imageTag", e.to_string()));
+        return Err(FieldError::new("spec.imageTag", e.to_string()));
     }
     let pinned = spec.image_registry.is_none() && spec.image_tag.is_none();
     Ok(COMPONENTS
@@ -239,7 +241,7 @@ fn apply_component_config(
     };
     if let Some(replicas) = config.replicas {
         if replicas == 0 {
-            return Err(field_error(
+            return Err(FieldError::new(
                 format!("{field}.replicas"),
                 "must be at least 1: the control plane cannot run without replicas",
             ));
@@ -259,11 +261,11 @@ fn apply_component_config(
 fn customize(objects: &mut [Value], customize: &Value) -> Result<(), FieldError> {
     const FIELD: &str = "spec.customizeComponents";
     let Value::Object(m) = customize else {
-        return Err(field_error(FIELD, "must be an object"));
+        return Err(FieldError::new(FIELD, "must be an object"));
     };
     for key in m.keys() {
         if key != "patches" && key != "flags" {
-            return Err(field_error(
+            return Err(FieldError::new(
                 format!("{FIELD}.{key}"),
                 "not supported (patches and flags are)",
             ));
@@ -282,13 +284,13 @@ fn customize(objects: &mut [Value], customize: &Value) -> Result<(), FieldError>
                 .as_str()
                 .filter(|s| !s.is_empty())
                 .map(str::to_owned)
-                .ok_or_else(|| field_error(format!("{field}.{k}"), "required"))
+                .ok_or_else(|| FieldError::new(format!("{field}.{k}"), "required"))
         };
         let (resource_type, resource_name, body) =
             (text("resourceType")?, text("resourceName")?, text("patch")?);
         let kind_of_patch = text("type")?;
         let parsed: Value = serde_json::from_str(&body)
-            .map_err(|e| field_error(format!("{field}.patch"), format!("not JSON: {e}")))?;
+            .map_err(|e| FieldError::new(format!("{field}.patch"), format!("not JSON: {e}")))?;
         let targets = objects.iter_mut().filter(|o| {
             kind(o) == resource_type && (resource_name == "*" || name(o) == resource_name)
         });
@@ -296,20 +298,20 @@ fn customize(objects: &mut [Value], customize: &Value) -> Result<(), FieldError>
             match kind_of_patch.as_str() {
                 "json" => {
                     let p: json_patch::Patch = serde_json::from_value(parsed.clone())
-                        .map_err(|e| field_error(format!("{field}.patch"), e.to_string()))?;
+                        .map_err(|e| FieldError::new(format!("{field}.patch"), e.to_string()))?;
                     json_patch::patch(target, &p).map_err(|e| {
-                        field_error(format!("{field}.patch"), format!("does not apply: {e}"))
+                        FieldError::new(format!("{field}.patch"), format!("does not apply: {e}"))
                     })?;
                 }
                 "merge" => json_patch::merge(target, &parsed),
                 "strategic" => {
-                    return Err(field_error(
+                    return Err(FieldError::new(
                         format!("{field}.type"),
                         "strategic merge patches are not supported: use json or merge",
                     ));
                 }
                 other => {
-                    return Err(field_error(
+                    return Err(FieldError::new(
                         format!("{field}.type"),
                         format!("{other:?} is not json, merge or strategic"),
                     ));
@@ -325,7 +327,7 @@ fn customize(objects: &mut [Value], customize: &Value) -> Result<(), FieldError>
                 "controller" => ("Deployment", "virt-controller"),
                 "handler" => ("DaemonSet", "virt-handler"),
                 other => {
-                    return Err(field_error(
+                    return Err(FieldError::new(
                         format!("{FIELD}.flags.{other}"),
                         "not a component (api, controller, handler)",
                     ));
@@ -333,7 +335,7 @@ fn customize(objects: &mut [Value], customize: &Value) -> Result<(), FieldError>
             };
             let values: BTreeMap<String, String> =
                 serde_json::from_value(values.clone()).map_err(|e| {
-                    field_error(
+                    FieldError::new(
                         format!("{FIELD}.flags.{component}"),
                         format!("a map of strings: {e}"),
                     )

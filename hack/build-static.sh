@@ -6,5 +6,7 @@
 # components that use the network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
+# RUSTFLAGS (hack/release.sh sets its path remapping there) is kept. With an explicit --target,
+# cargo gives RUSTFLAGS to the target's code only, not to build scripts and proc macros.
+RUSTFLAGS="${RUSTFLAGS:-} -C target-feature=+crt-static" \
   cargo build --locked -p containerdisk --bin container-disk --target x86_64-unknown-linux-gnu "$@"

@@ -15,6 +15,10 @@ registry=${REGISTRY:-kubevirt-rs}
 tag=${TAG:-v$version}
 
 hack/deps.sh
+# Where the sources lie must not reach the binaries: rustc hashes paths into symbol names
+# (`.llvm.<hash>` suffixes) and panic locations, so two checkouts in different directories
+# built different binaries, and images of different digests, from the same commit.
+export RUSTFLAGS="--remap-path-prefix=$PWD=/kubevirt-rs"
 echo "== release build (profile dist: release without debug information): virt-api, virt-controller, virt-handler, virt-launcher, virtctl, build-images"
 cargo build --profile dist --locked -p virtapi -p controller -p handler -p launcher -p virtctl -p imagebuild --bins
 echo "== release build: container-disk, statically linked"

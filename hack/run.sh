@@ -41,6 +41,8 @@ fi
 
 step "building the images: virt-api, virt-controller, virt-handler, virt-launcher (with QEMU), container-disk, the test guest's"
 mkdir -p "$state"
+# A fresh layout each run (about 3 s): blobs of earlier builds would pile up in it.
+rm -rf "$state/images-build"
 "$bins/build-images" --bin-dir "$bins" --guest-dir "$guest" --layout "$state/images-build"
 
 step "starting localcluster: etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy and one node running those images (log: $state/localcluster.log)"

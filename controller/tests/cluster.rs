@@ -1,5 +1,5 @@
 //! The controllers against the upstream control plane localcluster runs (etcd, kube-apiserver,
-//! kube-controller-manager, each test its own): our CRDs installed from `manifests/crds/`, the
+//! kube-controller-manager, each test its own): our CRDs (the `api` crate's, as `manifests/crds/` holds them), the
 //! controllers running as they would in a pod. There is no kube-scheduler (but in the benchmark)
 //! and no kubelet here, so the tests bind pods and set their phase themselves, and keep the one
 //! Node they bind to, `node01`, Ready as its kubelet would.
@@ -10,7 +10,6 @@ use std::time::Duration;
 use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
 use controller::run::{Options, run_controllers, run_with_leader_election};
 use k8s_openapi::api::core::v1::{Namespace, Pod, ResourceQuota};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt as _};
 use localcluster::controlplane::TestControlPlane;
@@ -62,14 +61,7 @@ async fn cluster_with(scheduler: bool) -> (Cluster, Client) {
         .try_init();
     let plane = TestControlPlane::start(scheduler).await;
     let client = plane.client().await;
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/crds");
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        let crd: CustomResourceDefinition =
-            serde_saphyr::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        crds.create(&PostParams::default(), &crd).await.unwrap();
-    }
+    localcluster::controlplane::install_crds(&client).await;
     let ns: Api<Namespace> = Api::all(client.clone());
     ns.create(
         &PostParams::default(),
@@ -77,11 +69,6 @@ async fn cluster_with(scheduler: bool) -> (Cluster, Client) {
     )
     .await
     .unwrap();
-    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
-    wait_for("the CRDs to be served", || async {
-        vms.list(&ListParams::default()).await.ok()
-    })
-    .await;
     // What `bind_and_run` binds to: it must exist (kube-controller-manager's pod GC deletes
     // pods bound to a missing node) and stay Ready.
     let node01 = localcluster::controlplane::ready_node(

@@ -87,7 +87,7 @@ impl Harness {
             .try_init();
         let server = localcluster::controlplane::TestControlPlane::start(false).await;
         let client = server.client().await;
-        common::install_crds(&client).await;
+        localcluster::controlplane::install_crds(&client).await;
         let mut nodes = Vec::new();
         for node in [NODE, "node-b"] {
             nodes.push(common::ready_node(&client, node).await);

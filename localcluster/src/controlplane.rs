@@ -882,6 +882,34 @@ pub async fn ready_node(
     }))
 }
 
+/// Creates every `kubevirt.io` CRD (the `api` crate's, which `manifests/crds/` holds) and
+/// returns once each kind is served: a list of it succeeds. For tests.
+pub async fn install_crds(client: &kube::Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let mut kinds = Vec::new();
+    for crd in api::crds::crds() {
+        let created = crds
+            .create(&PostParams::default(), &crd)
+            .await
+            .expect("creating a CRD");
+        let spec = created.spec;
+        for version in spec.versions.iter().filter(|v| v.served) {
+            let gvk = GroupVersionKind::gvk(&spec.group, &version.name, &spec.names.kind);
+            kinds.push(ApiResource::from_gvk_with_plural(&gvk, &spec.names.plural));
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for kind in kinds {
+        let all: Api<DynamicObject> = Api::all_with(client.clone(), &kind);
+        while all.list(&kube::api::ListParams::default()).await.is_err() {
+            assert!(Instant::now() < deadline, "{} is never served", kind.plural);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();

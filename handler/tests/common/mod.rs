@@ -211,7 +211,7 @@ impl HandlerCluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let kubeconfig = server.kubeconfig_path();
         let client = server.client().await;
-        install_crds(&client).await;
+        localcluster::controlplane::install_crds(&client).await;
         let mut n = k8s_openapi::api::core::v1::Node::default();
         n.metadata.name = Some(node.into());
         kube::Api::all(client.clone())
@@ -224,29 +224,6 @@ impl HandlerCluster {
             kubeconfig,
             client,
         }
-    }
-}
-
-/// Installs our CRDs (`manifests/crds/`) and waits until VMIs are served.
-pub async fn install_crds(client: &kube::Client) {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    use kube::api::{Api, ListParams, PostParams};
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/crds");
-    for entry in std::fs::read_dir(&dir).expect("manifests/crds") {
-        let path = entry.expect("entry").path();
-        let crd: CustomResourceDefinition =
-            serde_saphyr::from_str(&std::fs::read_to_string(&path).expect("read"))
-                .expect("CRD yaml");
-        crds.create(&PostParams::default(), &crd)
-            .await
-            .expect("create CRD");
-    }
-    let vmis: Api<api::VirtualMachineInstance> = Api::default_namespaced(client.clone());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while vmis.list(&ListParams::default()).await.is_err() {
-        assert!(Instant::now() < deadline, "the VMI CRD is never served");
-        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 

@@ -206,7 +206,7 @@ impl Cluster {
         })
         .await;
         let client = plane.client().await;
-        install_crds(&client).await;
+        localcluster::controlplane::install_crds(&client).await;
         let dir = tempfile::tempdir().expect("tempdir");
         let host = host_ip();
         let stop = CancellationToken::new();
@@ -411,34 +411,6 @@ impl Cluster {
             .insert((NS.to_owned(), name.to_owned()), target);
         created
     }
-}
-
-/// The CRDs of `manifests/crds/`, served once VMIs can be listed.
-async fn install_crds(client: &kube::Client) {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/crds");
-    for entry in std::fs::read_dir(&dir).expect("manifests/crds") {
-        let path = entry.expect("entry").path();
-        let crd: CustomResourceDefinition =
-            serde_saphyr::from_str(&std::fs::read_to_string(&path).expect("read"))
-                .expect("CRD yaml");
-        crds.create(&PostParams::default(), &crd)
-            .await
-            .expect("create CRD");
-    }
-    let vmis: Api<api::VirtualMachineInstance> = Api::namespaced(client.clone(), NS);
-    let vms: Api<api::VirtualMachine> = Api::namespaced(client.clone(), NS);
-    let kubevirts: Api<api::KubeVirt> = Api::all(client.clone());
-    wait_for("the CRDs served", || async {
-        vmis.list(&kube::api::ListParams::default()).await.is_ok()
-            && vms.list(&kube::api::ListParams::default()).await.is_ok()
-            && kubevirts
-                .list(&kube::api::ListParams::default())
-                .await
-                .is_ok()
-    })
-    .await;
 }
 
 /// A Running virt-handler Pod on [`NODE`] whose pod IP is `host` (status through the

@@ -107,14 +107,14 @@ fn main() -> anyhow::Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     let mut pinned = Vec::new();
-    for (spec, short) in specs.iter().zip(specs.iter().map(|s| {
-        s.name
+    for spec in &specs {
+        let short = spec
+            .name
             .repository()
             .rsplit('/')
             .next()
             .unwrap_or_default()
-            .to_owned()
-    })) {
+            .to_owned();
         let t = Instant::now();
         let written = layout
             .write_image(spec, compression)

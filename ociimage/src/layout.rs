@@ -93,6 +93,16 @@ pub struct Layout {
 
 static TEMP: AtomicU64 = AtomicU64::new(0);
 
+/// A name in `dir` no other writer uses (this process's id and a counter), hidden with a
+/// `.tmp-` prefix, for files and directories that are renamed into place once complete.
+pub(crate) fn temp_name(dir: &Path, what: &str) -> PathBuf {
+    dir.join(format!(
+        ".tmp-{what}-{}-{}",
+        std::process::id(),
+        TEMP.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
 impl Layout {
     /// Opens the layout at `dir`, creating it if it does not exist.
     pub fn create(dir: &Path) -> Result<Self, LayoutError> {
@@ -142,11 +152,7 @@ impl Layout {
         &self,
         fill: impl FnOnce(&mut Hashing<std::io::BufWriter<File>>) -> std::io::Result<T>,
     ) -> Result<(Digest, u64, T), LayoutError> {
-        let temp = self.dir.join("blobs/sha256").join(format!(
-            ".tmp-{}-{}",
-            std::process::id(),
-            TEMP.fetch_add(1, Ordering::Relaxed)
-        ));
+        let temp = temp_name(&self.dir.join("blobs/sha256"), "blob");
         let file = File::create(&temp).map_err(io(&temp))?;
         let mut w = Hashing::new(std::io::BufWriter::new(file));
         let out = fill(&mut w).and_then(|out| w.flush().map(|()| out));
@@ -333,7 +339,7 @@ impl Layout {
             0o644,
         )
         .file("index.json", Source::Bytes(index_json(&entries)), 0o644);
-        let temp = out.with_extension("tmp");
+        let temp = temp_name(out.parent().unwrap_or(Path::new(".")), "archive");
         let file = File::create(&temp).map_err(io(&temp))?;
         let (w, _) = tree
             .write_tar(std::io::BufWriter::new(file), Compression::None)
@@ -397,11 +403,7 @@ pub(crate) fn parse_index(text: &[u8]) -> Result<Vec<IndexEntry>, String> {
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), LayoutError> {
-    let temp = path.with_extension(format!(
-        "tmp-{}-{}",
-        std::process::id(),
-        TEMP.fetch_add(1, Ordering::Relaxed)
-    ));
+    let temp = temp_name(path.parent().unwrap_or(Path::new(".")), "write");
     std::fs::write(&temp, bytes).map_err(io(&temp))?;
     std::fs::rename(&temp, path).map_err(io(path))
 }

@@ -1,10 +1,9 @@
 use std::fs::File;
 use std::io::Read;
 use std::path::{Component, Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::digest::{Digest, Hashing};
-use crate::layout::{IndexEntry, Layout, LayoutError};
+use crate::layout::{IndexEntry, Layout, LayoutError, temp_name};
 use crate::reference::{Reference, ReferenceError};
 
 /// Why an image could not be imported or run.
@@ -63,16 +62,6 @@ pub struct Image {
 pub struct Store {
     layout: Layout,
     layers: PathBuf,
-}
-
-static TEMP: AtomicU64 = AtomicU64::new(0);
-
-fn temp_name(dir: &Path, what: &str) -> PathBuf {
-    dir.join(format!(
-        ".tmp-{what}-{}-{}",
-        std::process::id(),
-        TEMP.fetch_add(1, Ordering::Relaxed)
-    ))
 }
 
 impl Store {
@@ -206,28 +195,19 @@ impl Store {
         let mut blobs = std::collections::BTreeSet::new();
         let mut layers = std::collections::BTreeSet::new();
         for entry in self.layout.index()? {
-            blobs.insert(entry.digest.hex().to_owned());
-            let Ok(manifest) = serde_json::from_slice::<oci_spec::image::ImageManifest>(
-                &self.layout.read_blob(&entry.digest)?,
-            ) else {
-                continue;
-            };
-            for d in std::iter::once(manifest.config()).chain(manifest.layers()) {
-                blobs.insert(d.digest().digest().to_owned());
-            }
-            let config = Digest::parse(manifest.config().digest().as_ref()).map_err(|e| {
-                StoreError::Invalid {
-                    path: self.layout.blob(&entry.digest).display().to_string(),
-                    message: e.to_string(),
-                }
-            })?;
-            if let Ok(c) = serde_json::from_slice::<oci_spec::image::ImageConfiguration>(
-                &self.layout.read_blob(&config)?,
-            ) {
+            // The config first, then the layers.
+            let used = self.layout.manifest_blobs(&entry.digest)?;
+            if let Some(config) = used.first()
+                && let Ok(c) = serde_json::from_slice::<oci_spec::image::ImageConfiguration>(
+                    &self.layout.read_blob(config)?,
+                )
+            {
                 for d in c.rootfs().diff_ids() {
                     layers.insert(d.trim_start_matches("sha256:").to_owned());
                 }
             }
+            blobs.insert(entry.digest.hex().to_owned());
+            blobs.extend(used.iter().map(|d| d.hex().to_owned()));
         }
         let mut freed = 0;
         let blob_dir = self.layout.dir().join("blobs/sha256");

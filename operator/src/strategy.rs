@@ -148,16 +148,14 @@ fn name(o: &Value) -> &str {
     o["metadata"]["name"].as_str().unwrap_or_default()
 }
 
-/// The registry and tag (or digest) of each component image.
-fn images(spec: &KubeVirtSpec, release: &Release) -> Result<BTreeMap<String, String>, FieldError> {
-    let registry = spec
-        .image_registry
-        .clone()
-        .unwrap_or_else(|| release.registry.clone());
-    let tag = spec
-        .image_tag
-        .clone()
-        .unwrap_or_else(|| release.tag.clone());
+/// Each component image from `registry` and `tag` (or from the release's digest when the CR
+/// names neither).
+fn images(
+    spec: &KubeVirtSpec,
+    release: &Release,
+    registry: &str,
+    tag: &str,
+) -> Result<BTreeMap<String, String>, FieldError> {
     // Docker's reference grammar decides, as the kubelet will when it pulls.
     if let Err(e) = ociimage::Reference::parse(&format!("{registry}/virt-api:latest")) {
         return Err(FieldError::new("spec.imageRegistry", e.to_string()));
@@ -389,7 +387,6 @@ pub fn render(
     release: &Release,
     namespace: &str,
 ) -> Result<Strategy, FieldError> {
-    let images = images(spec, release)?;
     let registry = spec
         .image_registry
         .clone()
@@ -398,6 +395,7 @@ pub fn render(
         .image_tag
         .clone()
         .unwrap_or_else(|| release.tag.clone());
+    let images = images(spec, release, &registry, &version)?;
     let from: BTreeMap<String, String> = images
         .iter()
         .map(|(c, r)| (format!("kubevirt-rs/{c}:latest"), r.clone()))

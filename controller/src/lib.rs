@@ -1,10 +1,9 @@
 //! virt-controller: the cluster-wide controllers of kubevirt-rs (VM, VMI, ReplicaSet, Node),
 //! as pure decision functions ([`vm`], [`vmi`], [`finalizers`], [`replicaset`], [`node`], [`template`],
-//! [`expectations`], [`cache`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
+//! [`cache`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
 
 pub mod cache;
 pub mod events;
-pub mod expectations;
 pub mod finalizers;
 pub mod metrics;
 pub mod node;

@@ -252,7 +252,7 @@ pub fn issue(
 
 /// The certificates of a PEM text (each re-encoded the same way) with their validity ends, in
 /// order; what does not parse is left out.
-fn certificates(pem_text: &str) -> Vec<(String, SystemTime)> {
+fn parse_certificates(pem_text: &str) -> Vec<(String, SystemTime)> {
     let mut out = Vec::new();
     for pem in x509_parser::pem::Pem::iter_from_buffer(pem_text.as_bytes()).flatten() {
         let Ok(cert) = pem.parse_x509() else {
@@ -319,9 +319,9 @@ pub fn needs_renewal(
 /// being trusted until it is renewed), each once.
 pub fn ca_bundle(current: &str, previous: &str, now: SystemTime) -> String {
     let mut out: Vec<String> = Vec::new();
-    for (text, not_after) in certificates(current)
+    for (text, not_after) in parse_certificates(current)
         .into_iter()
-        .chain(certificates(previous))
+        .chain(parse_certificates(previous))
     {
         if not_after > now && !out.contains(&text) {
             out.push(text);
@@ -338,6 +338,117 @@ pub fn secret_data(issued: &Issued, bundle: &str) -> BTreeMap<String, String> {
         ("tls.key".to_owned(), issued.key_pem.clone()),
         ("ca.crt".to_owned(), bundle.to_owned()),
     ])
+}
+
+/// The certificate objects an install should hold now, and when to look again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Certificates {
+    /// The CA Secret, the CA bundle ConfigMap and the components' Secrets, in `namespace`.
+    pub objects: Vec<serde_json::Value>,
+    /// The CA bundle (PEM) for APIServices and webhooks.
+    pub bundle: String,
+    /// The earliest moment one of them is due for renewal.
+    pub next_renewal: SystemTime,
+}
+
+fn not_after(pem_text: &str) -> Option<SystemTime> {
+    parse_certificates(pem_text).first().map(|(_, t)| *t)
+}
+
+fn issued_of(data: Option<&BTreeMap<String, String>>) -> Option<Issued> {
+    let data = data?;
+    Some(Issued {
+        cert_pem: data.get("tls.crt")?.clone(),
+        key_pem: data.get("tls.key")?.clone(),
+    })
+}
+
+fn secret(name: &str, namespace: &str, data: &BTreeMap<String, String>) -> serde_json::Value {
+    use base64::Engine as _;
+    let encoded: BTreeMap<&String, String> = data
+        .iter()
+        .map(|(k, v)| (k, base64::engine::general_purpose::STANDARD.encode(v)))
+        .collect();
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace},
+        "type": "kubernetes.io/tls",
+        "data": encoded,
+    })
+}
+
+/// KubeVirt's certificate manager as one pure step: from the Secrets' data as they are
+/// (`secrets`, by name, decoded) and the bundle as published, keep what is still good and
+/// issue what is missing, signed by another CA, or due; the bundle holds the current CA and
+/// the earlier ones until they expire.
+pub fn certificates(
+    secrets: &BTreeMap<String, BTreeMap<String, String>>,
+    published_bundle: Option<&str>,
+    namespace: &str,
+    rotation: &Rotation,
+    now: SystemTime,
+) -> Result<Certificates, CertError> {
+    let ca = match issued_of(secrets.get(CA_SECRET)) {
+        Some(ca)
+            if !needs_renewal(
+                Some(&ca.cert_pem),
+                &ca.cert_pem,
+                now,
+                rotation.ca.renew_before,
+            ) =>
+        {
+            ca
+        }
+        _ => issue_ca(now, rotation.ca)?,
+    };
+    let bundle = ca_bundle(&ca.cert_pem, published_bundle.unwrap_or_default(), now);
+    let mut next_renewal = not_after(&ca.cert_pem).map_or(now, |t| t - rotation.ca.renew_before);
+    let mut objects = vec![
+        secret(
+            CA_SECRET,
+            namespace,
+            &BTreeMap::from([
+                ("tls.crt".to_owned(), ca.cert_pem.clone()),
+                ("tls.key".to_owned(), ca.key_pem.clone()),
+            ]),
+        ),
+        serde_json::json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": CA_BUNDLE_CONFIGMAP, "namespace": namespace},
+            "data": {CA_BUNDLE_KEY: bundle},
+        }),
+    ];
+    for leaf in &LEAVES {
+        let current = issued_of(secrets.get(leaf.secret));
+        let issued = match current {
+            Some(c)
+                if !needs_renewal(
+                    Some(&c.cert_pem),
+                    &ca.cert_pem,
+                    now,
+                    rotation.server.renew_before,
+                ) =>
+            {
+                c
+            }
+            _ => issue(leaf, namespace, &ca, now, rotation.server)?,
+        };
+        if let Some(end) = not_after(&issued.cert_pem) {
+            next_renewal = next_renewal.min(end - rotation.server.renew_before);
+        }
+        objects.push(secret(
+            leaf.secret,
+            namespace,
+            &secret_data(&issued, &bundle),
+        ));
+    }
+    Ok(Certificates {
+        objects,
+        bundle,
+        next_renewal,
+    })
 }
 
 #[cfg(test)]
@@ -479,20 +590,100 @@ mod tests {
         let old = issue_ca(now, short).unwrap();
         let new = issue_ca(now + HOUR, Lifetime::with_default_renewal(48 * HOUR)).unwrap();
         let bundle = ca_bundle(&new.cert_pem, &old.cert_pem, now + HOUR);
-        assert_eq!(certificates(&bundle).len(), 2);
+        assert_eq!(parse_certificates(&bundle).len(), 2);
         assert_eq!(
-            certificates(&bundle)[0].0,
-            certificates(&new.cert_pem)[0].0,
+            parse_certificates(&bundle)[0].0,
+            parse_certificates(&new.cert_pem)[0].0,
             "the current CA first"
         );
         let again = ca_bundle(&new.cert_pem, &bundle, now + HOUR);
         assert_eq!(again, bundle, "each once");
         let later = ca_bundle(&new.cert_pem, &bundle, now + 3 * HOUR);
-        assert_eq!(certificates(&later).len(), 1, "the expired CA is gone");
+        assert_eq!(
+            parse_certificates(&later).len(),
+            1,
+            "the expired CA is gone"
+        );
         let data = secret_data(&old, &bundle);
         assert_eq!(
             data.keys().collect::<Vec<_>>(),
             ["ca.crt", "tls.crt", "tls.key"]
         );
+    }
+
+    fn decoded(c: &Certificates) -> (BTreeMap<String, BTreeMap<String, String>>, String) {
+        use base64::Engine as _;
+        let mut secrets = BTreeMap::new();
+        for o in c.objects.iter().filter(|o| o["kind"] == "Secret") {
+            let data = o["data"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| {
+                    let bytes = base64::engine::general_purpose::STANDARD
+                        .decode(v.as_str().unwrap())
+                        .unwrap();
+                    (k.clone(), String::from_utf8(bytes).unwrap())
+                })
+                .collect();
+            secrets.insert(o["metadata"]["name"].as_str().unwrap().to_owned(), data);
+        }
+        (secrets, c.bundle.clone())
+    }
+
+    #[test]
+    fn certificates_are_kept_until_due_and_a_new_ca_keeps_the_old_in_the_bundle() {
+        let s = json!({"selfSigned": {"ca": {"duration": "10h", "renewBefore": "2h"},
+                                      "server": {"duration": "5h", "renewBefore": "1h"}}});
+        let r = rotation(Some(&s)).unwrap();
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(2_000_000_000);
+        let first = certificates(&BTreeMap::new(), None, "kubevirt", &r, t0).unwrap();
+        assert_eq!(first.objects.len(), 2 + LEAVES.len());
+        assert_eq!(
+            first.next_renewal,
+            t0 + 4 * HOUR,
+            "the servers are due first"
+        );
+        let (secrets, bundle) = decoded(&first);
+        assert_eq!(secrets[LEAVES[0].secret]["ca.crt"], bundle);
+
+        let later = certificates(&secrets, Some(&bundle), "kubevirt", &r, t0 + HOUR).unwrap();
+        assert_eq!(later, first, "nothing is due after an hour");
+
+        // Within the servers' renewBefore: new leaves, same CA.
+        let renewed = certificates(&secrets, Some(&bundle), "kubevirt", &r, t0 + 4 * HOUR).unwrap();
+        let (renewed_secrets, renewed_bundle) = decoded(&renewed);
+        assert_eq!(renewed_secrets[CA_SECRET], secrets[CA_SECRET]);
+        assert_eq!(renewed_bundle, bundle);
+        for leaf in &LEAVES {
+            assert_ne!(
+                renewed_secrets[leaf.secret]["tls.crt"],
+                secrets[leaf.secret]["tls.crt"]
+            );
+        }
+
+        // Within the CA's: a new CA signs new leaves; the old CA stays in the bundle.
+        let rotated = certificates(
+            &renewed_secrets,
+            Some(&renewed_bundle),
+            "kubevirt",
+            &r,
+            t0 + 8 * HOUR + Duration::from_mins(1),
+        )
+        .unwrap();
+        let (rotated_secrets, rotated_bundle) = decoded(&rotated);
+        let new_ca = &rotated_secrets[CA_SECRET]["tls.crt"];
+        assert_ne!(new_ca, &secrets[CA_SECRET]["tls.crt"]);
+        assert!(rotated_bundle.starts_with(new_ca.as_str()));
+        assert!(rotated_bundle.contains(secrets[CA_SECRET]["tls.crt"].trim()));
+        for leaf in &LEAVES {
+            let cert = &rotated_secrets[leaf.secret]["tls.crt"];
+            assert!(!needs_renewal(
+                Some(cert),
+                new_ca,
+                t0 + 8 * HOUR,
+                r.server.renew_before
+            ));
+        }
     }
 }

@@ -5,4 +5,6 @@
 
 pub mod certs;
 pub mod conditions;
+pub mod install;
+pub mod owned;
 pub mod strategy;

@@ -60,9 +60,9 @@ const MANIFEST_NAMESPACE: &str = "kubevirt";
 
 /// `app.kubernetes.io/managed-by` and `app.kubernetes.io/component`, as KubeVirt labels what
 /// its operator installs.
-const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
-const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
-const COMPONENT_VALUE: &str = "kubevirt";
+pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
+pub const COMPONENT_LABEL: &str = "app.kubernetes.io/component";
+pub const COMPONENT_VALUE: &str = "kubevirt";
 
 /// What virt-operator knows of its own release: the defaults of the CR's image settings.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -109,6 +109,17 @@ pub struct Strategy {
 }
 
 impl Strategy {
+    /// Marks `o` as this install's: virt-operator's labels (which its watches select on) and
+    /// the install-strategy annotations.
+    pub fn stamp(&self, o: &mut Value) {
+        let meta = &mut o["metadata"];
+        meta["labels"][MANAGED_BY_LABEL] = json!(api::labels::MANAGED_BY_OPERATOR);
+        meta["labels"][COMPONENT_LABEL] = json!(COMPONENT_VALUE);
+        meta["annotations"][api::labels::INSTALL_STRATEGY_VERSION] = json!(self.version);
+        meta["annotations"][api::labels::INSTALL_STRATEGY_REGISTRY] = json!(self.registry);
+        meta["annotations"][api::labels::INSTALL_STRATEGY_IDENTIFIER] = json!(self.identifier);
+    }
+
     /// The objects as one multi-document YAML stream.
     pub fn to_yaml(&self) -> String {
         self.objects
@@ -359,6 +370,32 @@ fn customize(objects: &mut [Value], customize: &Value) -> Result<(), FieldError>
     Ok(())
 }
 
+/// KubeVirt's `NewPodDisruptionBudgetForDeployment`: `<name>-pdb` keeps all but one replica
+/// of a Deployment available; none for a Deployment of one replica (it would block every
+/// drain).
+fn disruption_budget(o: &Value) -> Option<Value> {
+    if kind(o) != "Deployment" {
+        return None;
+    }
+    let replicas = o
+        .pointer("/spec/replicas")
+        .and_then(Value::as_i64)
+        .unwrap_or(1);
+    let pdb = format!("{}-pdb", name(o));
+    (replicas > 1).then(|| {
+        json!({
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {
+                "name": pdb,
+                "namespace": o["metadata"]["namespace"],
+                "labels": {api::labels::APP: pdb},
+            },
+            "spec": {"minAvailable": replicas - 1, "selector": o["spec"]["selector"]},
+        })
+    })
+}
+
 /// Moves the manifests' `kubevirt` namespace to `namespace`: namespaced objects, binding
 /// subjects, and the Service references of webhooks and APIServices.
 fn set_namespace(o: &mut Value, namespace: &str) {
@@ -433,7 +470,9 @@ pub fn render(
     if let Some(c) = &spec.customize_components {
         customize(&mut manifests, &c.0)?;
     }
+    let budgets: Vec<Value> = manifests.iter().filter_map(disruption_budget).collect();
     objects.extend(manifests);
+    objects.extend(budgets);
     let identifier = {
         use sha2::Digest as _;
         use std::fmt::Write as _;
@@ -443,20 +482,17 @@ pub fn render(
             s
         })
     };
-    for o in &mut objects {
-        let meta = &mut o["metadata"];
-        meta["labels"][MANAGED_BY_LABEL] = json!(api::labels::MANAGED_BY_OPERATOR);
-        meta["labels"][COMPONENT_LABEL] = json!(COMPONENT_VALUE);
-        meta["annotations"][api::labels::INSTALL_STRATEGY_VERSION] = json!(version);
-        meta["annotations"][api::labels::INSTALL_STRATEGY_REGISTRY] = json!(registry);
-        meta["annotations"][api::labels::INSTALL_STRATEGY_IDENTIFIER] = json!(identifier);
-    }
-    Ok(Strategy {
-        objects,
+    let mut strategy = Strategy {
+        objects: Vec::new(),
         version,
         registry,
         identifier,
-    })
+    };
+    for o in &mut objects {
+        strategy.stamp(o);
+    }
+    strategy.objects = objects;
+    Ok(strategy)
 }
 
 #[cfg(test)]

@@ -7,6 +7,11 @@
 //!   again when that worker is done with it;
 //! - a key that fails is re-added after a per-key exponential backoff (`base * 2^failures`,
 //!   capped), reset when it succeeds (`forget`). A failing key therefore only delays itself.
+//!
+//! Controllers' [`expectations`] live here too: the queue and they are the two halves of
+//! KubeVirt's controller loop.
+
+pub mod expectations;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};

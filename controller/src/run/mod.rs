@@ -32,9 +32,9 @@ use tokio::task::JoinSet;
 use workqueue::Queue;
 
 use crate::cache::{self, OwnerIndex};
-use crate::expectations::UidTrackingExpectations;
 use crate::metrics::{Health, QueueStat, Snapshot};
 use crate::template::TemplateConfig;
+use workqueue::expectations::UidTrackingExpectations;
 
 /// Why the controllers stopped.
 #[derive(Debug, thiserror::Error)]

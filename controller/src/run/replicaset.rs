@@ -10,8 +10,8 @@ use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 
 use super::{Shared, event, retry_later};
-use crate::expectations::EXPECTATION_TTL;
 use crate::{events, replicaset};
+use workqueue::expectations::EXPECTATION_TTL;
 
 pub(super) async fn sync_rs(s: &Shared, key: &str) {
     let (ns, name) = split_key(key);

@@ -17,10 +17,10 @@ use workqueue::Queue;
 
 use super::{Shared, cluster_config, event, lock, retry_later};
 use crate::cache::OwnerIndex;
-use crate::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 use crate::template::render_launcher_pod;
 use crate::vmi::PodAction;
 use crate::{events, finalizers, vmi};
+use workqueue::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 
 /// What the VMI watch feeds.
 pub(super) struct VmiWatch {

@@ -8,6 +8,8 @@
 //! kube-runtime's default backoff; a status patch carries only the keys that changed, with
 //! `null` for those that went away.
 
+pub mod leader;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 

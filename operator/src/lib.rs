@@ -7,4 +7,5 @@ pub mod certs;
 pub mod conditions;
 pub mod install;
 pub mod owned;
+pub mod reconcile;
 pub mod strategy;

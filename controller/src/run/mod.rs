@@ -39,19 +39,9 @@ use workqueue::expectations::UidTrackingExpectations;
 /// Why the controllers stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// Leader election failed.
-    #[error("leader election on Lease {namespace}/{name}")]
-    Lease {
-        /// Lease namespace.
-        namespace: String,
-        /// Lease name.
-        name: String,
-        /// Cause.
-        source: kube_lease_manager::LeaseManagerError,
-    },
-    /// Another replica took the lease.
-    #[error("lost the lease {0}; another replica leads now")]
-    LostLease(String),
+    /// Leader election failed, or another replica took the Lease.
+    #[error(transparent)]
+    Leader(#[from] informer::leader::LeaderError),
     /// A reflector's writer went away before its cache filled.
     #[error("the {0} cache never became ready")]
     CacheNotReady(&'static str),
@@ -90,12 +80,6 @@ impl Default for Options {
     }
 }
 
-/// Lease timing as KubeVirt's: 15 s lease; the holder renews 5 s before expiry (10 s renew
-/// deadline). kube-lease-manager re-tries a held lease on its own schedule rather than
-/// KubeVirt's 2 s retry period; followers take over within one lease duration.
-pub const LEASE_DURATION_SECS: u64 = 15;
-/// Seconds before expiry the holder renews.
-pub const LEASE_GRACE_SECS: u64 = 5;
 
 /// Workers per controller, as KubeVirt's defaults (`--vmi-controller-threads` ...).
 const VMI_WORKERS: usize = 10;
@@ -366,41 +350,23 @@ fn snapshot(s: &Shared) -> Snapshot {
 }
 
 /// Waits for the `virt-controller` Lease, runs the controllers while holding it, and
-/// returns [`RunError::LostLease`] when another replica takes over (KubeVirt exits then).
+/// returns [`informer::leader::LeaderError::LostLease`] when another replica takes over (KubeVirt exits then).
 pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(), RunError> {
-    let lease_err = |source| RunError::Lease {
-        namespace: opts.lease_namespace.clone(),
-        name: opts.lease_name.clone(),
-        source,
-    };
-    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &opts.lease_name)
-        .with_namespace(&opts.lease_namespace)
-        .with_identity(&opts.identity)
-        .with_duration(LEASE_DURATION_SECS)
-        .with_grace(LEASE_GRACE_SECS)
-        .build()
-        .await
-        .map_err(lease_err)?;
-    let (mut leading, lease_task) = manager.watch().await;
-    while !*leading.borrow_and_update() {
-        if leading.changed().await.is_err() {
-            return Err(RunError::LostLease(opts.lease_name.clone()));
-        }
-    }
-    tracing::info!(identity = %opts.identity, "became leader");
-    let name = opts.lease_name.clone();
     let health = opts.health.clone();
-    health.set_leading(true);
-    let result = tokio::select! {
-        r = run_controllers(client, opts) => r,
-        () = async {
-            while leading.changed().await.is_ok() && *leading.borrow() {}
-        } => Err(RunError::LostLease(name)),
-    };
-    health.set_leading(false);
-    drop(leading);
-    lease_task.abort();
-    result
+    let (namespace, name, identity) = (
+        opts.lease_namespace.clone(),
+        opts.lease_name.clone(),
+        opts.identity.clone(),
+    );
+    informer::leader::lead(
+        client.clone(),
+        &namespace,
+        &name,
+        &identity,
+        |leading| health.set_leading(leading),
+        run_controllers(client, opts),
+    )
+    .await?
 }
 
 fn cluster_config(s: &Shared) -> ClusterConfig {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The main job: on a fresh Debian 12 machine (root, Rust and Go toolchains), install what is
 # needed, build, start localcluster (the upstream Kubernetes control plane built from pinned Go
-# modules, plus our process kubelet), install KubeVirt on it (hack/install.sh: virt-api,
-# virt-controller, virt-handler from manifests/), apply the example VM, wait until its guest has
-# booted, show the guest's console, and leave everything running with the next commands to try.
+# modules, plus our process kubelet), install KubeVirt on it as KubeVirt users do
+# (hack/install.sh: the operator manifest and the KubeVirt CR of manifests/release/), apply the
+# example VM, wait until its guest has booted, show the guest's console, and leave everything
+# running with the next commands to try.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
@@ -27,8 +28,8 @@ kube=$(localcluster/upstream/build.sh)
 export PATH="$(dirname "$kube"):$PATH"
 kubectl version --client
 
-step "building localcluster, virt-api, virt-controller, virt-handler, virt-launcher, container-disk, virtctl, build-images"
-CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p virtapi -p controller -p handler -p launcher -p containerdisk -p virtctl -p imagebuild --bins
+step "building localcluster, virt-operator, virt-api, virt-controller, virt-handler, virt-launcher, container-disk, virtctl, build-images"
+CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" cargo build --locked -p localcluster -p operator -p virtapi -p controller -p handler -p launcher -p containerdisk -p virtctl -p imagebuild --bins
 CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}" hack/build-static.sh
 bins=${CARGO_TARGET_DIR:-$repo/target}/debug
 
@@ -39,7 +40,7 @@ if [[ -f $state/localcluster.pid ]] && kill -0 "$(cat "$state/localcluster.pid")
   fail "localcluster is already running (pid $(cat "$state/localcluster.pid")); stop it first: $bins/localcluster down"
 fi
 
-step "building the images: virt-api, virt-controller, virt-handler, virt-launcher (with QEMU), container-disk, the test guest's"
+step "building the images: virt-operator, virt-api, virt-controller, virt-handler, virt-launcher (with QEMU), container-disk, the test guest's"
 mkdir -p "$state"
 # A fresh layout each run (about 3 s): blobs of earlier builds would pile up in it.
 rm -rf "$state/images-build"
@@ -60,8 +61,9 @@ kubectl get --raw /readyz >/dev/null || fail "kube-apiserver did not become read
 kubectl version
 kubectl get nodes -o wide
 
-step "installing KubeVirt (hack/install.sh): CRDs, KubeVirt CR, certificates, virt-api, virt-controller, virt-handler"
-hack/install.sh "$state/kubevirt-pki"
+step "installing KubeVirt (hack/install.sh): the operator manifest, then the KubeVirt CR; virt-operator installs the rest"
+hack/install.sh
+kubectl -n kubevirt get kv kubevirt -o wide
 kubectl get nodes -L kubevirt.io/schedulable
 
 step "applying $vm_manifest"

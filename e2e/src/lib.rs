@@ -1,10 +1,11 @@
 //! The whole stack on one machine, for end-to-end tests: `localcluster up` as its own process (the
 //! upstream control plane with kube-proxy, and one process kubelet, `node-1`), then KubeVirt
 //! installed by `hack/install.sh` with the real `kubectl`, exactly as `hack/run.sh` does: the
-//! CRDs, the KubeVirt CR, the certificates, virt-api (aggregated API and webhooks),
-//! virt-controller and virt-handler from `manifests/`. RBAC is enforced: the
-//! components run as the service accounts of `manifests/install/` and reach kube-apiserver
-//! through the `kubernetes` Service (10.96.0.1, kube-proxy's rules).
+//! operator manifest and the KubeVirt CR of `manifests/release/`, after which virt-operator
+//! installs the CRDs, RBAC, certificates, virt-api (aggregated API and webhooks),
+//! virt-controller and virt-handler. RBAC is enforced: the components run as the service
+//! accounts of the install strategy and reach kube-apiserver through the `kubernetes` Service
+//! (10.96.0.1, kube-proxy's rules).
 //!
 //! The binaries come from the cargo target dir the tests were built in (`cargo nextest run
 //! --workspace` builds every package's binaries) or from `KUBEVIRT_RS_BIN_DIR`; the upstream
@@ -20,10 +21,11 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 /// The programs the stack runs; pods find them at `/usr/bin/<name>`.
-pub const BINARIES: [&str; 8] = [
+pub const BINARIES: [&str; 9] = [
     "localcluster",
     "build-images",
     "virtctl",
+    "virt-operator",
     "virt-api",
     "virt-controller",
     "virt-handler",
@@ -315,10 +317,8 @@ impl Stack {
             },
         )
         .map_err(|e| self.exited_or(e))?;
-        // Not `<dir>/pki`: that is the control plane's (pki.sh keeps an existing ca.crt).
-        let pki = self.dir.path().join("kubevirt-pki");
         let mut install = Command::new(self.repo.join("hack/install.sh"));
-        install.arg(&pki).env("KUBECONFIG", &kubeconfig);
+        install.env("KUBECONFIG", &kubeconfig);
         run(&mut install, None).map_err(|e| self.with_component_logs(e))?;
         Ok(())
     }

@@ -1,5 +1,6 @@
 //! `build-images`: writes the project's images into an OCI image layout, and optionally one OCI
-//! archive per image and the install manifests pinned to the images' digests.
+//! archive per image and the release manifests (`kubevirt-operator.yaml`, `kubevirt-cr.yaml`)
+//! with every image pinned by digest.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -12,7 +13,7 @@ use ociimage::{Compression, Layout};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Set {
-    /// virt-api, virt-controller, virt-handler, virt-launcher, container-disk.
+    /// virt-operator, virt-api, virt-controller, virt-handler, virt-launcher, container-disk.
     Components,
     /// test-guest-disk, test-guest-kernel, test-tools (needs --guest-dir).
     Tests,
@@ -52,12 +53,11 @@ struct Cli {
     /// Which images to build.
     #[arg(long, value_enum, value_delimiter = ',', default_values = ["components", "tests"])]
     set: Vec<Set>,
-    /// Writes each YAML file of this directory to --manifests-out with our images pinned by
-    /// digest.
-    #[arg(long, requires = "manifests_out")]
-    pin_manifests: Option<PathBuf>,
+    /// Writes the release manifests into this directory: `kubevirt-operator.yaml` with the
+    /// operator's image and the component images' digests pinned, and `kubevirt-cr.yaml`.
+    /// Needs the components set.
     #[arg(long)]
-    manifests_out: Option<PathBuf>,
+    release_manifests: Option<PathBuf>,
 }
 
 fn default_container_disk(bin_dir: &Path) -> PathBuf {
@@ -137,29 +137,12 @@ fn main() -> anyhow::Result<()> {
         );
         pinned.push((short, written.name.with_digest(&written.manifest)));
     }
-    if let (Some(src), Some(out)) = (&cli.pin_manifests, &cli.manifests_out) {
-        std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-        let pins: Vec<(&str, ociimage::Reference)> = pinned
-            .iter()
-            .map(|(s, r)| (s.as_str(), r.clone()))
-            .collect();
-        let mut files: Vec<_> = std::fs::read_dir(src)
-            .with_context(|| format!("reading {}", src.display()))?
-            .map(|e| e.map(|e| e.path()))
-            .collect::<Result<_, _>>()?;
-        files.sort();
-        for file in files
-            .iter()
-            .filter(|f| f.extension().is_some_and(|e| e == "yaml"))
-        {
-            let text = std::fs::read_to_string(file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            let pinned = imagebuild::pin(&file.display().to_string(), &text, &pins)?;
-            let target = out.join(file.file_name().unwrap_or_default());
-            std::fs::write(&target, pinned)
-                .with_context(|| format!("writing {}", target.display()))?;
-        }
-        println!("manifests pinned by digest: {}", out.display());
+    if let Some(out) = &cli.release_manifests {
+        write_release_manifests(out, &cli, &pinned)?;
+        println!(
+            "release manifests, images pinned by digest: {}",
+            out.display()
+        );
     }
     println!(
         "{} images in {} ({:.1} s)",
@@ -167,5 +150,52 @@ fn main() -> anyhow::Result<()> {
         cli.layout.display(),
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// `kubevirt-operator.yaml` and `kubevirt-cr.yaml` for the images just built.
+fn write_release_manifests(
+    out: &Path,
+    cli: &Cli,
+    pinned: &[(String, ociimage::Reference)],
+) -> anyhow::Result<()> {
+    let digest_of = |name: &str| {
+        pinned
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, r)| r.digest().map(str::to_owned))
+            .with_context(|| {
+                format!("the release manifests need the {name} image: build the components set")
+            })
+    };
+    let mut digests = std::collections::BTreeMap::new();
+    for c in operator::strategy::COMPONENTS {
+        digests.insert(c.to_owned(), digest_of(c)?);
+    }
+    let release = operator::strategy::Release {
+        registry: cli.registry.clone(),
+        tag: cli.tag.clone(),
+        digests,
+    };
+    let image = format!(
+        "{}/{}@{}",
+        cli.registry,
+        operator::release::OPERATOR,
+        digest_of(operator::release::OPERATOR)?
+    );
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    for (file, text) in [
+        (
+            "kubevirt-operator.yaml",
+            operator::release::to_yaml(&operator::release::operator_manifest(&release, &image)),
+        ),
+        (
+            "kubevirt-cr.yaml",
+            operator::release::to_yaml(&[operator::release::kubevirt_cr()]),
+        ),
+    ] {
+        let path = out.join(file);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }

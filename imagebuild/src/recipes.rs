@@ -1,6 +1,6 @@
 //! The project's images: what each contains and how it starts.
 //!
-//! - Rust components (`virt-api`, `virt-controller`, `virt-handler`): a distroless-style base
+//! - Rust components (`virt-operator`, `virt-api`, `virt-controller`, `virt-handler`): a distroless-style base
 //!   layer (the C library closure of our programs, `/etc/passwd`, `/tmp`) shared by every
 //!   component image, plus the program (and for virt-handler, `nft`).
 //! - `virt-launcher`: the same base, a QEMU layer (`qemu-system-x86_64`, `qemu-img`, the TCG
@@ -19,7 +19,8 @@ use ociimage::{ImageSpec, Reference, Source, Tree};
 use crate::files::{self, FilesError, Layer};
 
 /// The component images, by name (also their programs' names).
-pub const COMPONENTS: [&str; 5] = [
+pub const COMPONENTS: [&str; 6] = [
+    "virt-operator",
     "virt-api",
     "virt-controller",
     "virt-handler",
@@ -109,6 +110,7 @@ fn base_layer(inputs: &Inputs) -> Result<Tree, FilesError> {
     let mut layer = Layer::new(None);
     // The programs go in their own layers; their libraries are shared here.
     for program in [
+        "virt-operator",
         "virt-api",
         "virt-controller",
         "virt-handler",
@@ -189,7 +191,12 @@ fn component(name: &str, layers: Vec<Tree>, naming: &Naming) -> Result<ImageSpec
 pub fn components(inputs: &Inputs, naming: &Naming) -> Result<Vec<ImageSpec>, RecipeError> {
     let base = base_layer(inputs)?;
     let mut out = Vec::new();
-    for name in ["virt-api", "virt-controller", "virt-handler"] {
+    for name in [
+        "virt-operator",
+        "virt-api",
+        "virt-controller",
+        "virt-handler",
+    ] {
         out.push(component(
             name,
             vec![base.clone(), program_layer(inputs, name, &base)?],

@@ -10,7 +10,6 @@ use serde_json::Value;
 fn build(out: &Path) -> String {
     let exe = PathBuf::from(env!("CARGO_BIN_EXE_build-images"));
     let bins = exe.parent().expect("the profile dir");
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let output = Command::new(&exe)
         .arg("--bin-dir")
         .arg(bins)
@@ -22,9 +21,7 @@ fn build(out: &Path) -> String {
         .arg(out.join("images"))
         .arg("--gzip")
         .args(["--registry", "quay.io/kubevirt-rs", "--tag", "v9.9.9"])
-        .arg("--pin-manifests")
-        .arg(repo.join("manifests/install"))
-        .arg("--manifests-out")
+        .arg("--release-manifests")
         .arg(out.join("manifests"))
         .output()
         .expect("running build-images");
@@ -69,6 +66,7 @@ fn release_images_are_reproducible_inspectable_and_pinned() {
     );
 
     let images = [
+        "virt-operator",
         "virt-api",
         "virt-controller",
         "virt-handler",
@@ -92,7 +90,7 @@ fn release_images_are_reproducible_inspectable_and_pinned() {
         let entrypoint = &config["config"]["Entrypoint"];
         let expected_layers = match image {
             "virt-launcher" => 3,
-            "virt-api" | "virt-controller" | "virt-handler" => 2,
+            "virt-operator" | "virt-api" | "virt-controller" | "virt-handler" => 2,
             _ => 1,
         };
         assert_eq!(layers, expected_layers, "{image}: {inspected}");
@@ -110,17 +108,44 @@ fn release_images_are_reproducible_inspectable_and_pinned() {
                 && printed.contains(digest),
             "{image} {digest} is what build-images printed"
         );
-        let pinned = format!("quay.io/kubevirt-rs/{image}@{digest}");
-        let manifests: String = std::fs::read_dir(first.path().join("manifests"))
-            .unwrap()
-            .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
-            .collect();
-        if image != "container-disk" {
-            assert!(manifests.contains(&pinned), "the manifests name {pinned}");
+        let operator_manifest =
+            std::fs::read_to_string(first.path().join("manifests/kubevirt-operator.yaml")).unwrap();
+        let objects: Vec<Value> = serde_saphyr::from_multiple(&operator_manifest).unwrap();
+        let container = objects
+            .iter()
+            .find(|o| o["kind"] == "Deployment")
+            .map(|d| &d["spec"]["template"]["spec"]["containers"][0])
+            .expect("the operator's Deployment");
+        let env = |name: &str| {
+            container["env"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|e| e["name"] == name)
+                .map(|e| e["value"].clone())
+        };
+        match image {
+            "virt-operator" => assert_eq!(
+                container["image"],
+                format!("quay.io/kubevirt-rs/virt-operator@{digest}"),
+                "the operator's Deployment runs its image pinned"
+            ),
+            "container-disk" => {}
+            _ => assert_eq!(
+                env(&format!(
+                    "{}_SHASUM",
+                    image.to_uppercase().replace('-', "_")
+                )),
+                Some(Value::from(digest)),
+                "the operator is told {image}'s digest"
+            ),
         }
+        assert_eq!(env("KUBEVIRT_VERSION"), Some(Value::from("v9.9.9")));
         assert!(
-            !manifests.contains(&format!("kubevirt-rs/{image}:")),
-            "{image} pinned everywhere"
+            !operator_manifest.contains(&format!("kubevirt-rs/{image}:")),
+            "{image} is named by digest only"
         );
     }
+    let cr = std::fs::read_to_string(first.path().join("manifests/kubevirt-cr.yaml")).unwrap();
+    assert!(cr.contains("kind: KubeVirt"), "{cr}");
 }

@@ -288,6 +288,28 @@ async fn pod_runs_isolated_with_volumes_is_reachable_and_leaves_nothing_behind()
         0
     );
 
+    // A changed ConfigMap reaches the running container, as the kubelet's pod sync projects
+    // it again (the server reads the file anew for each connection).
+    cms.patch(
+        "cfg",
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(json!({"data": {"greeting": "hello again"}})),
+    )
+    .await
+    .expect("changing the configmap");
+    let addr: std::net::SocketAddr = format!("{pod_ip}:8080").parse().unwrap();
+    eventually(40, "the server to serve the changed greeting", || async {
+        use tokio::io::AsyncReadExt as _;
+        let mut conn = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let mut got = String::new();
+        tokio::time::timeout(Duration::from_secs(5), conn.read_to_string(&mut got))
+            .await
+            .ok()?
+            .ok()?;
+        (got == "hello again").then_some(())
+    })
+    .await;
+
     // Delete: the process is killed and nothing the pod held is left.
     let cgroups = cgroup_dirs(&node_name, &uid);
     assert!(!cgroups.is_empty(), "the pod has cgroups");

@@ -8,4 +8,6 @@ pub mod conditions;
 pub mod install;
 pub mod owned;
 pub mod reconcile;
+pub mod release;
+pub mod run;
 pub mod strategy;

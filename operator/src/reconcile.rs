@@ -203,9 +203,15 @@ pub fn reconcile(kv: &KubeVirt, cx: &Context<'_>) -> Outcome {
         .all(|o| cx.live.contains_key(&ObjectRef::of(o)));
     if plan.complete() {
         status.phase = Some(KubeVirtPhase::Deployed);
-        status.observed_kube_virt_version = status.target_kube_virt_version.clone();
-        status.observed_kube_virt_registry = status.target_kube_virt_registry.clone();
-        status.observed_deployment_id = status.target_deployment_id.clone();
+        status
+            .observed_kube_virt_version
+            .clone_from(&status.target_kube_virt_version);
+        status
+            .observed_kube_virt_registry
+            .clone_from(&status.target_kube_virt_registry);
+        status
+            .observed_deployment_id
+            .clone_from(&status.target_deployment_id);
         conditions::available(&mut status);
         conditions::created(&mut status);
     } else {
@@ -375,7 +381,10 @@ mod tests {
                 .as_str()
                 .is_some_and(|b| !b.is_empty())
         );
-        assert!(out.requeue_after.is_some_and(|d| d > Duration::from_hours(1)));
+        assert!(
+            out.requeue_after
+                .is_some_and(|d| d > Duration::from_hours(1))
+        );
     }
 
     #[test]
@@ -405,7 +414,8 @@ mod tests {
         let mut k = kv("kubevirt", 0, Some(KubeVirtPhase::Deployed));
         k.metadata.deletion_timestamp = Some(Time(jiff::Timestamp::UNIX_EPOCH));
         k.spec.uninstall_strategy = Some(BLOCK_UNINSTALL.into());
-        let sa = json!({"kind": "ServiceAccount", "metadata": {"name": "a", "namespace": "kubevirt"}});
+        let sa =
+            json!({"kind": "ServiceAccount", "metadata": {"name": "a", "namespace": "kubevirt"}});
         let live: Live = [(ObjectRef::of(&sa), sa)].into_iter().collect();
         let r = release();
         let all = [k.clone()];

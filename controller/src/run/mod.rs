@@ -80,7 +80,6 @@ impl Default for Options {
     }
 }
 
-
 /// Workers per controller, as KubeVirt's defaults (`--vmi-controller-threads` ...).
 const VMI_WORKERS: usize = 10;
 const VM_WORKERS: usize = 3;

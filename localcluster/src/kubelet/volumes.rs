@@ -77,8 +77,12 @@ pub fn projected_files(
     }
 }
 
+/// Writes `files` under `dir`: each one that is new or changed through a temporary file and a
+/// rename, so a reader sees the old content or the new, never half of it; files of an earlier
+/// projection that `files` no longer has are removed (the kubelet's atomic writer does both).
 fn write_files(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), KubeletError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut wanted = std::collections::HashSet::new();
     for (rel, content) in files {
         if rel.split('/').any(|c| c == "..") || rel.starts_with('/') {
             return Err(KubeletError::Volume {
@@ -87,10 +91,57 @@ fn write_files(dir: &Path, files: &[(String, Vec<u8>)]) -> Result<(), KubeletErr
             });
         }
         let path = dir.join(rel);
+        wanted.insert(path.clone());
+        if std::fs::read(&path).is_ok_and(|old| old == *content) {
+            continue;
+        }
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).map_err(io(parent))?;
         }
-        std::fs::write(&path, content).map_err(io(&path))?;
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        let temp = path.with_file_name(format!("..{name}.tmp"));
+        std::fs::write(&temp, content).map_err(io(&temp))?;
+        std::fs::rename(&temp, &path).map_err(io(&path))?;
+    }
+    remove_unwanted(dir, &wanted)
+}
+
+fn remove_unwanted(
+    dir: &Path,
+    wanted: &std::collections::HashSet<PathBuf>,
+) -> Result<(), KubeletError> {
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let path = entry.map_err(io(dir))?.path();
+        if path.is_dir() {
+            remove_unwanted(&path, wanted)?;
+        } else if !wanted.contains(&path) {
+            std::fs::remove_file(&path).map_err(io(&path))?;
+        }
+    }
+    Ok(())
+}
+
+/// Projects a configMap or secret volume again from the object as it is now, as the kubelet
+/// does on each pod sync (KubeVirt's components see rotated certificates this way, without a
+/// restart). Other volumes are left as they are: a projected volume's service account token
+/// is not to be requested again.
+pub async fn refresh(
+    client: &Client,
+    pod: &Pod,
+    pod_dir: &Path,
+    volume: &Volume,
+) -> Result<(), KubeletError> {
+    let namespace = pod.metadata.namespace.clone().unwrap_or_default();
+    let name = volume.name.as_str();
+    if let Some(cm) = &volume.config_map {
+        let path = plugin_dir(pod_dir, "configmap", name);
+        let data = config_map_data(client, &namespace, &cm.name, cm.optional, name).await?;
+        write_files(&path, &projected_files(&data, cm.items.as_deref(), name)?)?;
+    } else if let Some(sec) = &volume.secret {
+        let path = plugin_dir(pod_dir, "secret", name);
+        let secret_name = sec.secret_name.clone().unwrap_or_default();
+        let data = secret_data(client, &namespace, &secret_name, sec.optional, name).await?;
+        write_files(&path, &projected_files(&data, sec.items.as_deref(), name)?)?;
     }
     Ok(())
 }

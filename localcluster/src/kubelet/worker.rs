@@ -112,6 +112,8 @@ struct Worker {
     kubernetes_service: Option<std::net::SocketAddr>,
     sandbox_error: Option<String>,
     sandbox_retry: Instant,
+    /// When configMap and secret volumes are next projected again.
+    volume_sync: Instant,
     pod_ip: Option<String>,
     start_time: String,
     exits: (mpsc::UnboundedSender<Exit>, mpsc::UnboundedReceiver<Exit>),
@@ -148,6 +150,7 @@ pub(super) async fn run(
         kubernetes_service: None,
         sandbox_error: None,
         sandbox_retry: Instant::now(),
+        volume_sync: Instant::now() + VOLUME_SYNC,
         pod_ip: None,
         start_time: now(),
         exits: mpsc::unbounded_channel(),
@@ -204,6 +207,10 @@ enum Action {
     Stop,
     Tick,
 }
+
+/// How often configMap and secret volumes are projected again (the kubelet's pod sync is a
+/// minute plus its cache's TTL; shorter here, so a rotated certificate arrives within seconds).
+const VOLUME_SYNC: Duration = Duration::from_secs(10);
 
 fn spec_of(pod: &Pod) -> k8s_openapi::api::core::v1::PodSpec {
     pod.spec.clone().unwrap_or_default()
@@ -385,6 +392,15 @@ impl Worker {
         Ok(())
     }
 
+    async fn refresh_volumes(&self) {
+        let pod_dir = self.pod_dir();
+        for v in spec_of(&self.pod).volumes.iter().flatten() {
+            if let Err(e) = volumes::refresh(&self.shared.client, &self.pod, &pod_dir, v).await {
+                tracing::warn!(pod = %self.name, volume = %v.name, error = %error_chain(&e), "projecting the volume again");
+            }
+        }
+    }
+
     fn register(&self, sandbox: &Sandbox) {
         if let Ok(mut s) = self.shared.sandboxes.lock() {
             s.insert(self.uid.clone(), sandbox.clone());
@@ -409,6 +425,10 @@ impl Worker {
                     return;
                 }
             }
+        }
+        if Instant::now() >= self.volume_sync {
+            self.volume_sync = Instant::now() + VOLUME_SYNC;
+            self.refresh_volumes().await;
         }
         let policy = self.restart_policy();
         if let Some(i) = self.init.iter().position(|c| !c.record.state.succeeded()) {

@@ -439,6 +439,32 @@ impl Stack {
         self.run_kubectl(args, None)
     }
 
+    /// Builds the component images again under `tag` (the same content, so the same layers)
+    /// and loads them into the node's image store, as a user loads a new release before
+    /// setting the KubeVirt CR's `imageTag`.
+    pub fn load_components_tagged(&self, tag: &str) -> Result<(), StackError> {
+        let bins = bin_dir();
+        let layout = self.dir.path().join(format!("images-{tag}"));
+        run(
+            Command::new(bins.join("build-images"))
+                .arg("--bin-dir")
+                .arg(&bins)
+                .args(["--set", "components", "--tag", tag])
+                .arg("--layout")
+                .arg(&layout),
+            None,
+        )?;
+        run(
+            Command::new(bins.join("localcluster"))
+                .arg("load")
+                .arg("--dir")
+                .arg(self.dir.path())
+                .arg(&layout),
+            None,
+        )?;
+        Ok(())
+    }
+
     /// `virtctl` as the cluster admin.
     pub fn virtctl(&self, args: &[&str]) -> Result<String, StackError> {
         self.virtctl_as(&self.kubeconfig(), args)
@@ -567,4 +593,132 @@ impl Drop for Stack {
         let _ = self.cluster.kill();
         let _ = self.cluster.wait();
     }
+}
+
+/// `virtctl console` in a real terminal (tmux, on its own server socket).
+struct Tmux {
+    socket: PathBuf,
+}
+
+impl Tmux {
+    fn start(dir: &Path, command: &str) -> Result<Self, String> {
+        let t = Tmux {
+            socket: dir.join("tmux.sock"),
+        };
+        t.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "console",
+            "-x",
+            "160",
+            "-y",
+            "40",
+            command,
+        ])?;
+        Ok(t)
+    }
+
+    fn run(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new("tmux")
+            .arg("-S")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .map_err(|e| format!("running tmux (hack/deps.sh installs it): {e}"))?;
+        if !out.status.success() {
+            return Err(format!("tmux {args:?}: {out:?}"));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", "console"])
+            .unwrap_or_default()
+    }
+
+    fn wait_for_text(&self, what: &str, text: &str) -> Result<(), String> {
+        wait_for(what, Duration::from_mins(2), || {
+            Ok(self.screen().contains(text).then_some(()))
+        })
+        .map_err(|e| format!("{e}; screen:\n{}", self.screen()))
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .arg("-S")
+            .arg(&self.socket)
+            .arg("kill-server")
+            .output();
+    }
+}
+
+/// A whole serial console session through kube-apiserver, virt-api, virt-handler's console
+/// server and the launcher: `virtctl console <vm>` in a terminal, the guest shell's prompt,
+/// `echo <word>-$((6*7))` answered with `<word>-42`, and Ctrl+] leaving virtctl. The test
+/// guest's shell prompt is `<vm>:~#`.
+pub fn console_round_trip(stack: &Stack, vm: &str, word: &str) -> Result<(), String> {
+    let tmux = Tmux::start(
+        stack.dir(),
+        &format!(
+            "{} --kubeconfig {} console {vm}",
+            bin_dir().join("virtctl").display(),
+            stack.kubeconfig().display()
+        ),
+    )?;
+    tmux.wait_for_text(
+        "the console banner",
+        &format!("Successfully connected to {vm} console"),
+    )?;
+    wait_for("the guest's shell prompt", Duration::from_mins(2), || {
+        tmux.run(&["send-keys", "-t", "console", "", "Enter"])?;
+        Ok(tmux.screen().contains(&format!("{vm}:~#")).then_some(()))
+    })
+    .map_err(|e| format!("{e}; screen:\n{}", tmux.screen()))?;
+    tmux.run(&[
+        "send-keys",
+        "-t",
+        "console",
+        &format!("echo {word}-$((6*7))"),
+        "Enter",
+    ])?;
+    tmux.wait_for_text("the command's output", &format!("{word}-42"))?;
+    // Ctrl+] leaves.
+    tmux.run(&["send-keys", "-t", "console", "C-]"])?;
+    wait_for("virtctl console to exit", Duration::from_secs(30), || {
+        let panes = Command::new("tmux")
+            .arg("-S")
+            .arg(&tmux.socket)
+            .args(["list-panes", "-a"])
+            .output()
+            .map_err(|e| e.to_string())?;
+        (!panes.status.success())
+            .then_some(Some(()))
+            .ok_or_else(|| "still running".to_owned())
+    })
+    .map_err(|e| format!("{e}; screen:\n{}", tmux.screen()))?;
+    Ok(())
+}
+
+/// The pids whose command line starts with `argv0` and contains `marker`.
+pub fn processes(argv0: &str, marker: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if args.first().is_some_and(|a| a == argv0) && args.iter().any(|a| a.contains(marker)) {
+            out.push(pid);
+        }
+    }
+    out
 }

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use e2e::{Stack, repo_root, wait_for};
+use e2e::{Stack, processes, repo_root, wait_for};
 
 const BOOT: Duration = Duration::from_mins(7);
 
@@ -17,27 +17,6 @@ fn demo(stack: &Stack, resource: &str) -> Result<serde_json::Value, String> {
         .get_json("default", resource, "demo")
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("no {resource} default/demo yet"))
-}
-
-/// The pids whose command line starts with `argv0` and contains `marker`.
-fn processes(argv0: &str, marker: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let args: Vec<String> = cmdline
-            .split(|b| *b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        if args.first().is_some_and(|a| a == argv0) && args.iter().any(|a| a.contains(marker)) {
-            out.push(pid);
-        }
-    }
-    out
 }
 
 /// The process's `/` is an overlay of layers from the stack's image store holding `program`,

@@ -2,7 +2,7 @@
 //! authorization (SubjectAccessReview) and admission webhooks, virt-handler's console server and
 //! the launcher, driven with the `virtctl` binary as a user would.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -64,64 +64,6 @@ impl Drop for KillOnDrop {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// `virtctl console` in a real terminal (tmux, on its own server socket).
-struct Tmux {
-    socket: PathBuf,
-}
-
-impl Tmux {
-    fn start(dir: &Path, command: &str) -> Self {
-        let t = Tmux {
-            socket: dir.join("tmux.sock"),
-        };
-        t.run(&[
-            "new-session",
-            "-d",
-            "-s",
-            "console",
-            "-x",
-            "160",
-            "-y",
-            "40",
-            command,
-        ]);
-        t
-    }
-
-    fn run(&self, args: &[&str]) -> String {
-        let out = Command::new("tmux")
-            .arg("-S")
-            .arg(&self.socket)
-            .args(args)
-            .output()
-            .expect("tmux runs (hack/deps.sh installs it)");
-        assert!(out.status.success(), "tmux {args:?}: {out:?}");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn screen(&self) -> String {
-        self.run(&["capture-pane", "-p", "-t", "console"])
-    }
-
-    fn wait_for_text(&self, what: &str, text: &str) -> String {
-        wait_for(what, Duration::from_mins(2), || {
-            let screen = self.screen();
-            Ok(screen.contains(text).then_some(screen.clone()))
-        })
-        .unwrap_or_else(|e| panic!("{e}; screen:\n{}", self.screen()))
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .arg("-S")
-            .arg(&self.socket)
-            .arg("kill-server")
-            .output();
     }
 }
 
@@ -270,47 +212,7 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
     let first_uid = running_vmi(&stack);
 
     // The serial console in a terminal: the guest's shell answers a command.
-    let tmux = Tmux::start(
-        stack.dir(),
-        &format!(
-            "{} --kubeconfig {} console demo",
-            bin_dir().join("virtctl").display(),
-            kubeconfig.display()
-        ),
-    );
-    tmux.wait_for_text(
-        "the console banner",
-        "Successfully connected to demo console",
-    );
-    wait_for("the guest's shell prompt", Duration::from_mins(2), || {
-        tmux.run(&["send-keys", "-t", "console", "", "Enter"]);
-        let screen = tmux.screen();
-        Ok(screen.contains("demo:~#").then_some(()))
-    })
-    .unwrap_or_else(|e| panic!("{e}; screen:\n{}", tmux.screen()));
-    tmux.run(&[
-        "send-keys",
-        "-t",
-        "console",
-        "echo virtctl-$((6*7))",
-        "Enter",
-    ]);
-    tmux.wait_for_text("the command's output", "virtctl-42");
-    // Ctrl+] leaves.
-    tmux.run(&["send-keys", "-t", "console", "C-]"]);
-    wait_for("virtctl console to exit", Duration::from_secs(30), || {
-        let panes = Command::new("tmux")
-            .arg("-S")
-            .arg(&tmux.socket)
-            .args(["list-panes", "-a"])
-            .output()
-            .map_err(|e| e.to_string())?;
-        (!panes.status.success())
-            .then_some(Some(()))
-            .ok_or_else(|| "still running".to_owned())
-    })
-    .unwrap_or_else(|e| panic!("{e}; screen:\n{}", tmux.screen()));
-    drop(tmux);
+    e2e::console_round_trip(&stack, "demo", "virtctl").unwrap_or_else(|e| panic!("{e}"));
 
     // A VNC screenshot of the guest's screen.
     let shot = stack.dir().join("screen.png");

@@ -11,11 +11,15 @@ use pretty_assertions::assert_eq;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+/// `manifests/examples/` and the release's KubeVirt CR.
 fn examples() -> Vec<(String, serde_json::Value)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../manifests/examples");
+    let manifests = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../manifests");
     let mut out = Vec::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
+    let paths = std::fs::read_dir(manifests.join("examples"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .chain([manifests.join("release/kubevirt-cr.yaml")]);
+    for path in paths {
         if path.extension().is_some_and(|e| e == "yaml") {
             let text = std::fs::read_to_string(&path).unwrap();
             let value: serde_json::Value =

@@ -226,38 +226,41 @@ fn kubectl_delete_vm_in_every_state_leaves_nothing_behind() {
     // virt-controller is down from just before the VM's deletion until after it.
     stack.apply(&vm_manifest("restart", "Always", false));
     vmi_phase(&stack, "restart", "Running");
-    let scale = |replicas: &str| {
+    // virt-operator puts an edited Deployment back, so it goes first (as KubeVirt's own tests
+    // stop virt-controller); scaled up again, it brings virt-controller back.
+    let scale_to_zero = |deployment: &str| {
         stack
             .kubectl(&[
                 "-n",
                 "kubevirt",
                 "scale",
-                "deployment/virt-controller",
+                &format!("deployment/{deployment}"),
                 "--replicas",
-                replicas,
+                "0",
             ])
-            .expect("kubectl scale virt-controller");
+            .unwrap_or_else(|e| panic!("kubectl scale {deployment}: {e}"));
+        wait_for(&format!("{deployment}'s pods to go"), SETTLE, || {
+            let pods = stack
+                .kubectl(&[
+                    "-n",
+                    "kubevirt",
+                    "get",
+                    "pods",
+                    "-l",
+                    &format!("kubevirt.io={deployment}"),
+                    "-o",
+                    "name",
+                ])
+                .map_err(|e| e.to_string())?;
+            pods.trim()
+                .is_empty()
+                .then_some(Some(()))
+                .ok_or(format!("pods {pods:?}"))
+        })
+        .unwrap_or_else(|e| panic!("{deployment} scaled to 0: {e}"));
     };
-    scale("0");
-    wait_for("virt-controller's pods to go", SETTLE, || {
-        let pods = stack
-            .kubectl(&[
-                "-n",
-                "kubevirt",
-                "get",
-                "pods",
-                "-l",
-                "kubevirt.io=virt-controller",
-                "-o",
-                "name",
-            ])
-            .map_err(|e| e.to_string())?;
-        pods.trim()
-            .is_empty()
-            .then_some(Some(()))
-            .ok_or(format!("pods {pods:?}"))
-    })
-    .expect("virt-controller scaled to 0");
+    scale_to_zero("virt-operator");
+    scale_to_zero("virt-controller");
     stack
         .kubectl(&["delete", "vm", "restart", "--wait=false"])
         .expect("kubectl delete vm --wait=false");
@@ -265,7 +268,16 @@ fn kubectl_delete_vm_in_every_state_leaves_nothing_behind() {
         .expect("get vm")
         .expect("the VM waits for its finalizer");
     assert!(vm["metadata"]["deletionTimestamp"].is_string());
-    scale("2");
+    stack
+        .kubectl(&[
+            "-n",
+            "kubevirt",
+            "scale",
+            "deployment/virt-operator",
+            "--replicas",
+            "2",
+        ])
+        .expect("kubectl scale virt-operator");
     all_gone(&stack, "restart");
 
     for (state, elapsed) in took {

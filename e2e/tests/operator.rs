@@ -4,7 +4,7 @@
 //! servers' renewal) keep the console working; an `imageTag` update rolls the components while
 //! a VM keeps running on the same QEMU; `BlockUninstallIfWorkloadsExist` holds the uninstall
 //! while the VM exists; the uninstall leaves nothing of any kind; and an install whose
-//! operator is killed half-way completes without a duplicate.
+//! operator is killed half-way completes without a duplicate. A second CR is refused.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -271,6 +271,36 @@ fn guest_operator_installs_restores_rotates_updates_and_uninstalls() {
     assert!(
         events.contains("SuccessfulCreate"),
         "events on the CR: {events}"
+    );
+
+    // A second CR is refused while the first installs, and is deleted at once.
+    let second = serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "KubeVirt",
+        "metadata": {"name": "second", "namespace": "kubevirt"}, "spec": {}});
+    stack
+        .kubectl_with_input(&["create", "-f", "-"], &second.to_string())
+        .expect("creating a second KubeVirt CR");
+    wait_for(
+        "the second CR to be refused",
+        Duration::from_mins(1),
+        || {
+            let cr = stack
+                .get_json("kubevirt", "kv", "second")
+                .map_err(|e| e.to_string())?
+                .ok_or("no second CR")?;
+            let (status, reason, _) = condition(&cr, "Synchronized");
+            (status == "False" && reason == "ExistingDeployment")
+                .then_some(Some(()))
+                .ok_or_else(|| format!("{}", cr["status"]))
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    stack
+        .kubectl(&["-n", "kubevirt", "delete", "kv", "second", "--timeout=60s"])
+        .expect("deleting the second CR");
+    assert_eq!(
+        kv(&stack).expect("the first CR")["status"]["phase"],
+        "Deployed"
     );
 
     // The leader says so on /metrics (through kube-apiserver's pod proxy).

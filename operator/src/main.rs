@@ -65,12 +65,9 @@ fn router(health: Arc<Health>) -> Router {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let f = Flags::parse();
-    let release = operator::release::release_from_env(|k| std::env::var(k).ok()).with_context(|| {
-        format!(
-            "{} names no image reference: virt-operator's release (the CR's default registry and tag) comes from it",
-            operator::release::OPERATOR_IMAGE_ENV
-        )
-    })?;
+    let release = operator::release::release_from_env(|k| std::env::var(k).ok())
+        .map_err(anyhow::Error::msg)
+        .context("virt-operator's release")?;
     let client = informer::start_component()
         .await
         .context("connecting to the API server (in-cluster config or KUBECONFIG)")?;

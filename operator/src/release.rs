@@ -28,10 +28,13 @@ pub fn digest_env(component: &str) -> String {
 }
 
 /// The release a running operator belongs to, from its environment (`env` reads a variable).
-/// `None` without `OPERATOR_IMAGE`.
-pub fn release_from_env(env: impl Fn(&str) -> Option<String>) -> Option<Release> {
-    let image = env(OPERATOR_IMAGE_ENV)?;
-    ociimage::Reference::parse(&image).ok()?;
+/// An error names what is missing or wrong.
+pub fn release_from_env(env: impl Fn(&str) -> Option<String>) -> Result<Release, String> {
+    let image = env(OPERATOR_IMAGE_ENV).ok_or_else(|| {
+        format!("{OPERATOR_IMAGE_ENV} is not set: virt-operator's image reference gives the CR's default registry and tag")
+    })?;
+    ociimage::Reference::parse(&image)
+        .map_err(|e| format!("{OPERATOR_IMAGE_ENV}={image:?}: {e}"))?;
     // As written, not normalised: `kubevirt-rs/virt-operator:v1` gives registry
     // `kubevirt-rs`, which the CR's status then shows as the user wrote it.
     let name = image.split('@').next().unwrap_or_default();
@@ -49,7 +52,7 @@ pub fn release_from_env(env: impl Fn(&str) -> Option<String>) -> Option<Release>
         .iter()
         .filter_map(|c| Some(((*c).to_owned(), env(&digest_env(c))?)))
         .collect();
-    Some(Release {
+    Ok(Release {
         registry,
         tag,
         digests,
@@ -234,7 +237,7 @@ mod tests {
         let env = BTreeMap::from([
             (
                 OPERATOR_IMAGE_ENV,
-                "quay.io/kv/virt-operator@sha256:aa".to_owned(),
+                format!("quay.io/kv/virt-operator@sha256:{}", "a".repeat(64)),
             ),
             (VERSION_ENV, "v1.2.3".to_owned()),
             ("VIRT_API_SHASUM", "sha256:bb".to_owned()),
@@ -251,7 +254,16 @@ mod tests {
         })
         .unwrap();
         assert_eq!((r.registry.as_str(), r.tag.as_str()), ("kubevirt-rs", "v9"));
-        assert!(release_from_env(|_| None).is_none());
+        assert!(
+            release_from_env(|_| None)
+                .unwrap_err()
+                .contains(OPERATOR_IMAGE_ENV)
+        );
+        assert!(
+            release_from_env(|_| Some("Not A Reference".into()))
+                .unwrap_err()
+                .contains("Not A Reference")
+        );
     }
 
     #[test]

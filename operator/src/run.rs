@@ -115,17 +115,26 @@ fn reflect_owned(
         futures::pin_mut!(stream);
         while let Some(ev) = stream.next().await {
             match ev {
-                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) => {
+                Ok(watcher::Event::Apply(o)) => {
                     if seen.insert(o.uid().unwrap_or_default()) {
                         expectations.creation_observed(kind.kind);
                     }
+                }
+                // The store swaps a (re-)list's objects in at InitDone: a reconcile before
+                // that would read the cache without them.
+                Ok(watcher::Event::InitApply(o)) => {
+                    if seen.insert(o.uid().unwrap_or_default()) {
+                        expectations.creation_observed(kind.kind);
+                    }
+                    continue;
                 }
                 Ok(watcher::Event::Delete(o)) => {
                     seen.remove(&o.uid().unwrap_or_default());
                     let r = informer::key_of(o.namespace().as_deref(), &o.name_any());
                     expectations.deletion_observed(kind.kind, &r);
                 }
-                Ok(watcher::Event::Init | watcher::Event::InitDone) => {}
+                Ok(watcher::Event::Init) => continue,
+                Ok(watcher::Event::InitDone) => {}
                 Err(e) => {
                     tracing::warn!(kind = kind.kind, error = %e, "watch failed; retrying");
                     continue;

@@ -144,30 +144,30 @@ fn secret_text(stack: &Stack, name: &str, key: &str) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&bytes).into_owned())
 }
 
-/// Waits until every pod that mounts `secret` sees its current `tls.crt` (the kubelet projects
-/// secret volumes again on its own schedule).
+/// Waits until every pod that mounts `secret` sees its current certificate and key (the
+/// kubelet projects secret volumes again on its own schedule).
 fn wait_mounted(stack: &Stack, secret: &str) {
     wait_for(
         &format!("every pod mounting {secret} to see its new certificate"),
         Duration::from_mins(2),
         || {
-            let want = secret_text(stack, secret, "tls.crt")?;
+            let want = [
+                secret_text(stack, secret, "tls.crt")?,
+                secret_text(stack, secret, "tls.key")?,
+            ];
             let pods = stack.dir().join("nodes/node-1/var/lib/kubelet/pods");
             let mut seen = 0;
             for pod in std::fs::read_dir(&pods)
                 .map_err(|e| e.to_string())?
                 .flatten()
             {
-                let file = pod
-                    .path()
-                    .join("volumes/kubernetes.io~secret")
-                    .join(secret)
-                    .join("tls.crt");
-                let Ok(have) = std::fs::read_to_string(&file) else {
+                let dir = pod.path().join("volumes/kubernetes.io~secret").join(secret);
+                let Ok(cert) = std::fs::read_to_string(dir.join("tls.crt")) else {
                     continue;
                 };
-                if have != want {
-                    return Err(format!("{} is not the new certificate yet", file.display()));
+                let key = std::fs::read_to_string(dir.join("tls.key")).unwrap_or_default();
+                if [cert, key] != want {
+                    return Err(format!("{} is not the new certificate yet", dir.display()));
                 }
                 seen += 1;
             }
@@ -364,6 +364,19 @@ fn guest_operator_installs_restores_rotates_updates_and_uninstalls() {
         (!env.contains("EDITED")).then_some(Some(())).ok_or(env)
     })
     .unwrap_or_else(|e| panic!("{e}"));
+    // The CR may still read Available from before: wait for the rollouts themselves.
+    for workload in ["daemonset/virt-handler", "deployment/virt-controller"] {
+        stack
+            .kubectl(&[
+                "-n",
+                "kubevirt",
+                "rollout",
+                "status",
+                workload,
+                "--timeout=300s",
+            ])
+            .unwrap_or_else(|e| panic!("{workload} rolled out again: {e}"));
+    }
     wait_deployed(&stack, "latest");
 
     // A VM, and its console.

@@ -378,10 +378,35 @@ fn secret(name: &str, namespace: &str, data: &BTreeMap<String, String>) -> serde
     })
 }
 
+/// The Secret keeping the CA a new one replaced, while the new one propagates; gone after.
+pub const PREVIOUS_CA_SECRET: &str = "kubevirt-ca-previous";
+
+/// How long a new CA is only published (in every bundle: the components' `ca.crt`, the
+/// APIServices' and webhooks' `caBundle`) before it signs anything: every component must
+/// trust it before any presents a certificate it signed. The process kubelet projects secrets
+/// again every 10 s; a real kubelet within a minute or two. At most half the CA's
+/// `renewBefore`, so the old CA still has time left when the components change over.
+pub fn propagation(rotation: &Rotation) -> Duration {
+    Duration::from_mins(2).min(rotation.ca.renew_before / 2)
+}
+
+/// When `cert_pem` was issued: its validity starts a minute earlier (clock slack).
+fn issued_at(cert_pem: &str) -> Option<SystemTime> {
+    let pem = x509_parser::pem::Pem::iter_from_buffer(cert_pem.as_bytes())
+        .flatten()
+        .next()?;
+    let cert = pem.parse_x509().ok()?;
+    let seconds = u64::try_from(cert.validity().not_before.timestamp()).ok()?;
+    Some(SystemTime::UNIX_EPOCH + Duration::from_secs(seconds) + Duration::from_mins(1))
+}
+
 /// KubeVirt's certificate manager as one pure step: from the Secrets' data as they are
 /// (`secrets`, by name, decoded) and the bundle as published, keep what is still good and
 /// issue what is missing, signed by another CA, or due; the bundle holds the current CA and
-/// the earlier ones until they expire.
+/// the earlier ones until they expire. A CA due for renewal is replaced by a new one that is
+/// published at once but signs only after [`propagation`]; until then the old one (kept in the
+/// CA Secret) goes on signing. A CA that is gone (its Secret deleted) has no key left to sign
+/// with: the new one signs at once.
 pub fn certificates(
     secrets: &BTreeMap<String, BTreeMap<String, String>>,
     published_bundle: Option<&str>,
@@ -389,30 +414,43 @@ pub fn certificates(
     rotation: &Rotation,
     now: SystemTime,
 ) -> Result<Certificates, CertError> {
-    let ca = match issued_of(secrets.get(CA_SECRET)) {
-        Some(ca)
-            if !needs_renewal(
-                Some(&ca.cert_pem),
-                &ca.cert_pem,
-                now,
-                rotation.ca.renew_before,
-            ) =>
-        {
-            ca
-        }
-        _ => issue_ca(now, rotation.ca)?,
+    let stored = secrets.get(CA_SECRET);
+    let due = |ca: &Issued| {
+        needs_renewal(
+            Some(&ca.cert_pem),
+            &ca.cert_pem,
+            now,
+            rotation.ca.renew_before,
+        )
     };
-    let bundle = ca_bundle(&ca.cert_pem, published_bundle.unwrap_or_default(), now);
-    let mut next_renewal = not_after(&ca.cert_pem).map_or(now, |t| t - rotation.ca.renew_before);
-    let mut objects = vec![
-        secret(
-            CA_SECRET,
-            namespace,
-            &BTreeMap::from([
-                ("tls.crt".to_owned(), ca.cert_pem.clone()),
-                ("tls.key".to_owned(), ca.key_pem.clone()),
-            ]),
+    let kept = issued_of(secrets.get(PREVIOUS_CA_SECRET));
+    let (ca, previous) = match issued_of(stored) {
+        Some(ca) if !due(&ca) => (ca, kept),
+        Some(old) => (issue_ca(now, rotation.ca)?, Some(old)),
+        None => (issue_ca(now, rotation.ca)?, None),
+    };
+    let switch_at = issued_at(&ca.cert_pem).map_or(now, |t| t + propagation(rotation));
+    let previous =
+        previous.filter(|p| now < switch_at && not_after(&p.cert_pem).is_some_and(|end| end > now));
+    let signer = previous.as_ref().unwrap_or(&ca);
+    let bundle = ca_bundle(
+        &ca.cert_pem,
+        &format!(
+            "{}{}",
+            previous.as_ref().map_or("", |p| p.cert_pem.as_str()),
+            published_bundle.unwrap_or_default()
         ),
+        now,
+    );
+    let mut next_renewal = not_after(&ca.cert_pem).map_or(now, |t| t - rotation.ca.renew_before);
+    let ca_data = |ca: &Issued| {
+        BTreeMap::from([
+            ("tls.crt".to_owned(), ca.cert_pem.clone()),
+            ("tls.key".to_owned(), ca.key_pem.clone()),
+        ])
+    };
+    let mut objects = vec![
+        secret(CA_SECRET, namespace, &ca_data(&ca)),
         serde_json::json!({
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -420,20 +458,24 @@ pub fn certificates(
             "data": {CA_BUNDLE_KEY: bundle},
         }),
     ];
+    if let Some(p) = &previous {
+        next_renewal = next_renewal.min(switch_at);
+        objects.push(secret(PREVIOUS_CA_SECRET, namespace, &ca_data(p)));
+    }
     for leaf in &LEAVES {
         let current = issued_of(secrets.get(leaf.secret));
         let issued = match current {
             Some(c)
                 if !needs_renewal(
                     Some(&c.cert_pem),
-                    &ca.cert_pem,
+                    &signer.cert_pem,
                     now,
                     rotation.server.renew_before,
                 ) =>
             {
                 c
             }
-            _ => issue(leaf, namespace, &ca, now, rotation.server)?,
+            _ => issue(leaf, namespace, signer, now, rotation.server)?,
         };
         if let Some(end) = not_after(&issued.cert_pem) {
             next_renewal = next_renewal.min(end - rotation.server.renew_before);
@@ -633,7 +675,7 @@ mod tests {
 
     #[test]
     fn certificates_are_kept_until_due_and_a_new_ca_keeps_the_old_in_the_bundle() {
-        let s = json!({"selfSigned": {"ca": {"duration": "10h", "renewBefore": "2h"},
+        let s = json!({"selfSigned": {"ca": {"duration": "10h", "renewBefore": "3h"},
                                       "server": {"duration": "5h", "renewBefore": "1h"}}});
         let r = rotation(Some(&s)).unwrap();
         let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(2_000_000_000);
@@ -662,26 +704,74 @@ mod tests {
             );
         }
 
-        // Within the CA's: a new CA signs new leaves; the old CA stays in the bundle.
-        let rotated = certificates(
-            &renewed_secrets,
-            Some(&renewed_bundle),
-            "kubevirt",
-            &r,
-            t0 + 8 * HOUR + Duration::from_mins(1),
-        )
-        .unwrap();
+        // Within the CA's: a new CA, published at once in every bundle, while the old one
+        // goes on signing until the new one has propagated.
+        let due = t0 + 7 * HOUR + Duration::from_mins(1);
+        let rotated =
+            certificates(&renewed_secrets, Some(&renewed_bundle), "kubevirt", &r, due).unwrap();
         let (rotated_secrets, rotated_bundle) = decoded(&rotated);
         let new_ca = &rotated_secrets[CA_SECRET]["tls.crt"];
-        assert_ne!(new_ca, &secrets[CA_SECRET]["tls.crt"]);
+        let old_ca = &secrets[CA_SECRET]["tls.crt"];
+        assert_ne!(new_ca, old_ca);
+        assert_eq!(&rotated_secrets[PREVIOUS_CA_SECRET]["tls.crt"], old_ca);
         assert!(rotated_bundle.starts_with(new_ca.as_str()));
-        assert!(rotated_bundle.contains(secrets[CA_SECRET]["tls.crt"].trim()));
+        assert!(rotated_bundle.contains(old_ca.trim()));
+        assert_eq!(rotated.next_renewal, due + propagation(&r));
         for leaf in &LEAVES {
-            let cert = &rotated_secrets[leaf.secret]["tls.crt"];
+            assert_eq!(
+                rotated_secrets[leaf.secret]["tls.crt"], renewed_secrets[leaf.secret]["tls.crt"],
+                "{} is not re-signed before the new CA propagated",
+                leaf.secret
+            );
+            assert_eq!(rotated_secrets[leaf.secret]["ca.crt"], rotated_bundle);
+        }
+
+        // Propagated: the new CA signs new leaves and the old one's key is dropped.
+        let later = due + propagation(&r);
+        let switched = certificates(
+            &rotated_secrets,
+            Some(&rotated_bundle),
+            "kubevirt",
+            &r,
+            later,
+        )
+        .unwrap();
+        let (switched_secrets, switched_bundle) = decoded(&switched);
+        assert_eq!(&switched_secrets[CA_SECRET]["tls.crt"], new_ca);
+        assert!(
+            !switched_secrets.contains_key(PREVIOUS_CA_SECRET),
+            "the old CA's key is not kept (the install plan deletes its Secret)"
+        );
+        assert!(
+            switched_bundle.contains(old_ca.trim()),
+            "still trusted until it expires"
+        );
+        for leaf in &LEAVES {
+            let cert = &switched_secrets[leaf.secret]["tls.crt"];
             assert!(!needs_renewal(
                 Some(cert),
                 new_ca,
-                t0 + 8 * HOUR,
+                later,
+                r.server.renew_before
+            ));
+        }
+
+        // A deleted CA Secret leaves no key to sign with: the new CA signs at once.
+        let mut lost = switched_secrets.clone();
+        lost.remove(CA_SECRET);
+        let forced = certificates(&lost, Some(&switched_bundle), "kubevirt", &r, later).unwrap();
+        let (forced_secrets, forced_bundle) = decoded(&forced);
+        let forced_ca = &forced_secrets[CA_SECRET]["tls.crt"];
+        assert!(
+            forced_bundle.contains(new_ca.trim()),
+            "the lost CA stays trusted"
+        );
+        for leaf in &LEAVES {
+            let cert = &forced_secrets[leaf.secret]["tls.crt"];
+            assert!(!needs_renewal(
+                Some(cert),
+                forced_ca,
+                later,
                 r.server.renew_before
             ));
         }

@@ -11,6 +11,8 @@
 //! --workspace` builds every package's binaries) or from `KUBEVIRT_RS_BIN_DIR`; the upstream
 //! `kube` binary from `LOCALCLUSTER_KUBE`, else `localcluster/upstream/build.sh` (cached).
 
+pub mod audit;
+
 use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};

@@ -20,6 +20,24 @@ use crate::pki::{self, Credential, Pki, Subject};
 
 /// The Service network (kube-apiserver's `--service-cluster-ip-range`); the `kubernetes`
 /// Service gets its first address.
+/// kube-apiserver's audit policy: every write (who, verb, object, response code) at the
+/// `Metadata` level, nothing else, so `logs/kube-apiserver-audit.log` answers "who wrote
+/// this" and the API-economy benchmark counts each component's writes.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  verbs: [create, update, patch, delete, deletecollection]
+- level: None
+";
+const AUDIT_POLICY_FILE: &str = "audit-policy.yaml";
+
+/// The audit log of the cluster in `dir`: one JSON event per write.
+pub fn audit_log(dir: &Path) -> std::path::PathBuf {
+    dir.join("logs/kube-apiserver-audit.log")
+}
+
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
 /// The `kubernetes` Service's cluster IP.
 pub const KUBERNETES_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 1);
@@ -401,6 +419,7 @@ impl ControlPlane {
             addresses.push(config.bind);
         }
         let pki = Pki::create(&pki_dir, &addresses)?;
+        pki::write_file(&dir.join(AUDIT_POLICY_FILE), AUDIT_POLICY, 0o644)?;
         let port = match config.port {
             0 => free_port(config.bind)?,
             p => p,
@@ -581,6 +600,11 @@ impl ControlPlane {
             "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
             "--enable-aggregator-routing=true".into(),
             "--profiling=false".into(),
+            format!("--audit-policy-file={}", p(&c.dir.join(AUDIT_POLICY_FILE))),
+            format!("--audit-log-path={}", p(&audit_log(&c.dir))),
+            "--audit-log-format=json".into(),
+            "--audit-log-maxsize=100".into(),
+            "--audit-log-maxbackup=1".into(),
         ]
     }
 

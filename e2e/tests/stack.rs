@@ -44,9 +44,72 @@ fn assert_runs_from_image(stack: &Stack, pid: u32, program: &str) {
     }
 }
 
+/// `kubectl auth can-i --list` in a stable order: kube-apiserver merges the rules of several
+/// roles in no fixed order, so the verbs of a line and the lines are sorted (the header first).
+fn sorted_rules(listing: &str) -> String {
+    let mut lines = listing.lines();
+    let header = lines.next().unwrap_or_default();
+    let mut rules: Vec<String> = lines
+        .map(|line| match line.rsplit_once('[') {
+            Some((head, verbs)) => {
+                let mut verbs: Vec<&str> = verbs.trim_end_matches(']').split(' ').collect();
+                verbs.sort_unstable();
+                format!("{head}[{}]", verbs.join(" "))
+            }
+            None => line.to_owned(),
+        })
+        .collect();
+    rules.sort();
+    let mut out = format!("{header}\n");
+    for r in rules {
+        out.push_str(&r);
+        out.push('\n');
+    }
+    out
+}
+
+/// What each component's service account may do, as kube-apiserver lists it (`kubectl auth
+/// can-i --list`, cluster-wide and in the install namespace), against `e2e/tests/rbac/`: any
+/// change to a component's permissions shows in review. `UPDATE_GOLDEN=1` rewrites the files.
+fn rbac_is_as_checked_in(stack: &Stack) {
+    let dir = repo_root().join("e2e/tests/rbac");
+    for account in [
+        "kubevirt-operator",
+        "kubevirt-apiserver",
+        "kubevirt-controller",
+        "kubevirt-handler",
+    ] {
+        let user = format!("--as=system:serviceaccount:kubevirt:{account}");
+        let mut listed = String::new();
+        for namespace in ["default", "kubevirt"] {
+            listed.push_str("# kubectl auth can-i --list -n ");
+            listed.push_str(namespace);
+            listed.push('\n');
+            listed.push_str(&sorted_rules(
+                &stack
+                    .kubectl(&["auth", "can-i", "--list", "-n", namespace, &user])
+                    .unwrap_or_else(|e| panic!("listing what {account} may do: {e}")),
+            ));
+        }
+        let path = dir.join(format!("{account}.txt"));
+        if std::env::var_os("UPDATE_GOLDEN").is_some() {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &listed).unwrap();
+        }
+        let want = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            listed == want,
+            "{account}'s permissions differ from {}; if intended, rerun with UPDATE_GOLDEN=1 \
+             and review the diff:\n{listed}",
+            path.display()
+        );
+    }
+}
+
 #[test]
 fn guest_vm_applied_with_kubectl_boots_and_halts() {
     let stack = Stack::up().expect("the stack comes up");
+    rbac_is_as_checked_in(&stack);
     let manifest = repo_root().join("manifests/examples/vm-demo.yaml");
     stack
         .kubectl(&["apply", "-f", &manifest.display().to_string()])

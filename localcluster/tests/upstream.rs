@@ -289,7 +289,7 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
             "default",
             "update",
             "virtualmachineinstances",
-            true,
+            false,
         ),
         (
             handler,
@@ -378,7 +378,7 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
         sorted(&controller_in_kubevirt)
     );
     let handler_everywhere = [
-        "virtualmachineinstances.kubevirt.io [get list watch patch update]",
+        "virtualmachineinstances.kubevirt.io [get list watch patch]",
         "kubevirts.kubevirt.io [get list watch]",
         "pods [get list watch]",
         "nodes [get list watch patch]",

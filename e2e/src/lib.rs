@@ -483,6 +483,20 @@ impl Stack {
         )
     }
 
+    /// `manifests/examples/vm-demo.yaml` as JSON (kubectl reads the YAML), for a test to adapt.
+    pub fn demo_vm(&self) -> Result<serde_json::Value, StackError> {
+        let manifest = repo_root().join("manifests/examples/vm-demo.yaml");
+        let json = self.kubectl(&[
+            "create",
+            "--dry-run=client",
+            "-o",
+            "json",
+            "-f",
+            &manifest.display().to_string(),
+        ])?;
+        Ok(serde_json::from_str(&json).map_err(std::io::Error::other)?)
+    }
+
     /// The launcher pods in the default namespace, one `pod/<name>` per line.
     pub fn launcher_pods(&self) -> Result<String, StackError> {
         self.kubectl(&[

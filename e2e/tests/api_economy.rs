@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use e2e::audit::{WriteKey, count_writes};
-use e2e::{Stack, repo_root, wait_for};
+use e2e::{Stack, wait_for};
 
 const VMIS: usize = 4;
 /// Guests boot under TCG on two cores: two at a time.
@@ -26,20 +26,7 @@ fn read_from(path: &std::path::Path, offset: usize) -> (String, usize) {
 
 /// The demo VM's template as a VMI named `name`.
 fn vmi(stack: &Stack, name: &str) -> serde_json::Value {
-    let manifest = repo_root().join("manifests/examples/vm-demo.yaml");
-    let vm: serde_json::Value = serde_json::from_str(
-        &stack
-            .kubectl(&[
-                "create",
-                "--dry-run=client",
-                "-o",
-                "json",
-                "-f",
-                &manifest.display().to_string(),
-            ])
-            .expect("the demo VM as JSON"),
-    )
-    .expect("JSON");
+    let vm = stack.demo_vm().expect("the demo VM as JSON");
     serde_json::json!({
         "apiVersion": "kubevirt.io/v1",
         "kind": "VirtualMachineInstance",
@@ -121,16 +108,7 @@ fn bench_api_writes_per_vmi() {
         .kubectl(&["delete", "vmi", "-l", "economy=bench", "--timeout=300s"])
         .expect("deleting the VMIs");
     wait_for("the launcher pods to go", Duration::from_mins(3), || {
-        let pods = stack
-            .kubectl(&[
-                "get",
-                "pods",
-                "-l",
-                "kubevirt.io=virt-launcher",
-                "-o",
-                "name",
-            ])
-            .map_err(|e| e.to_string())?;
+        let pods = stack.launcher_pods().map_err(|e| e.to_string())?;
         pods.trim().is_empty().then_some(Some(())).ok_or(pods)
     })
     .unwrap_or_else(|e| panic!("{e}"));

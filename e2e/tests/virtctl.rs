@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use e2e::{Stack, bin_dir, repo_root, wait_for};
+use e2e::{Stack, bin_dir, wait_for};
 
 const BOOT: Duration = Duration::from_mins(7);
 const CHANGE: Duration = Duration::from_mins(3);
@@ -178,20 +178,7 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
         .expect("ssh-keygen runs (hack/deps.sh installs openssh-client)");
     assert!(keygen.status.success(), "{keygen:?}");
     let public = std::fs::read_to_string(key.with_extension("pub")).expect("the public key");
-    let manifest = repo_root().join("manifests/examples/vm-demo.yaml");
-    let mut vm: serde_json::Value = serde_json::from_str(
-        &stack
-            .kubectl(&[
-                "create",
-                "--dry-run=client",
-                "-o",
-                "json",
-                "-f",
-                &manifest.display().to_string(),
-            ])
-            .expect("the demo VM as JSON"),
-    )
-    .expect("JSON");
+    let mut vm = stack.demo_vm().expect("the demo VM as JSON");
     let user_data =
         &mut vm["spec"]["template"]["spec"]["volumes"][0]["cloudInitNoCloud"]["userData"];
     let script = user_data.as_str().expect("the demo's user-data").to_owned();

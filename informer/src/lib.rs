@@ -182,6 +182,32 @@ impl<K: Resource<DynamicType = ()> + Clone> Dispatch<K> {
     }
 }
 
+/// Publishes an Event on `obj` (`reason` is also its action); a failure is logged, never
+/// fatal: an Event is a courtesy to the user, not part of the reconcile.
+pub async fn publish_event<K: Resource<DynamicType = ()>>(
+    recorder: &kube::runtime::events::Recorder,
+    obj: &K,
+    warning: bool,
+    reason: &str,
+    note: String,
+) {
+    use kube::runtime::events::{Event, EventType};
+    let ev = Event {
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason: reason.into(),
+        note: Some(note),
+        action: reason.into(),
+        secondary: None,
+    };
+    if let Err(e) = recorder.publish(&ev, &obj.object_ref(&())).await {
+        tracing::warn!(error = %e, reason, "publishing an event");
+    }
+}
+
 /// A trim that keeps everything, for [`reflect`].
 pub fn keep_all<K>(_: &mut K) {}
 

@@ -107,12 +107,6 @@ pub const OWNED_KINDS: [OwnedKind; 15] = [
     ),
 ];
 
-/// The kind of `o` among [`OWNED_KINDS`].
-pub fn owned_kind(o: &Value) -> Option<&'static OwnedKind> {
-    let kind = o["kind"].as_str()?;
-    OWNED_KINDS.iter().find(|k| k.kind == kind)
-}
-
 /// An object's identity: kind, namespace (empty when cluster-scoped) and name.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ObjectRef {
@@ -128,6 +122,20 @@ impl ObjectRef {
             kind: text("/kind").to_owned(),
             namespace: text("/metadata/namespace").to_owned(),
             name: text("/metadata/name").to_owned(),
+        }
+    }
+
+    /// Its kind among [`OWNED_KINDS`].
+    pub fn owned_kind(&self) -> Option<&'static OwnedKind> {
+        OWNED_KINDS.iter().find(|k| k.kind == self.kind)
+    }
+
+    /// `namespace/name`, or `name` when cluster-scoped: how expectations track it.
+    pub fn key(&self) -> String {
+        if self.namespace.is_empty() {
+            self.name.clone()
+        } else {
+            format!("{}/{}", self.namespace, self.name)
         }
     }
 }

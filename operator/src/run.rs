@@ -13,10 +13,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
 };
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
-use kube::{Client, Resource as _, ResourceExt as _};
+use kube::{Client, ResourceExt as _};
 use serde_json::json;
 use tokio::task::JoinSet;
 use workqueue::Queue;
@@ -263,7 +263,7 @@ impl Shared {
     }
 
     fn api(&self, r: &ObjectRef) -> Option<Api<DynamicObject>> {
-        let k = OWNED_KINDS.iter().find(|k| k.kind == r.kind)?;
+        let k = r.owned_kind()?;
         let ar = api_resource(k);
         Some(if k.namespaced {
             Api::namespaced_with(self.client.clone(), &r.namespace, &ar)
@@ -275,71 +275,50 @@ impl Shared {
     /// Workloads that block an uninstall under `BlockUninstallIfWorkloadsExist`, as KubeVirt's
     /// operator webhook names them.
     async fn workloads(&self) -> Result<Option<&'static str>, SyncError> {
-        let one = ListParams::default().limit(1);
-        let exists = |e: Result<usize, kube::Error>| match e {
-            Ok(n) => Ok(n > 0),
-            // The CRD is gone: none of its kind is left.
-            Err(e) if is_status(&e, 404) => Ok(false),
-            Err(e) => Err(e),
-        };
-        let vmis = Api::<api::VirtualMachineInstance>::all(self.client.clone())
-            .list_metadata(&one)
-            .await
-            .map(|l| l.items.len());
-        if exists(vmis).map_err(api_err("listing VirtualMachineInstances"))? {
+        if self.any::<api::VirtualMachineInstance>().await? {
             return Ok(Some("Virtual Machine Instances"));
         }
-        let vms = Api::<api::VirtualMachine>::all(self.client.clone())
-            .list_metadata(&one)
-            .await
-            .map(|l| l.items.len());
-        if exists(vms).map_err(api_err("listing VirtualMachines"))? {
+        if self.any::<api::VirtualMachine>().await? {
             return Ok(Some("Virtual Machines"));
         }
-        let sets = Api::<api::VirtualMachineInstanceReplicaSet>::all(self.client.clone())
-            .list_metadata(&one)
-            .await
-            .map(|l| l.items.len());
-        if exists(sets).map_err(api_err("listing VirtualMachineInstanceReplicaSets"))? {
+        if self.any::<api::VirtualMachineInstanceReplicaSet>().await? {
             return Ok(Some("Virtual Machine Instance Replica Sets"));
         }
         Ok(None)
     }
 
-    async fn event(&self, kv: &KubeVirt, warning: bool, reason: &str, note: String) {
-        let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.into(),
-            note: Some(note),
-            action: reason.into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, &kv.object_ref(&())).await {
-            tracing::warn!(error = %e, reason, "publishing an event");
+    /// Whether any object of `K` exists in the cluster (none when its CRD is gone).
+    async fn any<K>(&self) -> Result<bool, SyncError>
+    where
+        K: kube::Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+            + Clone
+            + k8s_openapi::serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        match Api::<K>::all(self.client.clone())
+            .list_metadata(&ListParams::default().limit(1))
+            .await
+        {
+            Ok(l) => Ok(!l.items.is_empty()),
+            Err(e) if is_status(&e, 404) => Ok(false),
+            Err(e) => Err(api_err(format!("listing {}", K::kind(&())))(e)),
         }
+    }
+
+    async fn event(&self, kv: &KubeVirt, warning: bool, reason: &str, note: String) {
+        informer::publish_event(&self.recorder, kv, warning, reason, note).await;
     }
 
     /// Applies `actions`, raising each kind's expectations before its writes and lowering
     /// them again for a write that failed (it will never be observed).
     async fn apply(&self, kv: &KubeVirt, actions: &[Action]) -> Result<(), SyncError> {
-        let mut creates: BTreeMap<&str, i64> = BTreeMap::new();
-        let mut deletes: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        let mut creates: BTreeMap<String, i64> = BTreeMap::new();
+        let mut deletes: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for a in actions {
             let r = a.target();
-            let kind = OWNED_KINDS
-                .iter()
-                .find(|k| k.kind == r.kind)
-                .map_or("", |k| k.kind);
             match a {
-                Action::Create(_) => *creates.entry(kind).or_default() += 1,
-                Action::Delete(_) => deletes.entry(kind).or_default().push(informer::key_of(
-                    (!r.namespace.is_empty()).then_some(r.namespace.as_str()),
-                    &r.name,
-                )),
+                Action::Create(_) => *creates.entry(r.kind).or_default() += 1,
+                Action::Delete(_) => deletes.entry(r.kind.clone()).or_default().push(r.key()),
                 Action::Patch(_) => {}
             }
         }
@@ -376,11 +355,7 @@ impl Shared {
                 Action::Delete(_) => match api.delete(&r.name, &DeleteParams::background()).await {
                     Ok(_) => Ok(("SuccessfulDelete", "deleted")),
                     Err(e) => {
-                        let child = informer::key_of(
-                            (!r.namespace.is_empty()).then_some(r.namespace.as_str()),
-                            &r.name,
-                        );
-                        self.expectations.deletion_observed(&r.kind, &child);
+                        self.expectations.deletion_observed(&r.kind, &r.key());
                         if is_status(&e, 404) {
                             continue;
                         }

@@ -122,11 +122,7 @@ impl Strategy {
 
     /// The objects as one multi-document YAML stream.
     pub fn to_yaml(&self) -> String {
-        self.objects
-            .iter()
-            .map(|o| serde_saphyr::to_string(o).unwrap_or_default())
-            .collect::<Vec<_>>()
-            .join("---\n")
+        crate::release::to_yaml(&self.objects)
     }
 }
 

@@ -23,7 +23,7 @@ use api::{
 use informer::{Seen, obj_key, reflect};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt as _};
@@ -384,20 +384,7 @@ async fn event<K: Resource<DynamicType = ()>>(
     reason: &str,
     note: String,
 ) {
-    let ev = Event {
-        type_: if warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
-        reason: reason.into(),
-        note: Some(note),
-        action: reason.into(),
-        secondary: None,
-    };
-    if let Err(e) = s.recorder.publish(&ev, &obj.object_ref(&())).await {
-        tracing::warn!(error = %e, reason, "publishing an event");
-    }
+    informer::publish_event(&s.recorder, obj, warning, reason, note).await;
 }
 
 fn retry_later(q: &Arc<Queue>, key: &str, what: &str, e: &kube::Error) {

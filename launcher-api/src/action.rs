@@ -12,6 +12,7 @@ use crate::domain::{DiskStats, Domain, Info};
 use crate::guest::{
     AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
 };
+use crate::migration::{MigrateRequest, TargetRequest};
 
 pub trait Action {
     const METHOD: Method;
@@ -39,15 +40,24 @@ impl Body for () {
     }
 }
 
-impl Body for VirtualMachineInstance {
-    fn encode(&self) -> serde_json::Result<Option<Vec<u8>>> {
-        serde_json::to_vec(self).map(Some)
-    }
+/// JSON request bodies.
+macro_rules! json_bodies {
+    ($($t:ty),+) => {
+        $(
+            impl Body for $t {
+                fn encode(&self) -> serde_json::Result<Option<Vec<u8>>> {
+                    serde_json::to_vec(self).map(Some)
+                }
 
-    fn decode(body: &[u8]) -> serde_json::Result<Self> {
-        serde_json::from_slice(body)
-    }
+                fn decode(body: &[u8]) -> serde_json::Result<Self> {
+                    serde_json::from_slice(body)
+                }
+            }
+        )+
+    };
 }
+
+json_bodies!(VirtualMachineInstance, TargetRequest, MigrateRequest);
 
 /// [`Ping`]'s answer: `{}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -132,6 +142,17 @@ actions! {
     /// The guest's display as `image/png` bytes, not JSON (QMP `screendump`). The launcher
     /// serves it on `POST` as well, as it has since it came.
     Screendump = GET "/v1/screendump", () => Bytes;
+    /// Starts the VMI as a migration target: QEMU waits for the incoming state, the copied
+    /// disks are served over NBD ([`crate::migration`]'s sockets). The domain is `Paused`,
+    /// reason `Migration`, until [`FinishMigration`].
+    PrepareTarget = PUT "/v1/migration/target", TargetRequest => Domain;
+    /// Source: mirrors the copied disks, then sends the guest's memory; progress and the end
+    /// show in the domain's `migration`. Answers once the migration has started.
+    Migrate = POST "/v1/migration/start", MigrateRequest => Domain;
+    /// Source: cancels a running migration; the guest runs on here.
+    CancelMigration = POST "/v1/migration/cancel", () => Domain;
+    /// Target: the source has completed; stop serving the disks and resume the guest.
+    FinishMigration = POST "/v1/migration/finish", () => Domain;
 }
 
 #[cfg(test)]
@@ -154,7 +175,7 @@ mod tests {
                 "{method} {path}"
             );
         }
-        assert_eq!(ALL.len(), 22);
+        assert_eq!(ALL.len(), 26);
     }
 
     #[test]

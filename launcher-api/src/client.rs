@@ -18,9 +18,10 @@ use tokio_util::codec::{FramedRead, LinesCodec};
 use tokio_util::io::StreamReader;
 
 use crate::action::{
-    Action, Body, Freeze, Frozen, GetBlockStats, GetDomain, GetInfo, GuestFilesystems,
-    GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo, GuestTimezone, GuestUsers, Kill, Pause,
-    Ping, Reset, Screendump, Shutdown, SoftReboot, SyncVmi, Thawed, Unfreeze, Unpause, WatchDomain,
+    Action, Body, CancelMigration, FinishMigration, Freeze, Frozen, GetBlockStats, GetDomain,
+    GetInfo, GuestFilesystems, GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo,
+    GuestTimezone, GuestUsers, Kill, Migrate, Pause, Ping, PrepareTarget, Reset, Screendump,
+    Shutdown, SoftReboot, SyncVmi, Thawed, Unfreeze, Unpause, WatchDomain,
 };
 use crate::domain::{ApiError, DiskStats, Domain, Info};
 use crate::guest::{
@@ -242,6 +243,31 @@ impl LauncherClient {
     /// Starts the VMI if it does not run yet, else applies what may change (hotplug).
     pub async fn sync(&self, vmi: &api::VirtualMachineInstance) -> Result<Domain, ClientError> {
         self.call::<SyncVmi>(vmi).await
+    }
+
+    /// Starts the VMI as a migration target.
+    pub async fn prepare_target(
+        &self,
+        req: &crate::migration::TargetRequest,
+    ) -> Result<Domain, ClientError> {
+        self.call::<PrepareTarget>(req).await
+    }
+
+    /// Starts sending the VMI to a prepared target.
+    pub async fn migrate(
+        &self,
+        req: &crate::migration::MigrateRequest,
+    ) -> Result<Domain, ClientError> {
+        self.call::<Migrate>(req).await
+    }
+
+    pub async fn cancel_migration(&self) -> Result<Domain, ClientError> {
+        self.call::<CancelMigration>(&()).await
+    }
+
+    /// Resumes the guest on the target once the source has completed.
+    pub async fn finish_migration(&self) -> Result<Domain, ClientError> {
+        self.call::<FinishMigration>(&()).await
     }
 
     pub async fn pause(&self) -> Result<Domain, ClientError> {

@@ -86,6 +86,9 @@ pub struct Domain {
     /// keeps running; this says what was not applied and why.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_error: Option<String>,
+    /// The last migration this launcher took part in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<crate::migration::DomainMigration>,
 }
 
 /// One VMI disk's I/O counters since QEMU started, from QMP `query-blockstats` (what libvirt's

@@ -5,6 +5,7 @@
 //!
 //! - [`action`]: one type per endpoint with its method, path, request and answer;
 //! - [`domain`] and [`guest`]: the shapes those answers carry;
+//! - [`migration`]: the requests and sockets of a live migration;
 //! - [`client`]: virt-handler's typed client, over hyper.
 //!
 //! The launcher's axum server lives in the launcher: it routes by [`action::Action::PATH`].
@@ -13,6 +14,7 @@ pub mod action;
 pub mod client;
 pub mod domain;
 pub mod guest;
+pub mod migration;
 
 /// The command socket, relative to the launcher's `--kubevirt-share-dir`. Its first component is
 /// the launcher pod's `sockets` emptyDir volume, through which virt-handler reaches the socket in

@@ -142,6 +142,7 @@ pub fn convert(
             }),
         rng: devices.rng.is_some(),
         balloon: devices.autoattach_mem_balloon.unwrap_or(true),
+        incoming: false,
     };
     Ok(Plan {
         config,

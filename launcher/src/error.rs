@@ -47,6 +47,8 @@ pub enum Error {
     Hotplug { disk: String, message: String },
     #[error("network: {0}")]
     Network(String),
+    #[error("migration: {0}")]
+    Migration(String),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -72,6 +74,7 @@ impl Error {
             Error::Agent(_) | Error::AgentAnswer { .. } => "AgentError",
             Error::Hotplug { .. } => "HotplugFailed",
             Error::Network(_) => "NetworkFailed",
+            Error::Migration(_) => "MigrationFailed",
             Error::Io { .. } => "IOError",
         }
     }
@@ -80,7 +83,7 @@ impl Error {
         match self {
             Error::InvalidVmi(_) | Error::Prepare(_) | Error::Hotplug { .. } => 422,
             Error::BadRequest(_) => 400,
-            Error::UidMismatch { .. } | Error::WrongState { .. } => 409,
+            Error::UidMismatch { .. } | Error::WrongState { .. } | Error::Migration(_) => 409,
             Error::NoDomain => 404,
             Error::AgentNotConnected => 503,
             Error::Qmp(_) | Error::Agent(_) | Error::AgentAnswer { .. } => 502,

@@ -16,9 +16,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{MethodFilter, on};
 use futures::StreamExt as _;
 use launcher_api::action::{
-    self, Action, Empty, Freeze, GetBlockStats, GetDomain, GetInfo, GuestFilesystems,
-    GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo, GuestTimezone, GuestUsers, Kill, Pause,
-    Ping, Reset, Screendump, Shutdown, SoftReboot, SyncVmi, Unfreeze, Unpause, WatchDomain,
+    self, Action, CancelMigration, Empty, FinishMigration, Freeze, GetBlockStats, GetDomain,
+    GetInfo, GuestFilesystems, GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo,
+    GuestTimezone, GuestUsers, Kill, Migrate, Pause, Ping, PrepareTarget, Reset, Screendump,
+    Shutdown, SoftReboot, SyncVmi, Unfreeze, Unpause, WatchDomain,
 };
 use launcher_api::domain::{ApiError, Info};
 use serde::Serialize;
@@ -99,6 +100,16 @@ pub fn router(launcher: Arc<Launcher>) -> Router {
         })
         .serve(GuestInterfaces, |l, ()| async move {
             l.guest_interfaces().await
+        })
+        .serve(PrepareTarget, |l, req| async move {
+            l.prepare_target(&req).await
+        })
+        .serve(Migrate, |l, req| async move { l.migrate(req).await })
+        .serve(CancelMigration, |l, ()| async move {
+            l.cancel_migration().await
+        })
+        .serve(FinishMigration, |l, ()| async move {
+            l.finish_migration().await
         })
         .0
         .route(WatchDomain::PATH, on(method::<WatchDomain>(), watch))

@@ -14,6 +14,11 @@ pub enum Requested {
     Quit,
     /// SIGKILL (API kill, or the last resort on termination).
     Kill,
+    /// A migration target waiting for its state: QEMU exits by itself if the incoming
+    /// migration fails.
+    Incoming,
+    /// `quit` once the guest has migrated away.
+    Migrated,
 }
 
 /// What QEMU told us before it went away.
@@ -70,6 +75,16 @@ pub fn final_state(
             )),
         ),
         (Some(Requested::Kill), _) => (DomainState::Shutoff, "Destroyed".into(), None),
+        (Some(Requested::Migrated), _) => (DomainState::Shutoff, "Migrated".into(), None),
+        (Some(Requested::Incoming), _) => (
+            DomainState::Shutoff,
+            "FailedMigration".into(),
+            Some(format!(
+                "QEMU {} before the incoming migration completed{}",
+                describe(status),
+                tail()
+            )),
+        ),
         (Some(Requested::Quit | Requested::Powerdown), Some("host-qmp-quit")) => {
             (DomainState::Shutoff, "Destroyed".into(), None)
         }
@@ -154,6 +169,20 @@ mod tests {
                 None,
                 DomainState::Crashed,
                 "Crashed",
+            ),
+            (
+                exited(0),
+                words(Some("host-qmp-quit")),
+                Some(Requested::Migrated),
+                DomainState::Shutoff,
+                "Migrated",
+            ),
+            (
+                exited(1),
+                words(None),
+                Some(Requested::Incoming),
+                DomainState::Shutoff,
+                "FailedMigration",
             ),
             (
                 exited(1),

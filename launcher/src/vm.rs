@@ -16,6 +16,7 @@ use launcher_api::domain::{DiskStats, DiskStatus, Domain, DomainState, FsFreeze,
 use launcher_api::guest::{
     AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
 };
+use launcher_api::migration::{DomainMigration, MigrationPhase, Role, TargetRequest};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use serde_json::{Value as Json, json};
@@ -30,6 +31,8 @@ use crate::paths::Dirs;
 use crate::prepare;
 use crate::qemu::{Accel, Disk, Frontend, MachineKind, Monitor, Nic};
 use crate::state::{LastWords, Requested, final_state};
+
+mod migration;
 
 /// Everything the launcher is told on its command line.
 #[derive(Debug, Clone)]
@@ -81,6 +84,10 @@ struct Vm {
     hotplug_ports: Vec<String>,
     requested: Arc<StdMutex<Option<Requested>>>,
     exit: watch::Receiver<Option<ExitStatus>>,
+    /// Source: tells the running migration's task to cancel, with the reason.
+    cancel_migration: Option<watch::Sender<Option<String>>>,
+    /// Target: the copied disks are exported over NBD until the migration finishes.
+    serves_disks: bool,
     _console: Option<Console>,
     _dhcp: crate::net::Dhcp,
 }
@@ -309,7 +316,7 @@ impl Launcher {
             d.name.clone_from(&vmi.metadata.name);
             d.namespace.clone_from(&vmi.metadata.namespace);
         });
-        match self.start(vmi).await {
+        match self.start(vmi, None).await {
             Ok(vm) => {
                 ops.vm = Some(vm);
                 ops.uid = Some(offered);
@@ -328,10 +335,91 @@ impl Launcher {
         }
     }
 
-    async fn start(self: &Arc<Self>, vmi: &VirtualMachineInstance) -> Result<Vm, Error> {
+    /// `PUT /v1/migration/target`: starts the VMI as a migration target. Refused once this
+    /// launcher runs a domain (a launcher is the target of one migration, from its start).
+    pub async fn prepare_target(self: &Arc<Self>, req: &TargetRequest) -> Result<Domain, Error> {
+        let vmi = &req.vmi;
+        let offered = vmi.metadata.uid.clone().unwrap_or_default();
+        let mut ops = self.ops.lock().await;
+        if let Some(running) = ops.uid.clone().or_else(|| self.cfg.uid.clone())
+            && running != offered
+        {
+            return Err(Error::UidMismatch { running, offered });
+        }
+        if ops.vm.is_some() {
+            let d = self.domain();
+            let same = d
+                .migration
+                .as_ref()
+                .is_some_and(|m| m.role == Role::Target && m.uid == req.migration_uid);
+            if same {
+                return Ok(d);
+            }
+            return Err(Error::WrongState {
+                state: format!("{:?}", d.state),
+                action: "prepare a migration target",
+                needs: "not started",
+            });
+        }
+        self.update(|d| {
+            d.state = DomainState::Starting;
+            d.reason = "Starting".into();
+            d.message = None;
+            d.uid = Some(offered.clone());
+            d.name.clone_from(&vmi.metadata.name);
+            d.namespace.clone_from(&vmi.metadata.namespace);
+            d.migration = Some(DomainMigration {
+                uid: req.migration_uid.clone(),
+                role: Role::Target,
+                phase: MigrationPhase::Preparing,
+                mode: "PreCopy".into(),
+                started_ms: migration::now_ms(),
+                ended_ms: None,
+                failure: None,
+                memory_total: 0,
+                memory_transferred: 0,
+                memory_remaining: 0,
+                disks_total: 0,
+                total_time_ms: None,
+                downtime_ms: None,
+            });
+        });
+        match self.start(vmi, Some(req)).await {
+            Ok(vm) => {
+                ops.vm = Some(vm);
+                ops.uid = Some(offered);
+                Ok(self.domain())
+            }
+            Err(e) => {
+                let message = e.to_string();
+                self.update(|d| {
+                    d.state = DomainState::NoState;
+                    d.reason = "FailedSync".into();
+                    d.message = Some(message.clone());
+                    d.qemu_pid = None;
+                    if let Some(m) = d.migration.as_mut() {
+                        m.phase = MigrationPhase::Failed;
+                        m.failure = Some(message);
+                        m.ended_ms = Some(migration::now_ms());
+                    }
+                });
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts QEMU for `vmi`: booting it, or as the target of `incoming`.
+    async fn start(
+        self: &Arc<Self>,
+        vmi: &VirtualMachineInstance,
+        incoming: Option<&TargetRequest>,
+    ) -> Result<Vm, Error> {
         let accel = self.accel().await?;
         let host = self.host(vmi, accel)?;
         let plan = convert::convert(vmi, &self.cfg.dirs, &host)?;
+        if let Some(req) = incoming {
+            migration::copied(&plan.config.disks, &req.copy_disks)?;
+        }
         let uid = vmi.metadata.uid.clone().unwrap_or_default();
         let dirs = &self.cfg.dirs;
         let vm_dir = dirs.vm_dir(&uid);
@@ -357,6 +445,7 @@ impl Launcher {
         ))?;
         let mut config = plan.config;
         config.monitor = Monitor::ListeningFd(monitor.as_raw_fd());
+        config.incoming = incoming.is_some();
         let argv = config.argv();
         tracing::info!(qemu = %self.cfg.qemu_binary.display(), argv = ?argv, "starting QEMU");
 
@@ -401,7 +490,7 @@ impl Launcher {
         };
         *self.qemu_version.lock().expect("poisoned") = Some(qmp.version().to_string());
 
-        let requested = Arc::new(StdMutex::new(None));
+        let requested = Arc::new(StdMutex::new(incoming.map(|_| Requested::Incoming)));
         let words = Arc::new(StdMutex::new(LastWords::default()));
         let events_task = self.follow_events(qmp.events(), words.clone());
         let console = match &config.serial {
@@ -421,9 +510,21 @@ impl Launcher {
             }
         };
 
-        if let Err(e) = qmp.execute(qmp::qapi::qmp::cont {}).await {
+        let began = match incoming {
+            None => qmp
+                .execute(qmp::qapi::qmp::cont {})
+                .await
+                .map(drop)
+                .map_err(Error::from),
+            Some(req) => {
+                let copied = migration::copied(&config.disks, &req.copy_disks)?;
+                self.listen_incoming(&qmp, &copied, req.allow_post_copy)
+                    .await
+            }
+        };
+        if let Err(e) = began {
             let _ = kill(pid, Signal::SIGKILL);
-            return Err(e.into());
+            return Err(e);
         }
         let disks: Vec<_> = config
             .disks
@@ -433,8 +534,12 @@ impl Launcher {
         let interfaces = config.nics.iter().map(interface_status).collect();
         let pid_u32 = u32::try_from(pid.as_raw()).unwrap_or_default();
         self.update(|d| {
-            d.state = DomainState::Running;
-            d.reason = "Booted".into();
+            // A target stays paused until its migration finishes, as libvirt's does.
+            (d.state, d.reason) = if incoming.is_some() {
+                (DomainState::Paused, "Migration".into())
+            } else {
+                (DomainState::Running, "Booted".into())
+            };
             d.message = None;
             d.qemu_pid = Some(pid_u32);
             d.accelerator = Some(accel.to_string());
@@ -458,6 +563,8 @@ impl Launcher {
             hotplug_ports: config.controllers.hotplug_ports,
             requested,
             exit: exit_rx,
+            cancel_migration: None,
+            serves_disks: incoming.is_some_and(|r| !r.copy_disks.is_empty()),
             _console: console,
             _dhcp: dhcp,
         })
@@ -612,9 +719,25 @@ impl Launcher {
                     "STOP" => me.update(|d| {
                         if d.state == DomainState::Running {
                             d.state = DomainState::Paused;
-                            d.reason = "Unknown".into();
+                            // The source stops the guest for the migration's last step.
+                            let migrating = d
+                                .migration
+                                .as_ref()
+                                .is_some_and(|m| m.role == Role::Source && !m.phase.is_final());
+                            d.reason = if migrating { "Migration" } else { "Unknown" }.into();
                         }
                     }),
+                    "MIGRATION" => {
+                        let target = me
+                            .state
+                            .borrow()
+                            .migration
+                            .as_ref()
+                            .is_some_and(|m| m.role == Role::Target);
+                        if target && let Some(status) = ev.data_str("status") {
+                            me.incoming_event(status);
+                        }
+                    }
                     "RESUME" => me.update(|d| {
                         if d.state == DomainState::Paused {
                             d.state = DomainState::Running;

@@ -650,6 +650,9 @@ pub struct QemuConfig {
     pub vnc: Option<Vnc>,
     pub rng: bool,
     pub balloon: bool,
+    /// A migration target: QEMU waits for the guest's state (`-incoming defer`, then
+    /// `migrate-incoming` over QMP) instead of booting it.
+    pub incoming: bool,
 }
 
 impl QemuConfig {
@@ -725,6 +728,9 @@ impl QemuConfig {
         }
         // A panicking guest kernel reports it (GUEST_PANICKED) instead of hanging silently.
         push(&mut a, "-device", "pvpanic".to_owned());
+        if self.incoming {
+            push(&mut a, "-incoming", "defer".to_owned());
+        }
         a
     }
 }

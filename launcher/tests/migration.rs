@@ -1,0 +1,197 @@
+//! Live migration between two launchers on this machine, a real guest under TCG. The test joins
+//! the two launchers' migration sockets with symlinks where virt-handler's proxy would carry
+//! them across nodes (the handler's tests cover the proxy).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{BOOT, Console, Launcher, uid, vmi, wait_until};
+use serde_json::{Value, json};
+
+const STREAMS: [&str; 2] = ["share/sockets/mig-mem", "share/sockets/mig-nbd"];
+
+fn start_launcher() -> Launcher {
+    Launcher::start_with(&[], |root| {
+        common::place_kernel(root);
+        common::place_container_disk(root, 0);
+    })
+}
+
+fn spec() -> Value {
+    json!({
+        "domain": {
+            "machine": {"type": "q35"},
+            "resources": {"requests": {"memory": "256Mi"}},
+            "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
+                "image": "guest", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}},
+            "devices": {"disks": [
+                {"name": "cdisk", "disk": {"bus": "virtio"}, "serial": "CDISK1"},
+                {"name": "scratch", "disk": {"bus": "virtio"}, "serial": "EMPTY1"},
+                {"name": "ci", "disk": {"bus": "virtio"}},
+            ]},
+        },
+        "volumes": [
+            {"name": "cdisk", "containerDisk": {"image": "guest"}},
+            {"name": "scratch", "emptyDisk": {"capacity": "64Mi"}},
+            {"name": "ci", "cloudInitNoCloud": {"userData": "#!/bin/sh\ntrue\n"}},
+        ],
+    })
+}
+
+/// The target's sockets, reached from the source's share dir where QEMU looks for them.
+fn join_streams(source: &Launcher, target: &Launcher) {
+    for s in STREAMS {
+        let at = source.dir(s);
+        let _ = std::fs::remove_file(&at);
+        std::os::unix::fs::symlink(target.dir(s), &at).unwrap();
+    }
+}
+
+fn prepare_target(target: &Launcher, migration: &str, v: &Value) -> Value {
+    let body = json!({"migrationUid": migration, "vmi": v, "copyDisks": ["cdisk", "scratch"],
+                      "allowPostCopy": false});
+    let (status, d) = target.request("PUT", "/v1/migration/target", Some(&body));
+    assert_eq!(status, 200, "{d}\n{}", target.log());
+    d
+}
+
+fn migrate(source: &Launcher, migration: &str, bandwidth: u64) -> Value {
+    let body = json!({"migrationUid": migration, "copyDisks": ["cdisk", "scratch"],
+                      "bandwidth": bandwidth, "completionTimeoutPerGib": 150,
+                      "progressTimeout": 150, "allowAutoConverge": false, "allowPostCopy": false});
+    let (status, d) = source.request("POST", "/v1/migration/start", Some(&body));
+    assert_eq!(status, 200, "{d}\n{}", source.log());
+    d
+}
+
+fn scratch_device(console: &mut Console) -> String {
+    console.run(
+        "for b in /sys/block/vd*; do [ \"$(cat $b/serial)\" = EMPTY1 ] && echo /dev/${b##*/}; done",
+        BOOT,
+    )
+}
+
+fn uptime(console: &mut Console) -> f64 {
+    console
+        .run("cut -d' ' -f1 /proc/uptime", BOOT)
+        .parse()
+        .unwrap()
+}
+
+fn migration_of(d: &Value) -> &Value {
+    &d["migration"]
+}
+
+/// A running guest moves with its disks' writes and its memory: the uptime goes on, a block
+/// written to the emptyDisk before is read back from the target's disk after (page cache
+/// dropped), the source's domain ends `Shutoff`/`Migrated` and its launcher exits. Then a
+/// migration from the new home, throttled so it cannot finish, is cancelled: the guest runs on
+/// where it was and the would-be target's QEMU gives up.
+#[test]
+fn guest_live_migration_completes_and_a_cancelled_one_leaves_the_guest_running() {
+    let mut source = start_launcher();
+    let id = uid();
+    let v = vmi("mig", &id, spec());
+    let (status, d) = source.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", source.log());
+    source.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
+    let mut console = Console::connect(&source.vm_dir(&id).join("virt-serial0"));
+    let dev = scratch_device(&mut console);
+    assert!(dev.starts_with("/dev/vd"), "{dev:?}");
+    console.run(
+        &format!("echo MIGRATION-PAYLOAD | dd of={dev} bs=512 count=1 conv=fsync 2>/dev/null"),
+        BOOT,
+    );
+    let before = uptime(&mut console);
+
+    let target = start_launcher();
+    let d = prepare_target(&target, "m-1", &v);
+    assert_eq!(d["state"], "Paused", "{d}");
+    assert_eq!(d["reason"], "Migration");
+    assert_eq!(migration_of(&d)["role"], "Target");
+    assert_eq!(migration_of(&d)["phase"], "Preparing");
+    join_streams(&source, &target);
+
+    let source_qemu = source.domain()["qemuPid"].as_i64().unwrap();
+    let d = migrate(&source, "m-1", 0);
+    assert_eq!(migration_of(&d)["role"], "Source", "{d}");
+    let socket = source.socket.clone();
+    let lines = common::watch_until(&socket, BOOT, |d: &Value| d["state"] == "Shutoff");
+    let last = lines.last().unwrap();
+    assert_eq!(last["reason"], "Migrated", "{last}\n{}", source.log());
+    let m = migration_of(last);
+    assert_eq!(m["phase"], "Completed", "{m}");
+    assert!(m["totalTimeMs"].as_u64().unwrap() > 0, "{m}");
+    assert!(m["downtimeMs"].is_u64(), "{m}");
+    assert!(m["memoryTotal"].as_u64().unwrap() >= 256 << 20, "{m}");
+    assert!(m["disksTotal"].as_u64().unwrap() > 0, "{m}");
+    assert!(source.wait_exit(Duration::from_secs(30)).success());
+    assert!(!common::process_alive(source_qemu));
+
+    let d = wait_until(BOOT, "the target's state is in", || {
+        let d = target.domain();
+        (migration_of(&d)["phase"] == "Completed").then_some(d)
+    });
+    assert_eq!(d["state"], "Paused", "resumes only when told: {d}");
+    let d = target.post("/v1/migration/finish");
+    assert_eq!(d["state"], "Running", "{d}");
+    assert_eq!(d["reason"], "Migrated");
+    let (status, e) = target.request("POST", "/v1/migration/finish", None);
+    assert_eq!((status, e["code"].as_str()), (409, Some("MigrationFailed")));
+
+    let mut console = Console::connect(&target.vm_dir(&id).join("virt-serial0"));
+    let after = uptime(&mut console);
+    assert!(after > before, "uptime went from {before} to {after}");
+    let read = console.run(
+        &format!(
+            "echo 3 > /proc/sys/vm/drop_caches; dd if={dev} bs=512 count=1 2>/dev/null | head -c 17"
+        ),
+        BOOT,
+    );
+    // The kernel logs the cache drop on the console too.
+    assert_eq!(read.lines().last(), Some("MIGRATION-PAYLOAD"), "{read}");
+
+    // Throttled to 1 MiB/s, 256 MiB would take minutes: cancelled while it runs.
+    let third = start_launcher();
+    prepare_target(&third, "m-2", &v);
+    join_streams(&target, &third);
+    migrate(&target, "m-2", 1 << 20);
+    wait_until(BOOT, "the memory on its way", || {
+        let d = target.domain();
+        (migration_of(&d)["phase"] == "Running"
+            && migration_of(&d)["memoryTransferred"].as_u64() > Some(0))
+        .then_some(())
+    });
+    let (status, e) = target.request(
+        "POST",
+        "/v1/migration/start",
+        Some(&json!({
+        "migrationUid": "m-3", "copyDisks": [], "completionTimeoutPerGib": 150,
+        "progressTimeout": 150, "allowAutoConverge": false, "allowPostCopy": false})),
+    );
+    assert_eq!(
+        (status, e["code"].as_str()),
+        (409, Some("MigrationFailed")),
+        "{e}"
+    );
+    let third_socket = third.socket.clone();
+    let third_end = std::thread::spawn(move || {
+        common::watch_until(&third_socket, BOOT, |d: &Value| d["state"] == "Shutoff")
+    });
+    target.post("/v1/migration/cancel");
+    let d = wait_until(BOOT, "the migration aborted", || {
+        let d = target.domain();
+        migration_of(&d)["phase"]
+            .as_str()
+            .is_some_and(|p| p != "Running" && p != "Preparing")
+            .then_some(d)
+    });
+    assert_eq!(migration_of(&d)["phase"], "Aborted", "{d}");
+    assert_eq!(migration_of(&d)["failure"], "canceled on request");
+    assert_eq!(d["state"], "Running", "{d}");
+    assert_eq!(console.run("echo still-here", BOOT), "still-here");
+    let lines = third_end.join().unwrap();
+    let d = lines.last().unwrap();
+    assert_eq!(d["reason"], "FailedMigration", "{d}");
+}

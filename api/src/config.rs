@@ -48,6 +48,8 @@ pub struct ClusterConfig {
     pub max_guest: Option<Quantity>,
     /// `liveUpdateConfiguration.maxHotplugRatio` (KubeVirt: 4).
     pub max_hotplug_ratio: u32,
+    /// `migrations`, KubeVirt's defaults filled in.
+    pub migrations: crate::migration::MigrationConfiguration,
 }
 
 /// KubeVirt's default CPU request, which `defaults` never writes into a spec.
@@ -69,6 +71,7 @@ impl Default for ClusterConfig {
             max_cpu_sockets: None,
             max_guest: None,
             max_hotplug_ratio: 4,
+            migrations: crate::migration::MigrationConfiguration::default().effective(),
         }
     }
 }
@@ -131,6 +134,11 @@ impl ClusterConfig {
             if let Some(r) = lu.max_hotplug_ratio {
                 out.max_hotplug_ratio = r;
             }
+        }
+        if let Some(m) = c.migrations.as_ref().and_then(|m| {
+            serde_json::from_value::<crate::migration::MigrationConfiguration>(m.0.clone()).ok()
+        }) {
+            out.migrations = m.effective();
         }
         out
     }

@@ -25,6 +25,12 @@ pub const MIGRATION_JOB_UID: &str = "kubevirt.io/migrationJobUID";
 pub const MIGRATION_NAME: &str = "kubevirt.io/migrationName";
 /// `MigrationTargetNodeNameLabel`: VMI label, the node a migration goes to.
 pub const MIGRATION_TARGET_NODE_NAME: &str = "kubevirt.io/migrationTargetNodeName";
+/// `MigrationJobNameAnnotation`: target pod annotation, the migration's name.
+pub const MIGRATION_JOB_NAME: &str = "kubevirt.io/migrationJobName";
+/// `AllowPodBridgeNetworkLiveMigrationAnnotation`: VMI annotation, a bridge binding on the pod
+/// network does not block live migration.
+pub const ALLOW_POD_BRIDGE_NETWORK_LIVE_MIGRATION: &str =
+    "kubevirt.io/allow-pod-bridge-network-live-migration";
 /// `MigrationTransportUnixAnnotation`: launcher pod annotation, migrations go over unix
 /// sockets proxied by virt-handler.
 pub const MIGRATION_TRANSPORT_UNIX: &str = "kubevirt.io/migrationTransportUnix";

@@ -160,6 +160,7 @@ pub struct MigrationConfiguration {
 impl MigrationConfiguration {
     /// Every field set: this configuration's, else KubeVirt's default
     /// (`pkg/virt-config/virt-config.go`).
+    #[must_use]
     pub fn effective(&self) -> Self {
         Self {
             parallel_migrations_per_cluster: Some(
@@ -345,6 +346,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    #[allow(clippy::needless_pass_by_value)] // json! temporaries read best passed in
     fn vmi(spec: serde_json::Value, annotations: serde_json::Value) -> VirtualMachineInstance {
         serde_json::from_value(json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",

@@ -342,11 +342,11 @@ pub fn migration_method(vmi: &VirtualMachineInstance) -> &'static str {
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_pass_by_value)] // json! temporaries read best passed in
 mod tests {
     use super::*;
     use serde_json::json;
 
-    #[allow(clippy::needless_pass_by_value)] // json! temporaries read best passed in
     fn vmi(spec: serde_json::Value, annotations: serde_json::Value) -> VirtualMachineInstance {
         serde_json::from_value(json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",

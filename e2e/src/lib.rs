@@ -41,9 +41,6 @@ const POLL: Duration = Duration::from_millis(500);
 /// The `kubernetes` Service, which pods reach kube-apiserver through (kube-proxy's DNAT).
 const KUBERNETES_SERVICE: (Ipv4Addr, u16) = (Ipv4Addr::new(10, 96, 0, 1), 443);
 
-/// The node `localcluster up --nodes 1` runs.
-const NODE: &str = "node-1";
-
 /// Why the stack could not be brought up or queried.
 #[derive(Debug, thiserror::Error)]
 pub enum StackError {
@@ -95,6 +92,7 @@ pub struct HandlerPod {
 pub struct Stack {
     dir: tempfile::TempDir,
     cluster: Child,
+    nodes: usize,
     bins: PathBuf,
     repo: PathBuf,
 }
@@ -217,6 +215,11 @@ impl Stack {
     /// Starts localcluster with one node and deploys the control plane on it; returns once
     /// virt-controller is available and virt-handler has made the node schedulable.
     pub fn up() -> Result<Self, StackError> {
+        Self::up_nodes(1)
+    }
+
+    /// [`Stack::up`] with `nodes` nodes (`node-1`, ...), each schedulable before it returns.
+    pub fn up_nodes(nodes: usize) -> Result<Self, StackError> {
         let bins = bin_dir();
         for binary in BINARIES {
             if !bins.join(binary).is_file() {
@@ -247,7 +250,7 @@ impl Stack {
             .arg("up")
             .arg("--dir")
             .arg(dir.path())
-            .args(["--port", "0", "--nodes", "1"])
+            .args(["--port", "0", "--nodes", &nodes.to_string()])
             .arg("--kube")
             .arg(&kube)
             .arg("--image")
@@ -264,6 +267,7 @@ impl Stack {
         let mut stack = Self {
             dir,
             cluster,
+            nodes,
             bins,
             repo: repo_root(),
         };
@@ -285,26 +289,28 @@ impl Stack {
                 .map_err(|e| e.to_string())
         })
         .map_err(|e| self.exited_or(e))?;
-        wait_for(
-            &format!("{NODE} to be Ready"),
-            Duration::from_mins(2),
-            || {
-                self.check_cluster()?;
-                let ready = self
-                    .kubectl(&[
-                        "get",
-                        "node",
-                        NODE,
-                        "-o",
-                        "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
-                    ])
-                    .map_err(|e| e.to_string())?;
-                (ready == "True")
-                    .then_some(Some(()))
-                    .ok_or_else(|| format!("Ready={ready:?}"))
-            },
-        )
-        .map_err(|e| self.exited_or(e))?;
+        for node in self.node_names() {
+            wait_for(
+                &format!("{node} to be Ready"),
+                Duration::from_mins(2),
+                || {
+                    self.check_cluster()?;
+                    let ready = self
+                        .kubectl(&[
+                            "get",
+                            "node",
+                            &node,
+                            "-o",
+                            "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
+                        ])
+                        .map_err(|e| e.to_string())?;
+                    (ready == "True")
+                        .then_some(Some(()))
+                        .ok_or_else(|| format!("Ready={ready:?}"))
+                },
+            )
+            .map_err(|e| self.exited_or(e))?;
+        }
         // Pods reach the API only once kube-proxy has programmed the `kubernetes` Service; its
         // rules cover the host's own connections too.
         let service = SocketAddr::from(KUBERNETES_SERVICE);
@@ -322,7 +328,34 @@ impl Stack {
         let mut install = Command::new(self.repo.join("hack/install.sh"));
         install.env("KUBECONFIG", &kubeconfig);
         run(&mut install, None).map_err(|e| self.with_component_logs(e))?;
+        for node in self.node_names() {
+            wait_for(
+                &format!("virt-handler to make {node} schedulable"),
+                Duration::from_mins(3),
+                || {
+                    self.check_cluster()?;
+                    let label = self
+                        .kubectl(&[
+                            "get",
+                            "node",
+                            &node,
+                            "-o",
+                            "jsonpath={.metadata.labels.kubevirt\\.io/schedulable}",
+                        ])
+                        .map_err(|e| e.to_string())?;
+                    (label == "true")
+                        .then_some(Some(()))
+                        .ok_or_else(|| format!("kubevirt.io/schedulable={label:?}"))
+                },
+            )
+            .map_err(|e| self.with_component_logs(e))?;
+        }
         Ok(())
+    }
+
+    /// The nodes' names: `node-1`, `node-2`, ...
+    pub fn node_names(&self) -> Vec<String> {
+        (1..=self.nodes).map(|i| format!("node-{i}")).collect()
     }
 
     /// An error if `localcluster up` has exited.
@@ -370,15 +403,15 @@ impl Stack {
     /// Every container log of the pods in `namespace` on the node:
     /// `(pod, container, text)`, all restarts concatenated in order.
     pub fn pod_logs(&self, namespace: &str) -> Vec<(String, String, String)> {
-        let root = self
-            .dir
-            .path()
-            .join("nodes")
-            .join(NODE)
-            .join("var/log/pods");
+        let roots: Vec<PathBuf> = self
+            .node_names()
+            .iter()
+            .map(|n| self.dir.path().join("nodes").join(n).join("var/log/pods"))
+            .collect();
         let mut out = Vec::new();
-        let mut pods: Vec<PathBuf> = std::fs::read_dir(&root)
-            .into_iter()
+        let mut pods: Vec<PathBuf> = roots
+            .iter()
+            .flat_map(std::fs::read_dir)
             .flatten()
             .flatten()
             .map(|e| e.path())

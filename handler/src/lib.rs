@@ -8,6 +8,7 @@ pub mod events;
 pub mod guestinfo;
 pub mod heartbeat;
 pub mod metrics;
+pub mod migration;
 pub mod mounts;
 pub mod node;
 pub mod rest;

@@ -136,6 +136,34 @@ async fn console_server(
     ))))
 }
 
+/// The handlers' certificate both ways (KubeVirt's migration TLS configs): migration listeners
+/// require it of the peer, and dial other handlers with it. `None` without the files.
+fn migration_transport(flags: &Flags) -> Option<handler::migration::Transport> {
+    let (Some(cert), Some(key), Some(ca)) = (
+        flags.tls_cert_file.clone().filter(|p| p.exists()),
+        flags.tls_key_file.clone().filter(|p| p.exists()),
+        flags.client_ca_file.clone().filter(|p| p.exists()),
+    ) else {
+        tracing::warn!("no certificates: migrations need migrations.disableTLS");
+        return None;
+    };
+    let client = tlsconfig::client_config(&cert, &key, &ca)
+        .inspect_err(|e| tracing::warn!(error = %e, "migration client TLS"))
+        .ok()?;
+    let server = tlsconfig::ReloadingConfig::new(tlsconfig::TlsFiles {
+        cert,
+        key,
+        client_ca: ca,
+        client_auth: tlsconfig::ClientAuth::Required,
+    })
+    .inspect_err(|e| tracing::warn!(error = %e, "migration server TLS"))
+    .ok()?;
+    Some(handler::migration::Transport::Tls {
+        server: Arc::new(server),
+        client: Arc::new(client),
+    })
+}
+
 const REGISTER_RETRY: Duration = Duration::from_secs(5);
 
 #[tokio::main]
@@ -184,6 +212,12 @@ async fn main() -> anyhow::Result<()> {
         .clone_from(&flags.kubevirt_private_dir);
     cfg.watchdog_timeout = flags.watchdog_timeout;
     cfg.resync_period = Duration::from_secs(flags.domain_resync_period_seconds.max(1));
+    cfg.migration_transport = migration_transport(&flags);
+    cfg.pod_ip = flags.pod_ip_address.as_deref().and_then(|ip| {
+        ip.parse()
+            .inspect_err(|e| tracing::warn!(%ip, error = %e, "MY_POD_IP is not an IP address"))
+            .ok()
+    });
     // The loop waits for its caches (the VMI CRD may not be installed yet) in the background,
     // so signals are handled meanwhile.
     let mut loop_task = {

@@ -40,6 +40,8 @@ use crate::mounts::{self, MountConfig, MountError, Prepared};
 use crate::shutdown::{self, Action, DomainPresence};
 use crate::status::{self, LauncherView, Observed, PodReady, PodView};
 
+mod migrate;
+
 /// Status writes that lost a race with another writer are recomputed this often at most.
 const MAX_CONFLICTS: usize = 5;
 /// How often a launcher whose socket has not appeared yet is looked for.
@@ -75,6 +77,10 @@ pub struct Config {
     /// changed (KubeVirt's `--domain-resync-period-seconds`, 300), so state no event announced
     /// (a launcher that went quiet, a write lost to an API server hiccup) is caught up with.
     pub resync_period: Duration,
+    /// How this handler talks to other handlers for migrations; `None` without certificates.
+    pub migration_transport: Option<crate::migration::Transport>,
+    /// This handler's pod address, where a migration target listens (`MY_POD_IP`).
+    pub pod_ip: Option<std::net::IpAddr>,
 }
 
 impl Config {
@@ -89,6 +95,8 @@ impl Config {
             watchdog_timeout: Duration::from_secs(30),
             mounts: MountConfig::default(),
             resync_period: DEFAULT_RESYNC,
+            migration_transport: None,
+            pod_ip: None,
         }
     }
 }
@@ -174,8 +182,12 @@ pub struct Node {
     cfg: Config,
     client: kube::Client,
     vmis: Store<VirtualMachineInstance>,
+    /// VMIs migrating to this node (`kubevirt.io/migrationTargetNodeName`).
+    targets: Store<VirtualMachineInstance>,
     pods: Store<Pod>,
     queue: Arc<Queue>,
+    /// The running migration proxies, by VMI key.
+    proxies: Mutex<HashMap<String, crate::migration::Proxy>>,
     recorder: Recorder,
     cgroups: cgroups::CgroupSetup,
     entries: Mutex<HashMap<String, Entry>>,
@@ -261,8 +273,10 @@ impl Node {
         self.vmis.state()
     }
 
+    /// A VMI of this node, or one migrating to it.
     pub fn vmi(&self, namespace: &str, name: &str) -> Option<Arc<VirtualMachineInstance>> {
-        self.vmis.get(&ObjectRef::new(name).within(namespace))
+        let r = ObjectRef::new(name).within(namespace);
+        self.vmis.get(&r).or_else(|| self.targets.get(&r))
     }
 
     /// What the loop knows of each launcher.
@@ -689,6 +703,9 @@ impl Node {
         {
             return self.finished(key, &vmi).await;
         }
+        if migrate::is_target(&vmi, &self.cfg.node) {
+            return self.reconcile_target(key, &vmi).await;
+        }
         // Scheduled elsewhere (or not yet): nothing of ours runs it.
         let Some(pod_uid) = active_pod_on(&vmi, &self.cfg.node).map(str::to_owned) else {
             return Ok(Next::Done);
@@ -696,6 +713,13 @@ impl Node {
         let pod = self.pod(&vmi, &pod_uid).await?;
         let socket = pod_socket(&self.cfg.pods_dir, &pod_uid);
         let (mut launcher, mut recheck) = self.observe(key, &vmi, &socket).await?;
+        if let LauncherView::Answering(d) = &launcher
+            && migrate::migrated_away(d)
+        {
+            // The guest runs on the target, which writes the status from now on.
+            self.source_step(key, &vmi, &socket, d).await?;
+            return Ok(Next::Done);
+        }
         let mut sync_error = None;
         let mut guest_os = None;
         let mut guest_interfaces = None;
@@ -720,6 +744,9 @@ impl Node {
                             // a domain event: poll them, as KubeVirt's agent poller does.
                             agent_poll = Some(GUEST_AGENT_POLL);
                         }
+                    }
+                    if let LauncherView::Answering(d) = &view {
+                        self.source_step(key, &vmi, &socket, d).await?;
                     }
                     launcher = view;
                     recheck = again.or(agent_poll);
@@ -901,6 +928,18 @@ impl Node {
         let Some((uid, socket, last, elapsed)) = state else {
             return Ok(Next::Done);
         };
+        // A VMI handed from the target informer to the node's (a migration just ended here)
+        // is briefly in neither cache: ask the API before powering anything down.
+        let (ns, name) = split_key(key);
+        let api: Api<VirtualMachineInstance> = Api::namespaced(self.client.clone(), ns);
+        if let Some(v) = api.get_opt(name).await?
+            && v.metadata.uid.as_deref() == Some(uid.as_str())
+            && [labels::NODE_NAME, labels::MIGRATION_TARGET_NODE_NAME]
+                .iter()
+                .any(|l| v.labels().get(*l) == Some(&self.cfg.node))
+        {
+            return Ok(Next::After(NOT_READY_RECHECK));
+        }
         let presence = match self.launcher(&socket).domain().await {
             Ok(d) => DomainPresence::Alive(d.state),
             Err(_) => DomainPresence::Gone,
@@ -994,6 +1033,17 @@ pub async fn start(
         keep_all,
         queue_key(Arc::clone(&queue), vmi_key),
     );
+    let targets = reflect(
+        &mut tasks,
+        Api::<VirtualMachineInstance>::all(client.clone()),
+        watcher::Config::default().labels(&format!(
+            "{}={}",
+            labels::MIGRATION_TARGET_NODE_NAME,
+            cfg.node
+        )),
+        keep_all,
+        queue_key(Arc::clone(&queue), vmi_key),
+    );
     let pods = reflect(
         &mut tasks,
         Api::<Pod>::all(client.clone()),
@@ -1005,7 +1055,10 @@ pub async fn start(
     );
     let ready = tokio::select! {
         () = stop.cancelled() => None,
-        r = async { (vmis.wait_until_ready().await, pods.wait_until_ready().await) } => Some(r),
+        r = async {
+            let _ = targets.wait_until_ready().await;
+            (vmis.wait_until_ready().await, pods.wait_until_ready().await)
+        } => Some(r),
     };
     match ready {
         Some((Ok(()), Ok(()))) => {}
@@ -1027,8 +1080,10 @@ pub async fn start(
         cfg,
         client,
         vmis,
+        targets,
         pods,
         queue,
+        proxies: Mutex::default(),
         recorder,
         cgroups,
         entries: Mutex::default(),

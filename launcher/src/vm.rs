@@ -719,12 +719,14 @@ impl Launcher {
                     "STOP" => me.update(|d| {
                         if d.state == DomainState::Running {
                             d.state = DomainState::Paused;
-                            // The source stops the guest for the migration's last step.
+                            // The source stops the guest for the migration's last step
+                            // (`Migrating`, not libvirt's `Migration`: that is the reason of a
+                            // pause the VMI shows as `PausedByMigrationMonitor`).
                             let migrating = d
                                 .migration
                                 .as_ref()
                                 .is_some_and(|m| m.role == Role::Source && !m.phase.is_final());
-                            d.reason = if migrating { "Migration" } else { "Unknown" }.into();
+                            d.reason = if migrating { "Migrating" } else { "Unknown" }.into();
                         }
                     }),
                     "MIGRATION" => {

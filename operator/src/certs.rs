@@ -109,6 +109,9 @@ pub fn rotation(strategy: Option<&Value>) -> Result<Rotation, FieldError> {
 pub enum Usage {
     Server,
     Client,
+    /// Both: virt-handler's server certificate also dials the other handlers' migration
+    /// listeners, as KubeVirt's does.
+    ServerAndClient,
 }
 
 /// One component certificate, as KubeVirt names it.
@@ -141,7 +144,7 @@ pub const LEAVES: [Leaf; 4] = [
         secret: "kubevirt-virt-handler-server-certs",
         common_name: "kubevirt.io:system:node:virt-handler",
         service: Some("virt-handler"),
-        usage: Usage::Server,
+        usage: Usage::ServerAndClient,
     },
     Leaf {
         secret: "kubevirt-virt-handler-certs",
@@ -233,10 +236,14 @@ pub fn issue(
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,
     ];
-    params.extended_key_usages = vec![match leaf.usage {
-        Usage::Server => ExtendedKeyUsagePurpose::ServerAuth,
-        Usage::Client => ExtendedKeyUsagePurpose::ClientAuth,
-    }];
+    params.extended_key_usages = match leaf.usage {
+        Usage::Server => vec![ExtendedKeyUsagePurpose::ServerAuth],
+        Usage::Client => vec![ExtendedKeyUsagePurpose::ClientAuth],
+        Usage::ServerAndClient => vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ],
+    };
     validity(&mut params, now, lifetime.duration);
     let ca_key = KeyPair::from_pem(&ca.key_pem).map_err(issue_error("the CA's key"))?;
     let issuer = Issuer::from_ca_cert_pem(&ca.cert_pem, ca_key).map_err(issue_error("the CA"))?;

@@ -360,7 +360,7 @@ impl Launcher {
                 // step may leave it stopped.
                 if let Ok(st) = out.qmp.execute(qmp::qapi::qmp::query_status {}).await
                     && !st.running
-                    && self.domain().reason == "Migration"
+                    && self.domain().reason == "Migrating"
                 {
                     let _ = out.qmp.execute(qmp::qapi::qmp::cont {}).await;
                 }

@@ -96,6 +96,26 @@ pub fn preflight(args: &NodeArgs) -> Result<(), NodesError> {
     Ok(())
 }
 
+/// Pods of different nodes reach each other through the host's routes to each node bridge,
+/// which takes IPv4 forwarding, as every real cluster's CNI (and kubeadm's preflight) requires.
+/// Turned on, never off: other users of the host may rely on it as well.
+fn enable_forwarding() {
+    const KNOB: &str = "/proc/sys/net/ipv4/ip_forward";
+    if std::fs::read_to_string(KNOB).is_ok_and(|v| v.trim() == "1") {
+        return;
+    }
+    match std::fs::write(KNOB, "1") {
+        Ok(()) => {
+            tracing::info!(
+                "net.ipv4.ip_forward set to 1: pods of different nodes reach each other"
+            );
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot enable IPv4 forwarding: pods of different nodes will not reach each other");
+        }
+    }
+}
+
 impl LocalNodes {
     /// Starts `args.nodes` kubelets named `node-1`, `node-2`, ... with pod CIDRs
     /// `10.244.<i>.0/24`, joined to `plane`; `state_dir` holds their roots unless `--root`
@@ -112,6 +132,9 @@ impl LocalNodes {
             return Ok(nodes);
         }
         preflight(args)?;
+        if args.nodes > 1 {
+            enable_forwarding();
+        }
         let store = image_store(state_dir)?;
         for image in &args.images {
             for name in store.import(image)? {

@@ -55,6 +55,18 @@ pub struct VmiSample {
     pub interfaces: Vec<(String, NetCounters)>,
     /// Each disk's counters; empty when the launcher did not answer.
     pub disks: Vec<DiskStats>,
+    /// The outgoing migration's figures while one runs here.
+    pub migration: Option<MigrationSample>,
+}
+
+/// An outgoing migration's figures, from the launcher's domain (QMP `query-migrate` and the
+/// disks' mirror jobs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MigrationSample {
+    /// Guest memory plus the copied disks.
+    pub total_bytes: u64,
+    pub processed_bytes: u64,
+    pub remaining_bytes: u64,
 }
 
 /// A counter's name, help text and value.
@@ -239,6 +251,41 @@ pub fn render(node: &str, phases: &BTreeMap<String, usize>, vmis: &[VmiSample]) 
     counters(&mut text, node, vmis, &DISK_METRICS, "drive", |v| {
         v.disks.iter().map(|d| (d.name.as_str(), d)).collect()
     });
+    let migration_metrics: [(&str, Kind, &str, fn(&MigrationSample) -> u64); 3] = [
+        (
+            "kubevirt_vmi_migration_data_bytes_total",
+            Kind::Counter,
+            "The total Guest OS data to be migrated to the new VM.",
+            |m| m.total_bytes,
+        ),
+        (
+            "kubevirt_vmi_migration_data_processed_bytes",
+            Kind::Gauge,
+            "The total Guest OS data processed and migrated to the new VM.",
+            |m| m.processed_bytes,
+        ),
+        (
+            "kubevirt_vmi_migration_data_remaining_bytes",
+            Kind::Gauge,
+            "The remaining guest OS data to be migrated to the new VM.",
+            |m| m.remaining_bytes,
+        ),
+    ];
+    for (metric, kind, help, value) in migration_metrics {
+        let mut family = text.family(metric, kind, help);
+        for v in vmis {
+            if let Some(m) = &v.migration {
+                family.sample(
+                    &[
+                        ("namespace", &v.namespace),
+                        ("name", &v.name),
+                        ("node", node),
+                    ],
+                    value(m),
+                );
+            }
+        }
+    }
     text.finish()
 }
 
@@ -371,6 +418,15 @@ fn sample(proc: &Path, l: &crate::node::LauncherInfo) -> Option<VmiSample> {
         vcpus,
         interfaces,
         disks: Vec::new(),
+        migration: d
+            .migration
+            .as_ref()
+            .filter(|m| m.role == launcher_api::migration::Role::Source && !m.phase.is_final())
+            .map(|m| MigrationSample {
+                total_bytes: m.memory_total + m.disks_total,
+                processed_bytes: m.memory_transferred,
+                remaining_bytes: m.memory_remaining,
+            }),
     })
 }
 
@@ -509,8 +565,22 @@ mod tests {
                 write_time_ns: 0,
                 flush_time_ns: 250_000_000,
             }],
+            migration: Some(MigrationSample {
+                total_bytes: 300,
+                processed_bytes: 200,
+                remaining_bytes: 100,
+            }),
         }];
         let text = render("node-a", &phases, &vmis);
+        let vmi = "{namespace=\"default\",name=\"a\\\"b\",node=\"node-a\"}";
+        for line in [
+            format!("kubevirt_vmi_migration_data_bytes_total{vmi} 300\n"),
+            format!("kubevirt_vmi_migration_data_processed_bytes{vmi} 200\n"),
+            format!("kubevirt_vmi_migration_data_remaining_bytes{vmi} 100\n"),
+            "# TYPE kubevirt_vmi_migration_data_remaining_bytes gauge\n".to_owned(),
+        ] {
+            assert!(text.contains(&line), "{line} not in {text}");
+        }
         assert!(
             text.contains("kubevirt_vmi_phase_count{node=\"node-a\",phase=\"running\"} 2\n"),
             "{text}"

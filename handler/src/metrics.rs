@@ -69,6 +69,9 @@ pub struct MigrationSample {
     pub remaining_bytes: u64,
 }
 
+/// A metric's name, kind, help text and value.
+type Metric<T> = (&'static str, Kind, &'static str, fn(&T) -> u64);
+
 /// A counter's name, help text and value.
 type Counter<T, V> = (&'static str, &'static str, fn(&T) -> V);
 
@@ -251,7 +254,7 @@ pub fn render(node: &str, phases: &BTreeMap<String, usize>, vmis: &[VmiSample]) 
     counters(&mut text, node, vmis, &DISK_METRICS, "drive", |v| {
         v.disks.iter().map(|d| (d.name.as_str(), d)).collect()
     });
-    let migration_metrics: [(&str, Kind, &str, fn(&MigrationSample) -> u64); 3] = [
+    let migration_metrics: [Metric<MigrationSample>; 3] = [
         (
             "kubevirt_vmi_migration_data_bytes_total",
             Kind::Counter,

@@ -6,6 +6,7 @@ pub mod cache;
 pub mod events;
 pub mod finalizers;
 pub mod metrics;
+pub mod migration;
 pub mod node;
 pub mod replicaset;
 pub mod run;

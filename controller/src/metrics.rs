@@ -31,6 +31,8 @@ pub struct QueueStat {
 pub struct Snapshot {
     /// VMIs per (phase, node); the node is empty before scheduling.
     pub vmi_phases: BTreeMap<(String, String), usize>,
+    /// Migrations by phase.
+    pub migrations: crate::migration::PhaseCounts,
     /// The work queues.
     pub queues: Vec<QueueStat>,
 }
@@ -108,6 +110,7 @@ pub fn render(leading: bool, snapshot: Option<&Snapshot>) -> String {
             .iter()
             .map(|((phase, node), n)| (node.as_str(), phase.as_str(), *n)),
     );
+    migration_metrics(&mut text, &s.migrations);
     let queues = [
         (
             "kubevirt_workqueue_depth",
@@ -129,6 +132,58 @@ pub fn render(leading: bool, snapshot: Option<&Snapshot>) -> String {
         }
     }
     text.finish()
+}
+
+/// KubeVirt's `migrationstats_collector.go`: migrations per phase, and 1 per finished one.
+fn migration_metrics(text: &mut Exposition, m: &crate::migration::PhaseCounts) {
+    for (name, help, n) in [
+        (
+            "kubevirt_vmi_migrations_in_pending_phase",
+            "Number of current pending migrations.",
+            m.pending,
+        ),
+        (
+            "kubevirt_vmi_migrations_in_scheduling_phase",
+            "Number of current scheduling migrations.",
+            m.scheduling,
+        ),
+        (
+            "kubevirt_vmi_migrations_in_unset_phase",
+            "Number of current unset migrations. These are pending items the virt-controller hasn’t processed yet from the queue.",
+            m.unset,
+        ),
+        (
+            "kubevirt_vmi_migrations_in_running_phase",
+            "Number of current running migrations.",
+            m.running,
+        ),
+    ] {
+        text.family(name, Kind::Gauge, help).sample(&[], n);
+    }
+    for (name, help, list) in [
+        (
+            "kubevirt_vmi_migration_succeeded",
+            "Indicates if the VMI migration succeeded.",
+            &m.succeeded,
+        ),
+        (
+            "kubevirt_vmi_migration_failed",
+            "Indicates if the VMI migration failed.",
+            &m.failed,
+        ),
+    ] {
+        let mut family = text.family(name, Kind::Gauge, help);
+        for (namespace, vmi, vmim) in list {
+            family.sample(
+                &[
+                    ("vmi", vmi.as_str()),
+                    ("vmim", vmim.as_str()),
+                    ("namespace", namespace.as_str()),
+                ],
+                1,
+            );
+        }
+    }
 }
 
 /// `/healthz` (the process serves), `/leader` (200 only on the leader with running
@@ -177,6 +232,7 @@ mod tests {
                 (("Running".into(), "node-0".into()), 2),
                 (("Pending".into(), String::new()), 1),
             ]),
+            migrations: crate::migration::PhaseCounts::default(),
             queues: vec![QueueStat {
                 name: "virt-controller-vmi",
                 depth: 3,
@@ -203,8 +259,38 @@ mod tests {
     fn label_values_are_escaped() {
         let s = Snapshot {
             vmi_phases: BTreeMap::from([(("Running".into(), "a\"b\\c".into()), 1)]),
+            migrations: crate::migration::PhaseCounts::default(),
             queues: Vec::new(),
         };
         assert!(render(true, Some(&s)).contains("node=\"a\\\"b\\\\c\""));
+    }
+
+    #[test]
+    fn migration_metrics_as_kubevirt_names_them() {
+        let s = Snapshot {
+            migrations: crate::migration::PhaseCounts {
+                unset: 1,
+                pending: 2,
+                scheduling: 0,
+                running: 3,
+                succeeded: vec![("ns".into(), "vm-a".into(), "mig-1".into())],
+                failed: vec![("ns".into(), "vm-b".into(), "mig-2".into())],
+            },
+            ..Snapshot::default()
+        };
+        let text = render(true, Some(&s));
+        for line in [
+            "kubevirt_vmi_migrations_in_unset_phase 1",
+            "kubevirt_vmi_migrations_in_pending_phase 2",
+            "kubevirt_vmi_migrations_in_scheduling_phase 0",
+            "kubevirt_vmi_migrations_in_running_phase 3",
+            "kubevirt_vmi_migration_succeeded{vmi=\"vm-a\",vmim=\"mig-1\",namespace=\"ns\"} 1",
+            "kubevirt_vmi_migration_failed{vmi=\"vm-b\",vmim=\"mig-2\",namespace=\"ns\"} 1",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "{line:?} missing in\n{text}"
+            );
+        }
     }
 }

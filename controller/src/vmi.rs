@@ -43,10 +43,37 @@ pub fn is_launcher_of(pod: &Pod, vmi: &VirtualMachineInstance) -> bool {
         .any(|o| o.controller == Some(true) && o.uid == uid)
 }
 
-/// The launcher pod that counts for `vmi` among `pods`: one not being deleted, else any.
+/// Whether `pod` was created as the target of a migration (`kubevirt.io/migrationJobUID`).
+fn is_migration_target(pod: &Pod) -> bool {
+    pod.metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(labels::MIGRATION_JOB_UID))
+}
+
+/// The VMI's node, `status.nodeName`, when set.
+fn vmi_node(vmi: &VirtualMachineInstance) -> Option<&str> {
+    vmi.status
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .filter(|n| !n.is_empty())
+}
+
+/// The launcher pod that counts for `vmi` among `pods`. Once the VMI has a node
+/// (`status.nodeName`), only a pod on that node: during a migration the VMI has two launcher
+/// pods, and the guest runs in the one on `status.nodeName` until the target virt-handler
+/// moves that to the target node. Before, a pod that is not a migration target. Among those,
+/// one not being deleted, else any.
 pub fn current_pod<'a>(vmi: &VirtualMachineInstance, pods: &'a [Pod]) -> Option<&'a Pod> {
-    let mut mine = pods.iter().filter(|p| is_launcher_of(p, vmi));
-    let all: Vec<_> = mine.by_ref().collect();
+    let node = vmi_node(vmi);
+    let all: Vec<&Pod> = pods
+        .iter()
+        .filter(|p| is_launcher_of(p, vmi))
+        .filter(|p| match node {
+            Some(n) => pod_node(p) == Some(n),
+            None => !is_migration_target(p),
+        })
+        .collect();
     all.iter()
         .find(|p| p.metadata.deletion_timestamp.is_none())
         .or_else(|| all.first())
@@ -79,14 +106,14 @@ pub struct VmiSync {
     pub pod_condition: Option<(String, PodCondition)>,
 }
 
-fn pod_phase(pod: &Pod) -> &str {
+pub(crate) fn pod_phase(pod: &Pod) -> &str {
     pod.status
         .as_ref()
         .and_then(|s| s.phase.as_deref())
         .unwrap_or("Pending")
 }
 
-fn pod_node(pod: &Pod) -> Option<&str> {
+pub(crate) fn pod_node(pod: &Pod) -> Option<&str> {
     pod.spec
         .as_ref()
         .and_then(|s| s.node_name.as_deref())
@@ -95,7 +122,7 @@ fn pod_node(pod: &Pod) -> Option<&str> {
 
 /// KubeVirt's `isComputeContainerDown`: the launcher has exited, whatever the pod's other
 /// containers (the container-disk ones keep running) still do.
-fn compute_terminated(pod: &Pod) -> bool {
+pub(crate) fn compute_terminated(pod: &Pod) -> bool {
     pod.status
         .iter()
         .flat_map(|s| s.container_statuses.iter().flatten())
@@ -237,11 +264,94 @@ pub fn unpaused_condition(
     })
 }
 
-/// One sync of `vmi`, given its launcher pods and the problems validation found.
+/// One sync of `vmi`, given its launcher pods and the problems validation found; PVCs count
+/// as of unknown access mode for the `LiveMigratable` condition ([`sync_with`]).
 pub fn sync(
     vmi: &VirtualMachineInstance,
     pods: &[Pod],
     validation: &[FieldError],
+    now: Timestamp,
+) -> VmiSync {
+    sync_with(vmi, pods, validation, &|_| None, now)
+}
+
+/// Launcher pods a finished migration left behind: not the current pod, not on the VMI's
+/// node, their launcher exited (the source after a completed migration, a target that
+/// failed), and not the target of the migration the VMI is in the middle of. Deleted; never a
+/// reason to fail the VMI.
+fn leftover_pods(vmi: &VirtualMachineInstance, mine: &[&Pod], current: &Pod) -> Vec<String> {
+    let Some(node) = vmi_node(vmi) else {
+        return Vec::new();
+    };
+    let in_flight = vmi
+        .status
+        .as_ref()
+        .and_then(|s| s.migration_state.as_ref())
+        .filter(|s| s.completed != Some(true) && s.failed != Some(true))
+        .and_then(|s| s.migration_uid.as_deref());
+    mine.iter()
+        .filter(|p| p.metadata.uid != current.metadata.uid)
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| pod_node(p) != Some(node))
+        .filter(|p| matches!(pod_phase(p), "Failed" | "Succeeded") || compute_terminated(p))
+        .filter(|p| {
+            let job = p
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(labels::MIGRATION_JOB_UID));
+            in_flight.is_none() || job.map(String::as_str) != in_flight
+        })
+        .filter_map(|p| p.metadata.name.clone())
+        .collect()
+}
+
+/// The `LiveMigratable` condition of a running VMI (`api::migration::live_migratable`): `True`
+/// without a reason, or `False` with KubeVirt's reason and message. Untouched when unchanged,
+/// so a VMI whose migratability stays the same costs no write.
+pub fn set_live_migratable(
+    status: &mut VirtualMachineInstanceStatus,
+    vmi: &VirtualMachineInstance,
+    pvc_shared: &dyn Fn(&str) -> Option<bool>,
+    now: Timestamp,
+) {
+    let (cond_status, reason, message) = match api::migration::live_migratable(vmi, pvc_shared) {
+        Ok(()) => (ConditionStatus::True, None, None),
+        Err(e) => (
+            ConditionStatus::False,
+            Some(e.reason.to_owned()),
+            Some(e.message),
+        ),
+    };
+    let type_ = VirtualMachineInstanceConditionType::LiveMigratable;
+    if let Some(c) = status.conditions.iter_mut().find(|c| c.type_ == type_) {
+        if c.status == cond_status && c.reason == reason && c.message == message {
+            return;
+        }
+        if c.status != cond_status {
+            c.last_transition_time = Some(Time(now));
+        }
+        c.status = cond_status;
+        c.reason = reason;
+        c.message = message;
+        return;
+    }
+    status.conditions.push(VirtualMachineInstanceCondition {
+        type_,
+        status: cond_status,
+        last_probe_time: None,
+        last_transition_time: Some(Time(now)),
+        reason,
+        message,
+    });
+}
+
+/// [`sync`], with `pvc_shared` telling whether a claim is `ReadWriteMany` (`None`: unknown).
+pub fn sync_with(
+    vmi: &VirtualMachineInstance,
+    pods: &[Pod],
+    validation: &[FieldError],
+    pvc_shared: &dyn Fn(&str) -> Option<bool>,
     now: Timestamp,
 ) -> VmiSync {
     use VirtualMachineInstancePhase as Ph;
@@ -380,10 +490,28 @@ pub fn sync(
         status.node_name = Some(node.to_owned());
         out.node_label = Some(node.to_owned());
     }
-    if let (Some(uid), Some(node)) = (pod.metadata.uid.as_deref(), pod_node(pod))
-        && status.phase != Some(Ph::Scheduling)
-    {
-        status.active_pods.insert(uid.to_owned(), node.to_owned());
+    // Every launcher pod with a node: the target virt-handler finds the migration target pod
+    // here. Pods gone from the cache go.
+    if status.phase != Some(Ph::Scheduling) {
+        for p in &mine {
+            if let (Some(uid), Some(node)) = (p.metadata.uid.as_deref(), pod_node(p)) {
+                status.active_pods.insert(uid.to_owned(), node.to_owned());
+            }
+        }
+    }
+    status
+        .active_pods
+        .retain(|uid, _| mine.iter().any(|p| p.metadata.uid.as_deref() == Some(uid)));
+    if status.phase == Some(Ph::Running) {
+        set_live_migratable(&mut status, vmi, pvc_shared, now);
+        let method = api::migration::migration_method(vmi);
+        if status.migration_method.as_deref() != Some(method) {
+            status.migration_method = Some(method.to_owned());
+        }
+    }
+    let leftovers = leftover_pods(vmi, &mine, pod);
+    if !leftovers.is_empty() {
+        out.pods = PodAction::Delete(leftovers);
     }
     out.status = status;
     out
@@ -811,5 +939,178 @@ mod tests {
             });
             assert_eq!(got.as_deref(), want, "{name}");
         }
+    }
+
+    fn migrating_pods() -> (Pod, Pod) {
+        let source = pod("Running", Some("n1"));
+        let mut target = pod("Running", Some("n2"));
+        target.metadata.name = Some("virt-launcher-a-tgt".into());
+        target.metadata.uid = Some("tgt-uid".into());
+        target.metadata.labels =
+            Some([(labels::MIGRATION_JOB_UID.to_owned(), "mig-uid".to_owned())].into());
+        (source, target)
+    }
+
+    fn on_node(phase: Ph, node: &str) -> VirtualMachineInstance {
+        let mut v = vmi(Some(phase));
+        v.status.as_mut().unwrap().node_name = Some(node.into());
+        v
+    }
+
+    fn exited(mut p: Pod) -> Pod {
+        p.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+            name: "compute".into(),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated::default()),
+                ..ContainerState::default()
+            }),
+            ..ContainerStatus::default()
+        }]);
+        p
+    }
+
+    #[test]
+    fn current_pod_during_and_after_a_migration() {
+        let (source, target) = migrating_pods();
+        let both = [target.clone(), source.clone()];
+        let name = |v: &VirtualMachineInstance, pods: &[Pod]| {
+            current_pod(v, pods).and_then(|p| p.metadata.name.clone())
+        };
+        assert_eq!(
+            name(&on_node(Ph::Running, "n1"), &both).as_deref(),
+            Some("virt-launcher-a-xyz12"),
+            "the source while the guest runs there"
+        );
+        assert_eq!(
+            name(&on_node(Ph::Running, "n2"), &both).as_deref(),
+            Some("virt-launcher-a-tgt"),
+            "the target once the VMI moved"
+        );
+        assert_eq!(
+            name(&on_node(Ph::Running, "n1"), std::slice::from_ref(&target)),
+            None,
+            "a target pod off the VMI's node never is"
+        );
+        assert_eq!(
+            name(&vmi(Some(Ph::Pending)), &[target, source]).as_deref(),
+            Some("virt-launcher-a-xyz12"),
+            "no node yet: not a migration target"
+        );
+    }
+
+    #[test]
+    fn migration_pods_in_active_pods_and_never_failing_the_vmi() {
+        let (source, target) = migrating_pods();
+        // The target scheduled: both pods active, the VMI runs on.
+        let out = sync(
+            &on_node(Ph::Running, "n1"),
+            &[source.clone(), target.clone()],
+            &[],
+            now(),
+        );
+        assert_eq!(out.status.phase, Some(Ph::Running));
+        assert_eq!(
+            out.status.active_pods,
+            [
+                ("pod-uid".to_owned(), "n1".to_owned()),
+                ("tgt-uid".to_owned(), "n2".to_owned())
+            ]
+            .into()
+        );
+        assert_eq!(out.pods, PodAction::None);
+
+        // A failed target: not a reason to fail the VMI; the migration controller deletes it
+        // while its migration is in flight.
+        let mut migrating = on_node(Ph::Running, "n1");
+        migrating.status.as_mut().unwrap().migration_state =
+            Some(api::status::VirtualMachineInstanceMigrationState {
+                migration_uid: Some("mig-uid".into()),
+                ..Default::default()
+            });
+        let out = sync(
+            &migrating,
+            &[source.clone(), exited(target.clone())],
+            &[],
+            now(),
+        );
+        assert_eq!(
+            (out.status.phase, out.pods),
+            (Some(Ph::Running), PodAction::None)
+        );
+
+        // After the migration: the old source pod, its launcher exited, is deleted; the VMI
+        // runs on in the target pod. Pods gone from the cache leave activePods.
+        let mut moved = on_node(Ph::Running, "n2");
+        moved.status.as_mut().unwrap().active_pods = [("gone".to_owned(), "n0".to_owned())].into();
+        let out = sync(
+            &moved,
+            &[exited(source.clone()), target.clone()],
+            &[],
+            now(),
+        );
+        assert_eq!(out.status.phase, Some(Ph::Running));
+        assert_eq!(
+            out.pods,
+            PodAction::Delete(vec!["virt-launcher-a-xyz12".into()])
+        );
+        assert!(!out.status.active_pods.contains_key("gone"));
+        // Still running on the source side: left for virt-handler to stop.
+        let out = sync(&moved, &[source, target], &[], now());
+        assert_eq!(out.pods, PodAction::None);
+    }
+
+    #[test]
+    fn live_migratable_condition_and_method_on_running_vmis() {
+        let mut v = on_node(Ph::Running, "n1");
+        let running = [pod("Running", Some("n1"))];
+        let out = sync(&v, &running, &[], now());
+        let c = out
+            .status
+            .condition(&VirtualMachineInstanceConditionType::LiveMigratable)
+            .unwrap();
+        assert_eq!((c.status.as_str(), c.reason.as_deref()), ("True", None));
+        assert_eq!(
+            out.status.migration_method.as_deref(),
+            Some("LiveMigration")
+        );
+        // Unchanged: the status is the same, so nothing is written.
+        v.status = Some(out.status.clone());
+        assert_eq!(sync(&v, &running, &[], now()).status, out.status);
+
+        // A claim of unknown access mode, then a shared one.
+        v.spec.volumes = vec![
+            serde_json::from_value(serde_json::json!({
+                "name": "data", "persistentVolumeClaim": {"claimName": "pvc-1"}
+            }))
+            .unwrap(),
+        ];
+        let out = sync(&v, &running, &[], now());
+        let c = out
+            .status
+            .condition(&VirtualMachineInstanceConditionType::LiveMigratable)
+            .unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_deref()),
+            ("False", Some("DisksNotLiveMigratable"))
+        );
+        let out = sync_with(&v, &running, &[], &|_| Some(true), now());
+        let c = out
+            .status
+            .condition(&VirtualMachineInstanceConditionType::LiveMigratable)
+            .unwrap();
+        assert_eq!(c.status.as_str(), "True");
+
+        // Not Running: not computed.
+        let out = sync(
+            &vmi(Some(Ph::Scheduling)),
+            &[pod("Pending", None)],
+            &[],
+            now(),
+        );
+        assert!(
+            out.status
+                .condition(&VirtualMachineInstanceConditionType::LiveMigratable)
+                .is_none()
+        );
     }
 }

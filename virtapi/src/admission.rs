@@ -23,9 +23,6 @@
 //!   kubevirt-rs does not hotplug volumes.
 //! - The migration validators do not look up the VMI (exists, not final, migratable) or in-flight
 //!   migrations of it: that needs the API and is left to the migration controller.
-//! - The migration mutator adds the `kubevirt.io/vmi-name` label but not KubeVirt's
-//!   `kubevirt.io/migrationJobFinalize` finalizer: nothing would remove it before the migration
-//!   controller exists, and every deleted migration would stay.
 //! - KubeVirt's schema check (`ValidateSchema` against its OpenAPI definitions) is the CRD's
 //!   structural schema here; an object that does not decode into the `api` types is refused with
 //!   code 400, as KubeVirt refuses undecodable objects.
@@ -739,9 +736,13 @@ fn mutate_migration(req: &Request) -> Outcome {
         MIGRATION_SELECTOR_LABEL.to_owned(),
         original.spec.vmi_name.clone().unwrap_or_default(),
     );
-    // KubeVirt also adds `kubevirt.io/migrationJobFinalize` here, which its migration
-    // controller removes; with no migration controller yet (issue 18) that finalizer would
-    // leave every deleted migration stuck, so it is not added until the controller exists.
+    // The migration controller removes it once the migration is Succeeded or Failed, so a
+    // migration deleted mid-flight stays until its abort is through. KubeVirt appends it
+    // whatever is there; a client that already set it does not get it twice here.
+    let finalizers = meta.finalizers.get_or_insert_with(Default::default);
+    if !finalizers.iter().any(|f| f == labels::MIGRATION_FINALIZER) {
+        finalizers.push(labels::MIGRATION_FINALIZER.to_owned());
+    }
     patch_between(&original, &migration)
 }
 

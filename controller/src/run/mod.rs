@@ -1,13 +1,14 @@
 //! The thin I/O shells: reflectors feeding work queues, a few workers per controller (never
 //! two on one key) calling the pure decisions, writes through the API, Events, leader election.
 //! This module holds the wiring the controllers share; each controller's watch handlers and
-//! sync are in its own module ([`vm`], [`vmi`], [`replicaset`], [`node`]).
+//! sync are in its own module ([`vm`], [`vmi`], [`replicaset`], [`node`], [`migration`]).
 //!
 //! kube-runtime's `Controller` is not used: expectations must be observed by the very cache
 //! the reconcile reads (KubeVirt's informer handlers), and wiring our own reflectors into a
 //! `Controller` needs kube's unstable stream features. A reflector per kind (the `informer`
 //! crate) and a client-go style work queue per controller is all the machinery this needs.
 
+mod migration;
 mod node;
 mod replicaset;
 mod vm;
@@ -16,6 +17,7 @@ mod vmi;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use api::migration::VirtualMachineInstanceMigration;
 use api::{
     ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
     VirtualMachineInstanceReplicaSet,
@@ -85,6 +87,8 @@ const VMI_WORKERS: usize = 10;
 const VM_WORKERS: usize = 3;
 const RS_WORKERS: usize = 3;
 const NODE_WORKERS: usize = 3;
+/// KubeVirt's `defaultMigrationControllerThreads`.
+const MIGRATION_WORKERS: usize = 3;
 /// How soon a write refused by its compare-and-swap is retried.
 const CONFLICT_RETRY: Duration = Duration::from_millis(200);
 
@@ -117,6 +121,12 @@ struct Shared {
     replicasets: Store<VirtualMachineInstanceReplicaSet>,
     nodes: Store<Node>,
     kubevirts: Store<KubeVirt>,
+    vmims: Store<VirtualMachineInstanceMigration>,
+    mig_index: Arc<Mutex<migration::MigrationIndex>>,
+    /// Target pod expectations, keyed by migration.
+    mig_pod_exp: Arc<UidTrackingExpectations>,
+    /// Held while a migration decides whether to start: the limits count the others.
+    mig_start_lock: tokio::sync::Mutex<()>,
     pod_exp: Arc<UidTrackingExpectations>,
     vm_exp: Arc<UidTrackingExpectations>,
     rs_exp: Arc<UidTrackingExpectations>,
@@ -124,6 +134,7 @@ struct Shared {
     vmi_q: Arc<Queue>,
     rs_q: Arc<Queue>,
     node_q: Arc<Queue>,
+    mig_q: Arc<Queue>,
 }
 
 /// Runs the VM, VMI, ReplicaSet and Node controllers until the task is dropped.
@@ -156,6 +167,9 @@ async fn start_caches(
         Arc::new(Queue::default()),
         Arc::new(Queue::default()),
     );
+    let mig_q = Arc::new(Queue::default());
+    let mig_pod_exp = Arc::new(UidTrackingExpectations::default());
+    let mig_index: Arc<Mutex<migration::MigrationIndex>> = Arc::default();
     let wc = watcher::Config::default;
 
     let vms = reflect(
@@ -177,6 +191,8 @@ async fn start_caches(
             vm_exp: vm_exp.clone(),
             rs_exp: rs_exp.clone(),
             vms: vms.clone(),
+            mig_q: mig_q.clone(),
+            mig_index: mig_index.clone(),
         }),
     );
     let pod_index: Arc<Mutex<OwnerIndex>> = Arc::default();
@@ -185,7 +201,14 @@ async fn start_caches(
         Api::all(client.clone()),
         wc().labels(&format!("{}=virt-launcher", api::labels::APP)),
         cache::trim_pod,
-        vmi::on_pod(vmi_q.clone(), pod_exp.clone(), pod_index.clone()),
+        vmi::on_pod(vmi::PodWatch {
+            vmi_q: vmi_q.clone(),
+            pod_exp: pod_exp.clone(),
+            index: pod_index.clone(),
+            mig_q: mig_q.clone(),
+            mig_pod_exp: mig_pod_exp.clone(),
+            mig_index: mig_index.clone(),
+        }),
     );
     let q = rs_q.clone();
     let replicasets = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, move |s| {
@@ -203,6 +226,13 @@ async fn start_caches(
         },
     );
     let kubevirts = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, |_| {});
+    let vmims = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        migration::on_migration(mig_q.clone(), mig_index.clone()),
+    );
 
     for (name, ready) in [
         ("VirtualMachine", vms.wait_until_ready().await.is_ok()),
@@ -217,6 +247,10 @@ async fn start_caches(
         ),
         ("Node", nodes.wait_until_ready().await.is_ok()),
         ("KubeVirt", kubevirts.wait_until_ready().await.is_ok()),
+        (
+            "VirtualMachineInstanceMigration",
+            vmims.wait_until_ready().await.is_ok(),
+        ),
     ] {
         if !ready {
             return Err(RunError::CacheNotReady(name));
@@ -242,6 +276,10 @@ async fn start_caches(
         replicasets,
         nodes,
         kubevirts,
+        vmims,
+        mig_index,
+        mig_pod_exp,
+        mig_start_lock: tokio::sync::Mutex::new(()),
         pod_exp,
         vm_exp,
         rs_exp,
@@ -249,6 +287,7 @@ async fn start_caches(
         vmi_q,
         rs_q,
         node_q,
+        mig_q,
     })
 }
 
@@ -288,6 +327,15 @@ fn spawn_workers(tasks: &mut JoinSet<()>, shared: &Arc<Shared>) {
         |s| &s.node_q,
         |s, k| async move {
             node::sync_node(&s, &k).await;
+        },
+    );
+    spawn_pool(
+        tasks,
+        MIGRATION_WORKERS,
+        shared,
+        |s| &s.mig_q,
+        |s, k| async move {
+            Box::pin(migration::sync_migration(&s, &k)).await;
         },
     );
     let s = shared.clone();
@@ -337,13 +385,16 @@ fn snapshot(s: &Shared) -> Snapshot {
         let node = st.and_then(|st| st.node_name.clone()).unwrap_or_default();
         *vmi_phases.entry((phase, node)).or_insert(0) += 1;
     }
+    let vmims = s.vmims.state();
     Snapshot {
         vmi_phases,
+        migrations: crate::migration::phase_counts(vmims.iter().map(AsRef::as_ref)),
         queues: vec![
             queue_stat("virt-controller-vm", &s.vm_q),
             queue_stat("virt-controller-vmi", &s.vmi_q),
             queue_stat("virt-controller-replicaset", &s.rs_q),
             queue_stat("virt-controller-node", &s.node_q),
+            queue_stat("virt-controller-migration", &s.mig_q),
         ],
     }
 }

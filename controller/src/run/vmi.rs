@@ -30,6 +30,8 @@ pub(super) struct VmiWatch {
     pub vm_exp: Arc<UidTrackingExpectations>,
     pub rs_exp: Arc<UidTrackingExpectations>,
     pub vms: Store<VirtualMachine>,
+    pub mig_q: Arc<Queue>,
+    pub mig_index: Arc<Mutex<super::migration::MigrationIndex>>,
 }
 
 /// The VMI watch: the VMI to its queue; its VM's and ReplicaSet's expectations observed and
@@ -44,6 +46,7 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
         let ns = o.namespace();
         let key = obj_key(o);
         w.vmi_q.add(&key);
+        super::migration::vmi_changed(&w.mig_q, &w.mig_index, &key);
         if let Some(vm) = controller_owner(o, "VirtualMachine") {
             let vm_key = key_of(ns.as_deref(), vm);
             if added {
@@ -75,13 +78,28 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
     }
 }
 
+/// What the launcher pod watch feeds.
+pub(super) struct PodWatch {
+    pub vmi_q: Arc<Queue>,
+    pub pod_exp: Arc<UidTrackingExpectations>,
+    pub index: Arc<Mutex<OwnerIndex>>,
+    pub mig_q: Arc<Queue>,
+    pub mig_pod_exp: Arc<UidTrackingExpectations>,
+    pub mig_index: Arc<Mutex<super::migration::MigrationIndex>>,
+}
+
 /// The launcher pod watch: the pod indexed by its VMI, the VMI's pod expectations observed and
-/// its key queued.
-pub(super) fn on_pod(
-    vmi_q: Arc<Queue>,
-    pod_exp: Arc<UidTrackingExpectations>,
-    index: Arc<Mutex<OwnerIndex>>,
-) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
+/// its key queued; a migration target pod's migration has its expectation observed, and the
+/// VMI's migrations are queued.
+pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
+    let PodWatch {
+        vmi_q,
+        pod_exp,
+        index,
+        mig_q,
+        mig_pod_exp,
+        mig_index,
+    } = w;
     move |s| {
         let (o, added, deleted) = match s {
             Seen::Added(o) => (o, true, false),
@@ -101,6 +119,14 @@ pub(super) fn on_pod(
                 index.set(&pod_key, vmi_key.as_deref());
             }
         }
+        super::migration::pod_changed(
+            &mig_q,
+            &mig_index,
+            &mig_pod_exp,
+            o,
+            added,
+            vmi_key.as_deref(),
+        );
         let Some(vmi_key) = vmi_key else {
             return;
         };
@@ -159,7 +185,9 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         });
     }
     problems.extend(api::validation::validate_vmi(&defaulted, &cfg));
-    let out = vmi::sync(&vmi, &pods, &problems, Timestamp::now());
+    // PVC access modes are not cached: a VMI with a claim is reported as not known to be
+    // migratable (KubeVirt's message for a PVC it cannot look up).
+    let out = vmi::sync_with(&vmi, &pods, &problems, &|_| None, Timestamp::now());
     let old_status = vmi.status.clone().unwrap_or_default();
 
     Box::pin(act_on_pods(

@@ -835,24 +835,39 @@ fn migration() -> Value {
 
 #[test]
 fn migration_mutator() {
-    let review = review(
+    let first = review(
         "virtualmachineinstancemigrations",
         "CREATE",
         USER,
         &migration(),
         None,
     );
-    let stored = patched(&migration(), &run(Webhook::MigrationMutator, &review));
+    let stored = patched(&migration(), &run(Webhook::MigrationMutator, &first));
     assert_eq!(
         stored["metadata"]["labels"],
         json!({MIGRATION_SELECTOR_LABEL: "demo"})
     );
     assert_eq!(
         stored["metadata"]["finalizers"],
-        serde_json::Value::Null,
-        "no finalizer until a migration controller removes it"
+        json!([labels::MIGRATION_FINALIZER]),
+        "the migration controller removes it once the migration is final"
     );
     assert_eq!(stored["spec"], migration()["spec"]);
+    // A client that set the finalizer itself does not get it twice.
+    let mut own = migration();
+    own["metadata"]["finalizers"] = json!([labels::MIGRATION_FINALIZER]);
+    let again = review(
+        "virtualmachineinstancemigrations",
+        "CREATE",
+        USER,
+        &own,
+        None,
+    );
+    let stored = patched(&own, &run(Webhook::MigrationMutator, &again));
+    assert_eq!(
+        stored["metadata"]["finalizers"],
+        json!([labels::MIGRATION_FINALIZER])
+    );
 }
 
 #[test]

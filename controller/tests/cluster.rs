@@ -1778,3 +1778,280 @@ async fn a_restarted_controller_finishes_deletions_and_migrates_finalizers() {
     })
     .await;
 }
+
+/// A VMI running on node01 as virt-handler would report it: Scheduled by the controller, then
+/// Running.
+async fn running_vmi(client: &Client, name: &str) -> VirtualMachineInstance {
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let created = vmis
+        .create(&PostParams::default(), &vmi(name))
+        .await
+        .unwrap();
+    let pod = wait_for("the launcher pod", || async {
+        pods_of(client, &created).await.into_iter().next()
+    })
+    .await;
+    bind_and_run(client, &pod, "node01").await;
+    wait_for("phase Scheduled", || async {
+        (phase(&vmis.get(name).await.unwrap()).as_deref() == Some("Scheduled")).then_some(())
+    })
+    .await;
+    set_phase(&vmis, name, "Running").await;
+    wait_for("LiveMigratable=True", || async {
+        let v = vmis.get(name).await.unwrap();
+        v.status
+            .as_ref()?
+            .condition(&api::status::VirtualMachineInstanceConditionType::LiveMigratable)
+            .filter(|c| c.status == api::common::ConditionStatus::True)?;
+        Some(v)
+    })
+    .await
+}
+
+/// A migration as virt-api's mutating webhook stores it (label and finalizer).
+async fn create_migration(
+    client: &Client,
+    name: &str,
+    vmi: &str,
+) -> api::migration::VirtualMachineInstanceMigration {
+    let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
+        Api::default_namespaced(client.clone());
+    migrations
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
+                "metadata": {
+                    "name": name,
+                    "labels": {"kubevirt.io/vmi-name": vmi},
+                    "finalizers": [api::labels::MIGRATION_FINALIZER],
+                },
+                "spec": {"vmiName": vmi},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap()
+}
+
+fn migration_phase(m: &api::migration::VirtualMachineInstanceMigration) -> Option<String> {
+    m.status
+        .as_ref()
+        .and_then(|s| s.phase.as_ref())
+        .map(|p| p.as_str().to_owned())
+}
+
+async fn target_pod_of(client: &Client, vmi: &VirtualMachineInstance, uid: &str) -> Option<Pod> {
+    pods_of(client, vmi).await.into_iter().find(|p| {
+        p.labels()
+            .get(api::labels::MIGRATION_JOB_UID)
+            .map(String::as_str)
+            == Some(uid)
+    })
+}
+
+async fn wait_migration_phase(
+    migrations: &Api<api::migration::VirtualMachineInstanceMigration>,
+    name: &str,
+    want: &str,
+) -> api::migration::VirtualMachineInstanceMigration {
+    wait_for(&format!("migration phase {want}"), || async {
+        migrations
+            .get(name)
+            .await
+            .ok()
+            .filter(|m| migration_phase(m).as_deref() == Some(want))
+    })
+    .await
+}
+
+#[tokio::test]
+async fn migration_hands_off_to_the_handlers_and_succeeds() {
+    let (_server, client) = cluster().await;
+    let _node02 = localcluster::controlplane::ready_node(
+        &client,
+        json!({"metadata": {"name": "node02", "labels": {"kubernetes.io/hostname": "node02"}}}),
+        serde_json::Value::Null,
+    )
+    .await;
+    let _c = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
+        Api::default_namespaced(client.clone());
+    let v = running_vmi(&client, "mover").await;
+    let source = pods_of(&client, &v).await.pop().unwrap();
+    let m = create_migration(&client, "mig1", "mover").await;
+    let uid = m.uid().unwrap();
+
+    // The target pod: the launcher pod plus the migration's label, annotation and
+    // anti-affinity to the VMI's other pods.
+    let target = wait_for("the target pod", || target_pod_of(&client, &v, &uid)).await;
+    assert_eq!(
+        target
+            .annotations()
+            .get(api::labels::MIGRATION_JOB_NAME)
+            .map(String::as_str),
+        Some("mig1")
+    );
+    let anti = serde_json::to_value(
+        target
+            .spec
+            .as_ref()
+            .unwrap()
+            .affinity
+            .as_ref()
+            .unwrap()
+            .pod_anti_affinity
+            .as_ref()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"]["matchLabels"]["kubevirt.io/created-by"],
+        json!(v.uid().unwrap())
+    );
+    wait_migration_phase(&migrations, "mig1", "Scheduling").await;
+
+    // The scheduler and kubelet of node02; the controller hands the VMI over.
+    bind_and_run(&client, &target, "node02").await;
+    wait_migration_phase(&migrations, "mig1", "PreparingTarget").await;
+    let handed = vmis.get("mover").await.unwrap();
+    assert_eq!(
+        handed
+            .labels()
+            .get(api::labels::MIGRATION_TARGET_NODE_NAME)
+            .map(String::as_str),
+        Some("node02")
+    );
+    let st = handed.status.as_ref().unwrap();
+    let ms = st.migration_state.as_ref().unwrap();
+    assert_eq!(
+        (
+            ms.migration_uid.as_deref(),
+            ms.target_node.as_deref(),
+            ms.target_pod.as_deref(),
+            ms.source_node.as_deref(),
+            ms.source_pod.as_deref()
+        ),
+        (
+            Some(uid.as_str()),
+            Some("node02"),
+            Some(target.name_any().as_str()),
+            Some("node01"),
+            Some(source.name_any().as_str())
+        )
+    );
+    assert!(ms.migration_configuration.is_some());
+    assert_eq!(st.migration_method.as_deref(), Some("BlockMigration"));
+    assert_eq!(
+        st.active_pods
+            .get(&target.uid().unwrap())
+            .map(String::as_str),
+        Some("node02"),
+        "the target handler finds its pod in activePods"
+    );
+
+    // The handlers' part: target address, start, then the target completes and moves the VMI.
+    let patch = |p: serde_json::Value| {
+        let vmis = vmis.clone();
+        async move {
+            vmis.patch("mover", &PatchParams::default(), &Patch::Merge(p))
+                .await
+                .unwrap();
+        }
+    };
+    patch(json!({"status": {"migrationState": {"targetNodeAddress": "10.0.0.2"}}})).await;
+    wait_migration_phase(&migrations, "mig1", "TargetReady").await;
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    patch(json!({"status": {"migrationState": {"startTimestamp": now}}})).await;
+    wait_migration_phase(&migrations, "mig1", "Running").await;
+    patch(json!({
+        "metadata": {"labels": {
+            api::labels::NODE_NAME: "node02",
+            api::labels::MIGRATION_TARGET_NODE_NAME: null,
+        }},
+        "status": {"nodeName": "node02", "migrationState": {"endTimestamp": now, "completed": true}},
+    }))
+    .await;
+    let done = wait_migration_phase(&migrations, "mig1", "Succeeded").await;
+    assert_eq!(
+        done.status
+            .as_ref()
+            .unwrap()
+            .migration_state
+            .as_ref()
+            .unwrap()
+            .completed,
+        Some(true)
+    );
+    wait_for("the finalizer to go", || async {
+        migrations
+            .get("mig1")
+            .await
+            .unwrap()
+            .finalizers()
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+
+    // The source launcher exits: its pod is deleted, the VMI runs on in the target pod.
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    pods.patch_status(
+        &source.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+    )
+    .await
+    .unwrap();
+    wait_for("only the target pod left", || async {
+        let left = pods_of(&client, &v).await;
+        (left.len() == 1 && left[0].uid() == target.uid()).then_some(())
+    })
+    .await;
+    let after = wait_for("activePods without the source", || async {
+        let v = vmis.get("mover").await.unwrap();
+        (v.status.as_ref()?.active_pods.len() == 1).then_some(v)
+    })
+    .await;
+    assert_eq!(phase(&after).as_deref(), Some("Running"));
+}
+
+#[tokio::test]
+async fn migration_deleted_before_the_handoff_is_canceled() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
+        Api::default_namespaced(client.clone());
+    let v = running_vmi(&client, "stayer").await;
+    let m = create_migration(&client, "mig2", "stayer").await;
+    let uid = m.uid().unwrap();
+    wait_for("the target pod", || target_pod_of(&client, &v, &uid)).await;
+    wait_migration_phase(&migrations, "mig2", "Scheduling").await;
+
+    migrations
+        .delete("mig2", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("the migration to go", || async {
+        migrations
+            .get_opt("mig2")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    wait_for("the target pod to go", || async {
+        target_pod_of(&client, &v, &uid)
+            .await
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let after = vmis.get("stayer").await.unwrap();
+    assert_eq!(phase(&after).as_deref(), Some("Running"));
+    assert!(after.status.unwrap().migration_state.is_none());
+    assert_eq!(pods_of(&client, &v).await.len(), 1);
+}

@@ -611,7 +611,12 @@ impl Stack {
     pub fn vmi_private_dir(&self, vmi: &serde_json::Value) -> Option<PathBuf> {
         let status = &vmi["status"];
         let node = status["nodeName"].as_str()?;
-        let pod = status["activePods"].as_object()?.keys().next()?;
+        // During and after a migration the VMI has a pod on each node.
+        let pod = status["activePods"]
+            .as_object()?
+            .iter()
+            .find(|(_, n)| n.as_str() == Some(node))
+            .map(|(p, _)| p)?;
         let uid = vmi["metadata"]["uid"].as_str()?;
         Some(
             self.dir

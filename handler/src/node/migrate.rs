@@ -407,6 +407,13 @@ impl Node {
             .as_ref()
             .is_some_and(|m| m.phase == MigrationPhase::Failed)
             || d.state.is_final();
+        // Once the source has started, a broken stream fails there too, and the source
+        // reports why (an abort it carried out, a timeout): the target's view is only the
+        // effect. Before that only the target knows.
+        if target_failed && (ms.start_timestamp.is_some() || ms.abort_requested == Some(true)) {
+            self.drop_proxy(key);
+            return Ok(Next::Done);
+        }
         if target_failed {
             let why = d
                 .migration

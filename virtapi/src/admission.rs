@@ -12,8 +12,11 @@
 //! Deliberate differences from KubeVirt:
 //! - Only the hooks for the kinds kubevirt-rs serves, `v1` only. KubeVirt's `kubevirt-validate-*`
 //!   hooks are virt-operator's, not virt-api's; pools, presets, snapshots, exports, clones,
-//!   instancetypes, migration policies, plugins, pod eviction and `status-validate` (which checks
-//!   VM volume hotplug requests) have nothing to act on here.
+//!   instancetypes, migration policies, plugins, hotplug-pod eviction and `status-validate`
+//!   (which checks VM volume hotplug requests) have nothing to act on here.
+//! - The pod-eviction hook ([`Webhook::PodEvictionValidator`]) reads the pod and its VMI and may
+//!   patch the VMI: its request is parsed and answered here ([`eviction_request`],
+//!   [`eviction_answer`]), its decision and I/O are [`crate::eviction`]'s.
 //! - The VMIRS validator defaults a copy of its template before validating it, as KubeVirt's VM
 //!   admitter does and its VMIRS admitter does not: `api::validation` is written for defaulted
 //!   specs and would otherwise report what defaulting fills in.
@@ -102,6 +105,8 @@ pub enum Webhook {
     VmiMutator,
     /// Selector label and finalizer of a new migration.
     MigrationMutator,
+    /// Evictions of virt-launcher pods: KubeVirt's eviction strategies (`crate::eviction`).
+    PodEvictionValidator,
     /// Validation of a new VMI; reserved labels.
     VmiCreateValidator,
     /// VMI spec immutability, reserved labels, virt-handler's node restriction.
@@ -144,6 +149,15 @@ impl Operation {
     }
 }
 
+/// A CEL condition kube-apiserver checks before calling a webhook (`matchConditions`).
+#[derive(Debug)]
+pub struct MatchCondition {
+    /// The condition's name.
+    pub name: &'static str,
+    /// The CEL expression.
+    pub expression: &'static str,
+}
+
 /// One row of the webhook table: how the webhook is registered.
 #[derive(Debug)]
 pub struct WebhookSpec {
@@ -153,7 +167,12 @@ pub struct WebhookSpec {
     pub name: &'static str,
     /// The path on virt-api's HTTPS server (KubeVirt's).
     pub path: &'static str,
-    /// The `kubevirt.io/v1` resource it is registered for.
+    /// The API group of the resource it is registered for (`kubevirt.io`, or `""`: core).
+    pub group: &'static str,
+    /// The version of the resource it is registered for.
+    pub version: &'static str,
+    /// The resource it is registered for, `/subresource` appended for a subresource
+    /// (`pods/eviction`).
     pub resource: &'static str,
     /// The operations it is registered for.
     pub operations: &'static [Operation],
@@ -164,6 +183,10 @@ pub struct WebhookSpec {
     pub failure_policy: &'static str,
     /// KubeVirt's `defaultTimeoutSeconds`.
     pub timeout_seconds: i32,
+    /// `None`, or `NoneOnDryRun` for a hook that writes (it honours dry runs).
+    pub side_effects: &'static str,
+    /// The one `matchConditions` entry, if any.
+    pub match_condition: Option<MatchCondition>,
 }
 
 const CREATE: &[Operation] = &[Operation::Create];
@@ -172,7 +195,7 @@ const CREATE_UPDATE: &[Operation] = &[Operation::Create, Operation::Update];
 
 /// Every webhook, in the order of `manifests/install/55-virt-api-webhooks.yaml` (mutating
 /// configuration first), which is KubeVirt's order.
-pub static WEBHOOKS: [WebhookSpec; 9] = [
+pub static WEBHOOKS: [WebhookSpec; 10] = [
     row(
         Webhook::VmMutator,
         "virtualmachines-mutator.kubevirt.io",
@@ -197,6 +220,25 @@ pub static WEBHOOKS: [WebhookSpec; 9] = [
         CREATE,
         Admission::Mutating,
     ),
+    WebhookSpec {
+        webhook: Webhook::PodEvictionValidator,
+        name: "virt-launcher-eviction-interceptor.kubevirt.io",
+        path: "/pod-eviction-validate",
+        group: "",
+        version: "v1",
+        resource: "pods/eviction",
+        operations: CREATE,
+        admission: Admission::Validating,
+        failure_policy: "Fail",
+        timeout_seconds: 10,
+        // It marks the VMI for evacuation, except on a dry run.
+        side_effects: "NoneOnDryRun",
+        // kube-apiserver asks only about virt-launcher pods (the Eviction's name is the pod's).
+        match_condition: Some(MatchCondition {
+            name: "virt-launcher-pods-only",
+            expression: "object.metadata.name.startsWith(\"virt-launcher\")",
+        }),
+    },
     row(
         Webhook::VmiCreateValidator,
         "virtualmachineinstances-create-validator.kubevirt.io",
@@ -259,20 +301,25 @@ const fn row(
         webhook,
         name,
         path,
+        group: api::GROUP,
+        version: api::VERSION,
         resource,
         operations,
         admission,
         failure_policy: "Fail",
         timeout_seconds: 10,
+        side_effects: "None",
+        match_condition: None,
     }
 }
 
 impl Webhook {
     /// Every webhook, in [`WEBHOOKS`] order.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::VmMutator,
         Self::VmiMutator,
         Self::MigrationMutator,
+        Self::PodEvictionValidator,
         Self::VmiCreateValidator,
         Self::VmiUpdateValidator,
         Self::VmValidator,
@@ -368,17 +415,16 @@ pub fn admit(hook: Webhook, review: &Value, ctx: &Context) -> Value {
         .and_then(Value::as_str)
         .unwrap_or_default();
     let outcome = Request::parse(hook, review).and_then(|req| decide(hook, &req, ctx));
-    json!({
-        "apiVersion": "admission.k8s.io/v1",
-        "kind": "AdmissionReview",
-        "response": response(uid, outcome),
-    })
+    answer(uid, outcome)
 }
 
 /// The parts of an AdmissionRequest the webhooks read.
 #[derive(Debug)]
 struct Request {
     operation: Operation,
+    name: String,
+    namespace: String,
+    dry_run: bool,
     username: String,
     extra: BTreeMap<String, Vec<String>>,
     object: Value,
@@ -392,6 +438,12 @@ struct RawRequest {
     #[serde(default)]
     sub_resource: Option<String>,
     operation: String,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    namespace: String,
+    #[serde(default)]
+    dry_run: Option<bool>,
     #[serde(default)]
     user_info: UserInfo,
     #[serde(default)]
@@ -443,16 +495,15 @@ impl Request {
         let raw: RawRequest = serde_json::from_value(raw.clone())
             .map_err(|e| Refusal::bad_request(format!("cannot read the AdmissionRequest: {e}")))?;
         let gvr = &raw.resource;
-        if gvr.group != api::GROUP
-            || gvr.version != api::VERSION
-            || gvr.resource != spec.resource
-            || raw.sub_resource.as_deref().is_some_and(|s| !s.is_empty())
+        let (resource, sub_resource) = spec.resource.split_once('/').unwrap_or((spec.resource, ""));
+        if gvr.group != spec.group
+            || gvr.version != spec.version
+            || gvr.resource != resource
+            || raw.sub_resource.as_deref().unwrap_or_default() != sub_resource
         {
             return Err(Refusal::bad_request(format!(
                 "expect resource to be '{}.{}/{}'",
-                spec.resource,
-                api::GROUP,
-                api::VERSION
+                spec.resource, spec.group, spec.version
             )));
         }
         let operation = spec
@@ -478,6 +529,9 @@ impl Request {
         }
         Ok(Self {
             operation,
+            name: raw.name,
+            namespace: raw.namespace,
+            dry_run: raw.dry_run.unwrap_or(false),
             username: raw.user_info.username.unwrap_or_default(),
             extra: raw.user_info.extra,
             object,
@@ -496,6 +550,62 @@ impl Request {
             "oldObject",
         )
     }
+}
+
+/// What the pod-eviction hook reads of its AdmissionRequest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EvictionRequest {
+    /// The request's uid, echoed in the answer.
+    pub uid: String,
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// `dryRun`: decide, but write nothing.
+    pub dry_run: bool,
+    /// The Eviction's annotations (the descheduler marks its own with `requested-by`).
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// The pod-eviction hook's request, or (`Err`) the AdmissionReview answering one that cannot
+/// be read.
+pub fn eviction_request(review: &Value) -> Result<EvictionRequest, Value> {
+    let hook = Webhook::PodEvictionValidator;
+    let uid = review
+        .pointer("/request/uid")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let req = Request::parse(hook, review).map_err(|r| answer(uid, Err(r)))?;
+    let annotations = req
+        .object
+        .pointer("/metadata/annotations")
+        .and_then(|a| serde_json::from_value(a.clone()).ok())
+        .unwrap_or_default();
+    Ok(EvictionRequest {
+        uid: uid.to_owned(),
+        namespace: req.namespace,
+        pod: req.name,
+        dry_run: req.dry_run,
+        annotations,
+    })
+}
+
+/// The AdmissionReview answering a pod eviction: allowed (`None`), or denied with this message
+/// and code 429, as every denial of KubeVirt's pod-eviction admitter.
+pub fn eviction_answer(uid: &str, denial: Option<String>) -> Value {
+    let outcome = match denial {
+        None => Ok(Allowed::default()),
+        Some(message) => Err(Refusal::TooManyRequests(message)),
+    };
+    answer(uid, outcome)
+}
+
+fn answer(uid: &str, outcome: Outcome) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": response(uid, outcome),
+    })
 }
 
 fn decode<T: DeserializeOwned>(value: &Value, what: &str) -> Result<T, Refusal> {
@@ -519,6 +629,8 @@ enum Refusal {
     Invalid(Vec<Cause>),
     /// The answer cannot be encoded.
     Internal(String),
+    /// KubeVirt's pod-eviction answer: 429 `TooManyRequests`, which `kubectl drain` retries.
+    TooManyRequests(String),
 }
 
 impl Refusal {
@@ -579,6 +691,9 @@ fn response(uid: &str, outcome: Outcome) -> Value {
         Refusal::Internal(message) => {
             json!({"status": "Failure", "code": 500, "reason": "InternalError", "message": message})
         }
+        Refusal::TooManyRequests(message) => {
+            json!({"status": "Failure", "code": 429, "reason": "TooManyRequests", "message": message})
+        }
         Refusal::Invalid(mut causes) => {
             let more = causes.len().saturating_sub(MAX_CAUSES);
             causes.truncate(MAX_CAUSES);
@@ -635,6 +750,10 @@ fn decide(hook: Webhook, req: &Request, ctx: &Context) -> Outcome {
         Webhook::VmMutator => mutate_vm(req, ctx),
         Webhook::VmiMutator => mutate_vmi(req, ctx),
         Webhook::MigrationMutator => mutate_migration(req),
+        // Served by `crate::eviction::admit`, which needs the API.
+        Webhook::PodEvictionValidator => Err(Refusal::Internal(
+            "the pod eviction webhook is served asynchronously".to_owned(),
+        )),
         Webhook::VmiCreateValidator => validate_vmi_create(req, ctx),
         Webhook::VmiUpdateValidator => validate_vmi_update(req, ctx),
         Webhook::VmValidator => validate_vm(req, ctx),

@@ -143,7 +143,11 @@ impl VirtApi {
             .wait_until_ready()
             .await
             .context("the KubeVirt CR watch")?;
-        let webhooks = Arc::new(webhooks::Webhooks::new(kubevirts, f.namespace));
+        let webhooks = Arc::new(webhooks::Webhooks::new(
+            client.clone(),
+            kubevirts,
+            f.namespace,
+        ));
         Ok(VirtApi {
             tasks,
             tls,

@@ -21,9 +21,14 @@ use crate::subresource::{self, App};
 /// The largest AdmissionReview read: a VM with a large cloud-init payload stays well below.
 const MAX_REVIEW: usize = 8 * 1024 * 1024;
 
+/// An admission answer on its way (most are ready at once; the pod-eviction hook asks the API).
+pub type AdmitFuture<'a> =
+    std::pin::Pin<Box<dyn Future<Output = Option<serde_json::Value>> + Send + 'a>>;
+
 /// What the admission routes need besides the request.
 pub trait Admission: Send + Sync + 'static {
-    fn admit(&self, path: &str, review: &serde_json::Value) -> Option<serde_json::Value>;
+    /// The AdmissionReview answer of the webhook at `path`; `None`: no webhook there.
+    fn admit<'a>(&'a self, path: &'a str, review: &'a serde_json::Value) -> AdmitFuture<'a>;
 }
 
 #[derive(Clone)]
@@ -90,7 +95,7 @@ async fn admit(
                 .into_response();
         }
     };
-    match s.admission.admit(&path, &review) {
+    match s.admission.admit(&path, &review).await {
         Some(answer) => axum::Json(answer).into_response(),
         None => (
             http::StatusCode::NOT_FOUND,

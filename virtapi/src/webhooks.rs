@@ -1,14 +1,17 @@
 //! The admission webhooks as served: [`admission`](crate::admission)'s decisions with the
-//! cluster configuration of the KubeVirt CR as the reflector last saw it.
+//! cluster configuration of the KubeVirt CR as the reflector last saw it; the pod-eviction hook
+//! through [`eviction`](crate::eviction), which reads the pod and VMI with virt-api's client.
 
 use api::KubeVirt;
 use kube::runtime::reflector::Store;
 use serde_json::Value;
 
 use crate::admission::{self, Context, Webhook};
-use crate::server::Admission;
+use crate::eviction;
+use crate::server::{Admission, AdmitFuture};
 
 pub struct Webhooks {
+    client: kube::Client,
     kubevirts: Store<KubeVirt>,
     namespace: String,
 }
@@ -22,8 +25,9 @@ impl std::fmt::Debug for Webhooks {
 }
 
 impl Webhooks {
-    pub fn new(kubevirts: Store<KubeVirt>, namespace: String) -> Self {
+    pub fn new(client: kube::Client, kubevirts: Store<KubeVirt>, namespace: String) -> Self {
         Webhooks {
+            client,
             kubevirts,
             namespace,
         }
@@ -45,8 +49,18 @@ impl Webhooks {
 }
 
 impl Admission for Webhooks {
-    fn admit(&self, path: &str, review: &Value) -> Option<Value> {
-        let hook = Webhook::from_path(path)?;
-        Some(admission::admit(hook, review, &self.context()))
+    fn admit<'a>(&'a self, path: &'a str, review: &'a Value) -> AdmitFuture<'a> {
+        let Some(hook) = Webhook::from_path(path) else {
+            return Box::pin(std::future::ready(None));
+        };
+        let ctx = self.context();
+        if hook == Webhook::PodEvictionValidator {
+            return Box::pin(
+                async move { Some(eviction::admit(&self.client, review, &ctx).await) },
+            );
+        }
+        Box::pin(std::future::ready(Some(admission::admit(
+            hook, review, &ctx,
+        ))))
     }
 }

@@ -166,6 +166,16 @@ struct Registered {
     side_effects: String,
     timeout_seconds: Option<i32>,
     admission_review_versions: Vec<String>,
+    match_conditions: Vec<(String, String)>,
+}
+
+fn conditions(
+    c: Option<Vec<k8s_openapi::api::admissionregistration::v1::MatchCondition>>,
+) -> Vec<(String, String)> {
+    c.into_iter()
+        .flatten()
+        .map(|c| (c.name, c.expression))
+        .collect()
 }
 
 #[test]
@@ -193,6 +203,7 @@ fn manifest_registers_exactly_the_table() {
             side_effects: w.side_effects,
             timeout_seconds: w.timeout_seconds,
             admission_review_versions: w.admission_review_versions,
+            match_conditions: conditions(w.match_conditions),
         })
         .chain(
             validating
@@ -208,6 +219,7 @@ fn manifest_registers_exactly_the_table() {
                     side_effects: w.side_effects,
                     timeout_seconds: w.timeout_seconds,
                     admission_review_versions: w.admission_review_versions,
+                    match_conditions: conditions(w.match_conditions),
                 }),
         )
         .collect();
@@ -246,18 +258,21 @@ fn manifest_registers_exactly_the_table() {
         };
         let ops: Vec<&str> = spec.operations.iter().map(|o| o.as_str()).collect();
         assert_eq!(rule.operations, strings(&ops), "{name}");
-        assert_eq!(rule.api_groups, strings(&[api::GROUP]), "{name}");
-        assert_eq!(rule.api_versions, strings(&[api::VERSION]), "{name}");
+        assert_eq!(rule.api_groups, strings(&[spec.group]), "{name}");
+        assert_eq!(rule.api_versions, strings(&[spec.version]), "{name}");
         assert_eq!(rule.resources, strings(&[spec.resource]), "{name}");
         assert_eq!(
             r.failure_policy.as_deref(),
             Some(spec.failure_policy),
             "{name}"
         );
-        assert_eq!(
-            r.side_effects, "None",
-            "{name}: dry runs need no special path"
-        );
+        assert_eq!(r.side_effects, spec.side_effects, "{name}");
+        let want_conditions: Vec<(String, String)> = spec
+            .match_condition
+            .iter()
+            .map(|c| (c.name.to_owned(), c.expression.to_owned()))
+            .collect();
+        assert_eq!(r.match_conditions, want_conditions, "{name}");
         assert_eq!(r.timeout_seconds, Some(spec.timeout_seconds), "{name}");
         assert_eq!(r.admission_review_versions, ["v1"], "{name}");
     }

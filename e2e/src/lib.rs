@@ -756,6 +756,32 @@ pub fn console_round_trip(stack: &Stack, vm: &str, word: &str) -> Result<(), Str
     Ok(())
 }
 
+/// The processes of the pod with this uid (their cgroup names it, as the kubelet lays cgroups
+/// out): each pid with its `argv[0]`.
+pub fn pod_processes(pod_uid: &str) -> Vec<(u32, String)> {
+    let needle = format!("pod{pod_uid}");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        let in_pod =
+            std::fs::read_to_string(entry.path().join("cgroup")).is_ok_and(|c| c.contains(&needle));
+        let argv0 = std::fs::read(entry.path().join("cmdline"))
+            .ok()
+            .and_then(|c| {
+                c.split(|b| *b == 0)
+                    .next()
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+            })
+            .unwrap_or_default();
+        if in_pod {
+            out.push((pid, argv0));
+        }
+    }
+    out
+}
+
 /// The pids whose command line starts with `argv0` and contains `marker`.
 pub fn processes(argv0: &str, marker: &str) -> Vec<u32> {
     let mut out = Vec::new();

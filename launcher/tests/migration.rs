@@ -195,3 +195,67 @@ fn guest_live_migration_completes_and_a_cancelled_one_leaves_the_guest_running()
     let d = lines.last().unwrap();
     assert_eq!(d["reason"], "FailedMigration", "{d}");
 }
+
+/// One migration of `v` from `source` to a fresh target; QEMU's figures from the source's last
+/// domain: (total ms, downtime ms, memory transferred bytes). The target is returned running.
+fn measure(source: &Launcher, v: &Value, migration: &str) -> (Launcher, u64, u64, u64) {
+    let target = start_launcher();
+    prepare_target(&target, migration, v);
+    join_streams(source, &target);
+    let socket = source.socket.clone();
+    migrate(source, migration, 0);
+    let lines = common::watch_until(&socket, BOOT, |d: &Value| d["state"] == "Shutoff");
+    let m = migration_of(lines.last().unwrap()).clone();
+    assert_eq!(m["phase"], "Completed", "{m}");
+    wait_until(BOOT, "the target's state is in", || {
+        (migration_of(&target.domain())["phase"] == "Completed").then_some(())
+    });
+    target.post("/v1/migration/finish");
+    (
+        target,
+        m["totalTimeMs"].as_u64().unwrap(),
+        m["downtimeMs"].as_u64().unwrap(),
+        m["memoryTransferred"].as_u64().unwrap(),
+    )
+}
+
+/// The migration benchmark: an idle 256 MiB guest moved under TCG, then the same guest while
+/// it rewrites 64 MiB of memory in a loop. Prints QEMU's own figures (total time, downtime,
+/// memory sent) and the load average.
+///
+/// `cargo nextest run -p launcher --test migration --run-ignored only --no-capture`
+#[test]
+#[ignore = "benchmark: prints figures"]
+fn guest_migration_benchmark_idle_and_dirtying() {
+    let mut source = start_launcher();
+    let id = uid();
+    let v = vmi("bench", &id, spec());
+    let (status, d) = source.sync(&v);
+    assert_eq!(status, 200, "{d}");
+    source.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
+    let (mut target, total, downtime, sent) = measure(&source, &v, "idle");
+    assert!(source.wait_exit(Duration::from_secs(30)).success());
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "migration, idle 256 MiB guest (TCG, unix sockets, block migration of its containerDisk \
+         overlay and emptyDisk): total {total} ms, downtime {downtime} ms, memory sent {:.1} MiB; \
+         load average {}",
+        sent as f64 / f64::from(1 << 20),
+        load.trim()
+    );
+
+    let mut console = Console::connect(&target.vm_dir(&id).join("virt-serial0"));
+    console.run(
+        "(while :; do dd if=/dev/zero of=/dev/shm/dirty bs=1M count=64 2>/dev/null; done) & echo started",
+        BOOT,
+    );
+    let (_again, total, downtime, sent) = measure(&target, &v, "dirtying");
+    assert!(target.wait_exit(Duration::from_secs(30)).success());
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "migration, the same guest rewriting 64 MiB in a loop: total {total} ms, downtime \
+         {downtime} ms, memory sent {:.1} MiB; load average {}",
+        sent as f64 / f64::from(1 << 20),
+        load.trim()
+    );
+}

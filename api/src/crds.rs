@@ -6,6 +6,7 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 };
 use kube_core::CustomResourceExt;
 
+use crate::migrationpolicy::MigrationPolicy;
 use crate::{
     KubeVirt, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
     VirtualMachineInstanceReplicaSet,
@@ -31,6 +32,9 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     let mut kv = KubeVirt::crd();
     label(&mut kv, "operator.kubevirt.io");
     out.push(kv);
+    let mut policy = MigrationPolicy::crd();
+    label(&mut policy, "kubevirt.io");
+    out.push(policy);
     out
 }
 

@@ -25,6 +25,12 @@ pub const MIGRATION_JOB_UID: &str = "kubevirt.io/migrationJobUID";
 pub const MIGRATION_NAME: &str = "kubevirt.io/migrationName";
 /// `MigrationTargetNodeNameLabel`: VMI label, the node a migration goes to.
 pub const MIGRATION_TARGET_NODE_NAME: &str = "kubevirt.io/migrationTargetNodeName";
+/// `EvictionSourceAnnotation`: VMI annotation virt-api sets when the descheduler asked for the
+/// eviction (its evacuation migration gets a lower priority); removed once the VMI moved.
+pub const EVICTION_SOURCE: &str = "kubevirt.io/eviction-source";
+/// `EvacuationMigrationAnnotation`: migration annotation naming the node being evacuated; it
+/// also marks the migration as the evacuation controller's.
+pub const EVACUATION_MIGRATION: &str = "kubevirt.io/evacuationMigration";
 /// `MigrationJobNameAnnotation`: target pod annotation, the migration's name.
 pub const MIGRATION_JOB_NAME: &str = "kubevirt.io/migrationJobName";
 /// `AllowPodBridgeNetworkLiveMigrationAnnotation`: VMI annotation, a bridge binding on the pod

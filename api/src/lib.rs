@@ -39,6 +39,7 @@ pub mod kubevirt;
 pub mod labels;
 pub mod metrics;
 pub mod migration;
+pub mod migrationpolicy;
 pub mod quantity;
 pub mod replicaset;
 pub mod status;

@@ -157,6 +157,9 @@ pub struct MigrationConfiguration {
     pub match_selinux_level_on_migration: Option<bool>,
 }
 
+/// The drain taint's key when the KubeVirt CR names none (`migrations.nodeDrainTaintKey`).
+pub const DEFAULT_NODE_DRAIN_TAINT_KEY: &str = "kubevirt.io/drain";
+
 impl MigrationConfiguration {
     /// Every field set: this configuration's, else KubeVirt's default
     /// (`pkg/virt-config/virt-config.go`).
@@ -187,7 +190,7 @@ impl MigrationConfiguration {
             node_drain_taint_key: Some(
                 self.node_drain_taint_key
                     .clone()
-                    .unwrap_or_else(|| "kubevirt.io/drain".into()),
+                    .unwrap_or_else(|| DEFAULT_NODE_DRAIN_TAINT_KEY.into()),
             ),
             match_selinux_level_on_migration: Some(
                 self.match_selinux_level_on_migration.unwrap_or(true),

@@ -1,8 +1,12 @@
-//! virt-controller: the cluster-wide controllers of kubevirt-rs (VM, VMI, ReplicaSet, Node),
-//! as pure decision functions ([`vm`], [`vmi`], [`finalizers`], [`replicaset`], [`node`], [`template`],
+//! virt-controller: the cluster-wide controllers of kubevirt-rs (VM, VMI, ReplicaSet, Node,
+//! migration, evacuation, disruption budget), as pure decision functions ([`vm`], [`vmi`],
+//! [`finalizers`], [`replicaset`], [`node`], [`migration`], [`evacuation`],
+//! [`disruptionbudget`], [`template`],
 //! [`cache`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
 
 pub mod cache;
+pub mod disruptionbudget;
+pub mod evacuation;
 pub mod events;
 pub mod finalizers;
 pub mod metrics;

@@ -24,6 +24,7 @@ use api::migration::{
     VirtualMachineInstanceMigrationCondition, VirtualMachineInstanceMigrationConditionType,
     VirtualMachineInstanceMigrationPhase as Ph, VirtualMachineInstanceMigrationStatus,
 };
+use api::migrationpolicy::MigrationPolicy;
 use api::status::{
     PhaseTransitionTimestamp, VirtualMachineInstanceConditionType,
     VirtualMachineInstanceMigrationState,
@@ -102,6 +103,9 @@ pub struct Input<'a> {
     pub pods: &'a [Pod],
     /// The effective migration configuration (`ClusterConfig.migrations`).
     pub config: &'a MigrationConfiguration,
+    /// The MigrationPolicy matching the VMI ([`api::migrationpolicy::match_policy`]): its
+    /// settings override `config` for this migration.
+    pub policy: Option<&'a MigrationPolicy>,
     /// Other unfinished migrations counting against `parallelMigrationsPerCluster`
     /// ([`counts_as_running`]).
     pub running_in_cluster: usize,
@@ -730,7 +734,13 @@ pub fn handoff_state(
         target_pod: target.metadata.name.clone(),
         source_node: vmi.status.as_ref().and_then(|s| s.node_name.clone()),
         source_pod,
-        migration_configuration: serde_json::to_value(i.config).ok().map(Preserved),
+        migration_configuration: serde_json::to_value(
+            i.policy
+                .map_or_else(|| i.config.clone(), |p| p.spec.apply(i.config)),
+        )
+        .ok()
+        .map(Preserved),
+        migration_policy_name: i.policy.and_then(|p| p.metadata.name.clone()),
         ..VirtualMachineInstanceMigrationState::default()
     }
 }

@@ -1782,11 +1782,14 @@ async fn a_restarted_controller_finishes_deletions_and_migrates_finalizers() {
 /// A VMI running on node01 as virt-handler would report it: Scheduled by the controller, then
 /// Running.
 async fn running_vmi(client: &Client, name: &str) -> VirtualMachineInstance {
+    Box::pin(running_vmi_from(client, vmi(name))).await
+}
+
+/// [`running_vmi`] of this VMI.
+async fn running_vmi_from(client: &Client, vmi: VirtualMachineInstance) -> VirtualMachineInstance {
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
-    let created = vmis
-        .create(&PostParams::default(), &vmi(name))
-        .await
-        .unwrap();
+    let name = &vmi.name_any();
+    let created = vmis.create(&PostParams::default(), &vmi).await.unwrap();
     let pod = wait_for("the launcher pod", || async {
         pods_of(client, &created).await.into_iter().next()
     })
@@ -1878,7 +1881,7 @@ async fn migration_hands_off_to_the_handlers_and_succeeds() {
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
     let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
         Api::default_namespaced(client.clone());
-    let v = running_vmi(&client, "mover").await;
+    let v = Box::pin(running_vmi(&client, "mover")).await;
     let source = pods_of(&client, &v).await.pop().unwrap();
     let m = create_migration(&client, "mig1", "mover").await;
     let uid = m.uid().unwrap();
@@ -2024,7 +2027,7 @@ async fn migration_deleted_before_the_handoff_is_canceled() {
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
     let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
         Api::default_namespaced(client.clone());
-    let v = running_vmi(&client, "stayer").await;
+    let v = Box::pin(running_vmi(&client, "stayer")).await;
     let m = create_migration(&client, "mig2", "stayer").await;
     let uid = m.uid().unwrap();
     wait_for("the target pod", || target_pod_of(&client, &v, &uid)).await;
@@ -2054,4 +2057,217 @@ async fn migration_deleted_before_the_handoff_is_canceled() {
     assert_eq!(phase(&after).as_deref(), Some("Running"));
     assert!(after.status.unwrap().migration_state.is_none());
     assert_eq!(pods_of(&client, &v).await.len(), 1);
+}
+
+/// The evacuation migrations of `vmi`: created by the evacuation controller for `node`.
+async fn evacuations_of(
+    migrations: &Api<api::migration::VirtualMachineInstanceMigration>,
+    vmi: &str,
+) -> Vec<api::migration::VirtualMachineInstanceMigration> {
+    migrations
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|m| m.spec.vmi_name.as_deref() == Some(vmi))
+        .collect()
+}
+
+#[tokio::test]
+async fn marked_vmis_and_a_drain_tainted_node_get_evacuation_migrations() {
+    let (_server, client) = cluster().await;
+    let _node02 = localcluster::controlplane::ready_node(
+        &client,
+        json!({"metadata": {"name": "node02", "labels": {"kubernetes.io/hostname": "node02"}}}),
+        serde_json::Value::Null,
+    )
+    .await;
+    let _c = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
+        Api::default_namespaced(client.clone());
+    let with_strategy = |name: &str, strategy: &str| {
+        let mut v = vmi(name);
+        v.spec.eviction_strategy = Some(strategy.into());
+        v
+    };
+    // On node01: two LiveMigrate VMIs (one to be marked by virt-api's eviction webhook), one
+    // whose strategy is None.
+    for (name, strategy) in [
+        ("marked", "LiveMigrate"),
+        ("evacuee", "LiveMigrate"),
+        ("stayer", "None"),
+    ] {
+        Box::pin(running_vmi_from(&client, with_strategy(name, strategy))).await;
+    }
+
+    // The webhook's mark: only that VMI moves.
+    vmis.patch(
+        "marked",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"evacuationNodeName": "node01"}})),
+    )
+    .await
+    .unwrap();
+    let m = wait_for("the marked VMI's evacuation migration", || async {
+        evacuations_of(&migrations, "marked")
+            .await
+            .into_iter()
+            .next()
+    })
+    .await;
+    assert!(m.name_any().starts_with("kubevirt-evacuation-"), "{m:?}");
+    assert_eq!(
+        m.annotations()
+            .get("kubevirt.io/evacuationMigration")
+            .map(String::as_str),
+        Some("node01")
+    );
+    assert_eq!(m.spec.priority.as_deref(), Some("system-critical"));
+    assert!(evacuations_of(&migrations, "evacuee").await.is_empty());
+
+    // The drain taint: every VMI of the node whose strategy migrates.
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(client.clone());
+    nodes
+        .patch(
+            "node01",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"spec": {"taints": [{"key": "kubevirt.io/drain", "effect": "NoSchedule"}]}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let e = wait_for("the evacuee's evacuation migration", || async {
+        evacuations_of(&migrations, "evacuee")
+            .await
+            .into_iter()
+            .next()
+    })
+    .await;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::default_namespaced(client.clone());
+    let want = format!("Created Migration {}", e.name_any());
+    wait_for("the SuccessfulCreate event on the VMI", || async {
+        events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|ev| {
+                ev.reason.as_deref() == Some("SuccessfulCreate")
+                    && ev.note.as_deref() == Some(want.as_str())
+                    && ev.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("evacuee")
+            })
+    })
+    .await;
+    // Queued again and again by the migrations' progress, nothing is created twice, and the
+    // VMI whose strategy is None stays.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(evacuations_of(&migrations, "marked").await.len(), 1);
+    assert_eq!(evacuations_of(&migrations, "evacuee").await.len(), 1);
+    assert!(evacuations_of(&migrations, "stayer").await.is_empty());
+}
+
+#[tokio::test]
+async fn pdbs_a_vmi_controls_are_deleted() {
+    use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+    let (_server, client) = cluster().await;
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let v = vmis
+        .create(&PostParams::default(), &vmi("legacy"))
+        .await
+        .unwrap();
+    let uid = v.uid().unwrap();
+    // As KubeVirt's older releases left them: one per migratable VMI, controlled by it.
+    let pdb = |name: &str, controller: bool| -> PodDisruptionBudget {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "ownerReferences": [{
+                "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+                "name": "legacy", "uid": uid, "controller": controller,
+            }]},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"kubevirt.io/created-by": uid}}},
+        }))
+        .unwrap()
+    };
+    let pdbs: Api<PodDisruptionBudget> = Api::default_namespaced(client.clone());
+    for (name, controller) in [
+        ("kubevirt-disruption-budget-legacy", true),
+        ("owned-not-controlled", false),
+    ] {
+        pdbs.create(&PostParams::default(), &pdb(name, controller))
+            .await
+            .unwrap();
+    }
+    let _c = start(&client, "a", false);
+    wait_for("the VMI's PDB deleted", || async {
+        pdbs.get_opt("kubevirt-disruption-budget-legacy")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::default_namespaced(client.clone());
+    wait_for("the SuccessfulDelete event on the VMI", || async {
+        events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|ev| {
+                ev.reason.as_deref() == Some("SuccessfulDelete")
+                    && ev.note.as_deref()
+                        == Some("Deleted PodDisruptionBudget kubevirt-disruption-budget-legacy")
+                    && ev.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("legacy")
+            })
+    })
+    .await;
+    assert!(
+        pdbs.get_opt("owned-not-controlled")
+            .await
+            .unwrap()
+            .is_some(),
+        "a PDB the VMI does not control stays"
+    );
+}
+
+#[tokio::test]
+async fn a_repeated_event_is_counted_and_a_new_message_under_its_reason_is_kept() {
+    let (_server, client) = cluster().await;
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let v = vmis
+        .create(&PostParams::default(), &vmi("noted"))
+        .await
+        .unwrap();
+    let publisher = informer::events::Publisher::new(
+        client.clone(),
+        informer::events::Reporter {
+            controller: "virt-controller".into(),
+            instance: None,
+        },
+    );
+    for note in ["Created pod", "Created pod", "Created Migration"] {
+        informer::publish_event(&publisher, &v, false, "SuccessfulCreate", note.into()).await;
+    }
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::default_namespaced(client.clone());
+    let mut seen: Vec<(String, Option<i32>)> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("noted"))
+        .map(|e| (e.note.unwrap_or_default(), e.series.map(|s| s.count)))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            ("Created Migration".to_owned(), None),
+            ("Created pod".to_owned(), Some(2))
+        ]
+    );
 }

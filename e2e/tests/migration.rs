@@ -5,10 +5,15 @@
 //! stopped: no reboot), the VMI ends on the other node with `migrationState.completed`, and the
 //! source pod is gone. Then, with `bandwidthPerMigration: 1Mi` so that a migration runs for
 //! minutes, a VMIM deleted while it runs is aborted: the VMI stays where it is, Running.
+//! Failures (an unschedulable target pod, the target's launcher or the source's virt-handler
+//! killed mid-way) leave the VM running on the source with the VMIM saying why, and
+//! `kubectl drain` moves a `LiveMigrate` VMI under a MigrationPolicy and completes.
 
 use std::time::Duration;
 
-use e2e::{Stack, wait_for};
+use e2e::{Stack, pod_processes, wait_for};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 use serde_json::{Value, json};
 
 const BOOT: Duration = Duration::from_mins(7);
@@ -105,12 +110,12 @@ fn vmim_phase(stack: &Stack, name: &str) -> Result<Option<String>, String> {
         .map(|m| m["status"]["phase"].as_str().unwrap_or_default().to_owned()))
 }
 
-#[test]
-fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
-    let stack = Stack::up_nodes(2).expect("the stack on two nodes");
-    stack.apply(&vmi_migratable());
+/// Applies `manifest` (a `vmi-migratable`) and waits until the VMI runs, is live-migratable and
+/// its guest has counted to `ticks_at_least` on its console; the VMI, and the count then.
+fn boot(stack: &Stack, manifest: &Value, ticks_at_least: u64) -> (Value, u64) {
+    stack.apply(manifest);
     let v = wait_for("the VMI Running and live-migratable", BOOT, || {
-        let v = vmi(&stack)?;
+        let v = vmi(stack)?;
         let migratable = condition(&v, "LiveMigratable").map(|c| c["status"].clone());
         if v["status"]["phase"] == "Running" && migratable == Some(json!("True")) {
             Ok(Some(v))
@@ -122,6 +127,39 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
         }
     })
     .unwrap();
+    let count = wait_for("the guest counting on its console", BOOT, || {
+        let t = ticks(stack, &v);
+        t.last()
+            .copied()
+            .filter(|n| *n >= ticks_at_least)
+            .map(Some)
+            .ok_or_else(|| format!("{t:?}"))
+    })
+    .unwrap();
+    (v, count)
+}
+
+/// `bandwidthPerMigration: 1Mi` in the KubeVirt CR: a migration then runs for minutes.
+fn throttle_migrations(stack: &Stack) {
+    stack
+        .kubectl(&[
+            "-n",
+            "kubevirt",
+            "patch",
+            "kv",
+            "kubevirt",
+            "--type",
+            "merge",
+            "-p",
+            r#"{"spec":{"configuration":{"migrations":{"bandwidthPerMigration":"1Mi"}}}}"#,
+        ])
+        .unwrap();
+}
+
+#[test]
+fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
+    let stack = Stack::up_nodes(2).expect("the stack on two nodes");
+    let (v, before) = boot(&stack, &vmi_migratable(), 5);
     assert_eq!(
         v["status"]["migrationMethod"], "BlockMigration",
         "{}",
@@ -129,15 +167,6 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
     );
     let source = v["status"]["nodeName"].as_str().unwrap().to_owned();
     let uid = v["metadata"]["uid"].as_str().unwrap().to_owned();
-    let before = wait_for("the guest counting on its console", BOOT, || {
-        let t = ticks(&stack, &v);
-        t.last()
-            .copied()
-            .filter(|n| *n >= 5)
-            .map(Some)
-            .ok_or_else(|| format!("{t:?}"))
-    })
-    .unwrap();
 
     stack.apply(&migration("migration-job"));
     let m = wait_for("migration-job Succeeded", MIGRATE, || {
@@ -236,19 +265,7 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
     .unwrap();
 
     // A migration slow enough to be caught running, deleted: aborted, the VM stays.
-    stack
-        .kubectl(&[
-            "-n",
-            "kubevirt",
-            "patch",
-            "kv",
-            "kubevirt",
-            "--type",
-            "merge",
-            "-p",
-            r#"{"spec":{"configuration":{"migrations":{"bandwidthPerMigration":"1Mi"}}}}"#,
-        ])
-        .unwrap();
+    throttle_migrations(&stack);
     stack.apply(&migration("migration-slow"));
     wait_for("migration-slow Running", MIGRATE, || {
         match vmim_phase(&stack, "migration-slow")?.as_deref() {
@@ -308,4 +325,307 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
         },
     )
     .unwrap();
+}
+
+/// A migration-job with this name, optionally with extra spec and annotations.
+fn migration_with(name: &str, spec: &Value, annotations: Value) -> Value {
+    let mut m = migration(name);
+    m["metadata"]["annotations"] = annotations;
+    if let (Some(into), Some(extra)) = (m["spec"].as_object_mut(), spec.as_object()) {
+        into.extend(extra.clone());
+    }
+    m
+}
+
+fn wait_vmim(stack: &Stack, name: &str, phase: &str) -> Value {
+    wait_for(&format!("{name} {phase}"), MIGRATE, || {
+        let m = stack
+            .get_json("default", "vmim", name)
+            .map_err(|e| e.to_string())?
+            .ok_or("no VMIM")?;
+        let p = m["status"]["phase"].as_str().unwrap_or_default();
+        if p == phase {
+            return Ok(Some(m));
+        }
+        if matches!(p, "Failed" | "Succeeded") {
+            panic!("{name} ended {p}, not {phase}: {}", m["status"]);
+        }
+        Err(format!("phase {p:?}"))
+    })
+    .unwrap()
+}
+
+/// The messages of the `FailedMigration` events of a VMIM: why it failed.
+fn failed_migration_events(stack: &Stack, name: &str) -> String {
+    stack
+        .kubectl(&[
+            "-n",
+            "default",
+            "get",
+            "events",
+            "--field-selector",
+            &format!("involvedObject.name={name},reason=FailedMigration"),
+            "-o",
+            "jsonpath={.items[*].message}",
+        ])
+        .unwrap_or_default()
+}
+
+fn pod_uid(stack: &Stack, namespace: &str, name: &str) -> String {
+    stack
+        .kubectl(&[
+            "-n",
+            namespace,
+            "get",
+            "pod",
+            name,
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ])
+        .unwrap()
+}
+
+/// SIGKILLs the processes of a pod whose `argv[0]` ends with `program`; how many.
+fn kill_in_pod(pod_uid: &str, program: &str) -> usize {
+    let pids: Vec<u32> = pod_processes(pod_uid)
+        .into_iter()
+        .filter(|(_, argv0)| argv0.ends_with(program))
+        .map(|(pid, _)| pid)
+        .collect();
+    for pid in &pids {
+        let _ = kill(Pid::from_raw(i32::try_from(*pid).unwrap()), Signal::SIGKILL);
+    }
+    pids.len()
+}
+
+/// After a failed migration: the VMI Running on `node`, its guest still counting, its only
+/// launcher pod there.
+fn survived(stack: &Stack, node: &str) {
+    let v = vmi(stack).unwrap();
+    assert_eq!(v["status"]["nodeName"], node, "the VM stayed");
+    assert_eq!(v["status"]["phase"], "Running");
+    let now = ticks(stack, &v);
+    wait_for("the guest still counting", Duration::from_mins(2), || {
+        let t = ticks(stack, &v);
+        (t.last() > now.last())
+            .then_some(Some(()))
+            .ok_or_else(|| format!("{t:?}"))
+    })
+    .unwrap();
+    let uid = v["metadata"]["uid"].as_str().unwrap();
+    wait_for("one launcher pod left", Duration::from_mins(2), || {
+        let pods = launcher_pods(stack, uid);
+        (pods.len() == 1 && pods[0].1 == node)
+            .then_some(Some(()))
+            .ok_or_else(|| format!("{pods:?}"))
+    })
+    .unwrap();
+}
+
+/// What can go wrong, each time with the VM left running where it was and the VMIM saying why:
+/// a target pod that cannot be scheduled (KubeVirt's timeout, shortened by its annotation), the
+/// target's launcher killed while the memory is on its way, the source's virt-handler killed
+/// (its proxy goes with it) while the memory is on its way.
+#[test]
+fn migration_failures_leave_the_vm_running_on_the_source() {
+    let stack = Stack::up_nodes(2).expect("the stack on two nodes");
+    let (v, _) = boot(&stack, &vmi_migratable(), 3);
+    let source = v["status"]["nodeName"].as_str().unwrap().to_owned();
+    throttle_migrations(&stack);
+
+    stack.apply(&migration_with(
+        "mig-unschedulable",
+        &json!({"addedNodeSelector": {"kubernetes.io/hostname": "no-such-node"}}),
+        json!({"kubevirt.io/migrationUnschedulablePodTimeoutSeconds": "10"}),
+    ));
+    let m = wait_vmim(&stack, "mig-unschedulable", "Failed");
+    assert!(
+        m["status"]["migrationState"].is_null()
+            || m["status"]["migrationState"]["targetNodeAddress"].is_null(),
+        "never handed off: {}",
+        m["status"]
+    );
+    let events = stack
+        .kubectl(&[
+            "-n",
+            "default",
+            "get",
+            "events",
+            "--field-selector",
+            "involvedObject.name=mig-unschedulable",
+            "-o",
+            "jsonpath={.items[*].reason}",
+        ])
+        .unwrap();
+    assert!(
+        events.contains("migrationTargetPodUnschedulable"),
+        "{events}"
+    );
+    survived(&stack, &source);
+
+    stack.apply(&migration("mig-target-killed"));
+    wait_vmim(&stack, "mig-target-killed", "Running");
+    let v = vmi(&stack).unwrap();
+    let target_pod = v["status"]["migrationState"]["targetPod"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let killed = kill_in_pod(&pod_uid(&stack, "default", &target_pod), "virt-launcher");
+    assert!(killed > 0, "no launcher in the target pod {target_pod}");
+    let m = wait_vmim(&stack, "mig-target-killed", "Failed");
+    let v = vmi(&stack).unwrap();
+    let ms = &v["status"]["migrationState"];
+    assert_eq!(ms["failed"], true, "{ms}");
+    assert!(
+        ms["failureReason"].as_str().is_some_and(|r| !r.is_empty()),
+        "{ms}"
+    );
+    assert_eq!(m["status"]["phase"], "Failed");
+    let why = failed_migration_events(&stack, "mig-target-killed");
+    assert!(!why.is_empty(), "no FailedMigration event");
+    survived(&stack, &source);
+
+    stack.apply(&migration("mig-source-handler"));
+    wait_vmim(&stack, "mig-source-handler", "Running");
+    let handler_pod = stack
+        .kubectl(&[
+            "-n",
+            "kubevirt",
+            "get",
+            "pods",
+            "-l",
+            "kubevirt.io=virt-handler",
+            "--field-selector",
+            &format!("spec.nodeName={source}"),
+            "-o",
+            "jsonpath={.items[0].metadata.uid}",
+        ])
+        .unwrap();
+    assert!(
+        kill_in_pod(&handler_pod, "virt-handler") > 0,
+        "no virt-handler in {handler_pod}"
+    );
+    wait_vmim(&stack, "mig-source-handler", "Failed");
+    assert!(
+        !failed_migration_events(&stack, "mig-source-handler").is_empty(),
+        "no FailedMigration event"
+    );
+    let v = vmi(&stack).unwrap();
+    let ms = &v["status"]["migrationState"];
+    assert_eq!(ms["failed"], true, "{ms}");
+    assert!(
+        ms["failureReason"].as_str().is_some_and(|r| !r.is_empty()),
+        "{ms}"
+    );
+    survived(&stack, &source);
+}
+
+fn migration_policy(name: &str, spec: &Value) -> Value {
+    json!({
+        "apiVersion": "migrations.kubevirt.io/v1alpha1",
+        "kind": "MigrationPolicy",
+        "metadata": {"name": name},
+        "spec": spec,
+    })
+}
+
+/// `kubectl drain` of the node a `LiveMigrate` VMI runs on, as an operator drains a node for
+/// maintenance: every pod on it is evicted (virt-api's and virt-controller's replicas too); the
+/// launcher pod's eviction is refused and becomes an evacuation migration, which a
+/// MigrationPolicy matching the VMI's label governs; once the VMI has moved the drain
+/// completes. The guest keeps counting throughout.
+#[test]
+fn kubectl_drain_migrates_a_live_migrate_vmi_and_completes() {
+    let stack = Stack::up_nodes(2).expect("the stack on two nodes");
+    let refused = stack
+        .kubectl_with_input(
+            &["apply", "-f", "-"],
+            &migration_policy("refused", &json!({"selectors": {}, "maxDowntimeMs": 300}))
+                .to_string(),
+        )
+        .expect_err("maxDowntimeMs is refused");
+    assert!(
+        refused.to_string().contains("spec.maxDowntimeMs"),
+        "{refused}"
+    );
+    stack.apply(&migration_policy(
+        "vmi-migratable-policy",
+        &json!({
+            "selectors": {"virtualMachineInstanceSelector": {"special": "vmi-migratable"}},
+            "allowAutoConverge": true,
+            "bandwidthPerMigration": "256Mi",
+        }),
+    ));
+    let mut manifest = vmi_migratable();
+    manifest["spec"]["evictionStrategy"] = json!("LiveMigrate");
+    let (v, before) = boot(&stack, &manifest, 3);
+    let source = v["status"]["nodeName"].as_str().unwrap().to_owned();
+
+    stack
+        .kubectl(&[
+            "drain",
+            &source,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--timeout=420s",
+        ])
+        .expect("kubectl drain completes");
+
+    let v = vmi(&stack).unwrap();
+    let target = v["status"]["nodeName"].as_str().unwrap().to_owned();
+    assert_ne!(target, source, "the VMI moved off the drained node");
+    assert_eq!(v["status"]["phase"], "Running");
+    let ms = &v["status"]["migrationState"];
+    assert_eq!(ms["completed"], true, "{ms}");
+    assert_eq!(ms["sourceNode"], source.as_str(), "{ms}");
+    assert_eq!(ms["migrationPolicyName"], "vmi-migratable-policy", "{ms}");
+    assert!(
+        v["status"]["evacuationNodeName"].is_null(),
+        "the evacuation is over: {}",
+        v["status"]
+    );
+    assert_eq!(
+        ms["migrationConfiguration"]["allowAutoConverge"], true,
+        "{ms}"
+    );
+    let evacuations = stack
+        .kubectl(&[
+            "-n",
+            "default",
+            "get",
+            "vmim",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.annotations.kubevirt\\.io/evacuationMigration} {.status.phase}{\"\\n\"}{end}",
+        ])
+        .unwrap();
+    assert_eq!(
+        evacuations.trim(),
+        format!("{source} Succeeded"),
+        "one evacuation migration, succeeded"
+    );
+    let uid = v["metadata"]["uid"].as_str().unwrap();
+    let pods = launcher_pods(&stack, uid);
+    assert!(
+        pods.len() == 1 && pods[0].1 == target,
+        "only the target's launcher pod: {pods:?}"
+    );
+    wait_for(
+        "the guest counting on the target's console",
+        Duration::from_mins(2),
+        || {
+            let t = ticks(&stack, &v);
+            t.last()
+                .copied()
+                .filter(|n| *n > before)
+                .map(Some)
+                .ok_or_else(|| format!("{t:?}"))
+        },
+    )
+    .unwrap();
+    let first = ticks(&stack, &v)[0];
+    assert!(
+        first > before / 2,
+        "the count went on ({before} on the source, then from {first} here): no reboot"
+    );
+    stack.kubectl(&["uncordon", &source]).unwrap();
 }

@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 use api::labels;
 use api::{VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use futures::StreamExt as _;
+use informer::events::{Publisher, Reporter};
 use informer::{Seen, cas_status_patch, controller_owner, keep_all, key_of, reflect, split_key};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::{Resource as _, ResourceExt as _};
@@ -188,7 +188,7 @@ pub struct Node {
     queue: Arc<Queue>,
     /// The running migration proxies, by VMI key.
     proxies: Mutex<HashMap<String, crate::migration::Proxy>>,
-    recorder: Recorder,
+    recorder: Publisher,
     cgroups: cgroups::CgroupSetup,
     entries: Mutex<HashMap<String, Entry>>,
     next_watch: AtomicU64,
@@ -410,10 +410,10 @@ impl Node {
     async fn record(&self, vmi: &VirtualMachineInstance, events: &[Event]) {
         let reference = vmi.object_ref(&());
         for ev in events {
-            let e = kube::runtime::events::Event {
+            let e = informer::events::Event {
                 type_: match ev.type_ {
-                    EventType::Normal => kube::runtime::events::EventType::Normal,
-                    EventType::Warning => kube::runtime::events::EventType::Warning,
+                    EventType::Normal => informer::events::EventType::Normal,
+                    EventType::Warning => informer::events::EventType::Warning,
                 },
                 reason: ev.reason.clone(),
                 note: Some(ev.message.clone()),
@@ -1069,7 +1069,7 @@ pub async fn start(
             return Err(NodeError::Stopped);
         }
     }
-    let recorder = Recorder::new(
+    let recorder = Publisher::new(
         client.clone(),
         Reporter {
             controller: "virt-handler".into(),

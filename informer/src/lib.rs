@@ -8,6 +8,7 @@
 //! kube-runtime's default backoff; a status patch carries only the keys that changed, with
 //! `null` for those that went away.
 
+pub mod events;
 pub mod leader;
 
 use std::collections::HashSet;
@@ -185,13 +186,13 @@ impl<K: Resource<DynamicType = ()> + Clone> Dispatch<K> {
 /// Publishes an Event on `obj` (`reason` is also its action); a failure is logged, never
 /// fatal: an Event is a courtesy to the user, not part of the reconcile.
 pub async fn publish_event<K: Resource<DynamicType = ()>>(
-    recorder: &kube::runtime::events::Recorder,
+    recorder: &events::Publisher,
     obj: &K,
     warning: bool,
     reason: &str,
     note: String,
 ) {
-    use kube::runtime::events::{Event, EventType};
+    use events::{Event, EventType};
     let ev = Event {
         type_: if warning {
             EventType::Warning

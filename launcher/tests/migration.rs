@@ -238,9 +238,9 @@ fn guest_migration_benchmark_idle_and_dirtying() {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "migration, idle 256 MiB guest (TCG, unix sockets, block migration of its containerDisk \
-         overlay and emptyDisk): total {total} ms, downtime {downtime} ms, memory sent {:.1} MiB; \
+         overlay and emptyDisk): total {total} ms, downtime {downtime} ms, memory sent {} KiB; \
          load average {}",
-        sent as f64 / f64::from(1 << 20),
+        sent / 1024,
         load.trim()
     );
 
@@ -254,8 +254,8 @@ fn guest_migration_benchmark_idle_and_dirtying() {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "migration, the same guest rewriting 64 MiB in a loop: total {total} ms, downtime \
-         {downtime} ms, memory sent {:.1} MiB; load average {}",
-        sent as f64 / f64::from(1 << 20),
+         {downtime} ms, memory sent {} KiB; load average {}",
+        sent / 1024,
         load.trim()
     );
 }

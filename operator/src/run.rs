@@ -9,11 +9,11 @@ use std::time::{Duration, SystemTime};
 
 use api::kubevirt::KubeVirt;
 use futures::StreamExt as _;
+use informer::events::{Publisher, Reporter};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
 };
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Client, ResourceExt as _};
@@ -66,7 +66,7 @@ struct Shared {
     kubevirts: Store<KubeVirt>,
     owned: Vec<(&'static OwnedKind, Store<DynamicObject>)>,
     expectations: Arc<UidTrackingExpectations>,
-    recorder: Recorder,
+    recorder: Publisher,
 }
 
 fn api_resource(k: &OwnedKind) -> ApiResource {
@@ -183,7 +183,7 @@ pub async fn run(client: Client, opts: Options) -> Result<(), RunError> {
             .await
             .map_err(|_| RunError::CacheNotReady(k.kind.into()))?;
     }
-    let recorder = Recorder::new(
+    let recorder = Publisher::new(
         client.clone(),
         Reporter {
             controller: "virt-operator".into(),

@@ -575,7 +575,8 @@ mod tests {
                 .iter()
                 .filter(|k| **k == "CustomResourceDefinition")
                 .count(),
-            4
+            5,
+            "the four kubevirt.io kinds but KubeVirt, and MigrationPolicy"
         );
         assert!(!a.objects.iter().any(|o| name(o) == "kubevirts.kubevirt.io"));
         assert!(!kinds.contains(&"Namespace"));

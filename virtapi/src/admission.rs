@@ -37,6 +37,7 @@ use std::sync::Arc;
 use api::defaults;
 use api::labels;
 use api::migration::VirtualMachineInstanceMigrationPhase;
+use api::migrationpolicy::MigrationPolicy;
 use api::quantity::ParsedQuantity;
 use api::validation::{self, FieldError};
 use api::{
@@ -119,6 +120,8 @@ pub enum Webhook {
     MigrationCreateValidator,
     /// Migration spec immutability; the selector label of an in-flight migration.
     MigrationUpdateValidator,
+    /// MigrationPolicy settings kubevirt-rs can apply (`api::migrationpolicy::validate`).
+    MigrationPolicyValidator,
 }
 
 /// Whether a webhook belongs to the mutating or the validating configuration.
@@ -195,7 +198,7 @@ const CREATE_UPDATE: &[Operation] = &[Operation::Create, Operation::Update];
 
 /// Every webhook, in the order of `manifests/install/55-virt-api-webhooks.yaml` (mutating
 /// configuration first), which is KubeVirt's order.
-pub static WEBHOOKS: [WebhookSpec; 10] = [
+pub static WEBHOOKS: [WebhookSpec; 11] = [
     row(
         Webhook::VmMutator,
         "virtualmachines-mutator.kubevirt.io",
@@ -287,6 +290,18 @@ pub static WEBHOOKS: [WebhookSpec; 10] = [
         UPDATE,
         Admission::Validating,
     ),
+    WebhookSpec {
+        group: "migrations.kubevirt.io",
+        version: "v1alpha1",
+        ..row(
+            Webhook::MigrationPolicyValidator,
+            "migration-policy-validator.kubevirt.io",
+            "/migration-policy-validate-create",
+            "migrationpolicies",
+            CREATE_UPDATE,
+            Admission::Validating,
+        )
+    },
 ];
 
 const fn row(
@@ -315,7 +330,7 @@ const fn row(
 
 impl Webhook {
     /// Every webhook, in [`WEBHOOKS`] order.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 11] = [
         Self::VmMutator,
         Self::VmiMutator,
         Self::MigrationMutator,
@@ -326,6 +341,7 @@ impl Webhook {
         Self::ReplicaSetValidator,
         Self::MigrationCreateValidator,
         Self::MigrationUpdateValidator,
+        Self::MigrationPolicyValidator,
     ];
 
     /// Its row of [`WEBHOOKS`].
@@ -760,6 +776,7 @@ fn decide(hook: Webhook, req: &Request, ctx: &Context) -> Outcome {
         Webhook::ReplicaSetValidator => validate_replicaset(req, ctx),
         Webhook::MigrationCreateValidator => validate_migration_create(req, ctx),
         Webhook::MigrationUpdateValidator => validate_migration_update(req),
+        Webhook::MigrationPolicyValidator => validate_migration_policy(req),
     }
 }
 
@@ -1092,6 +1109,16 @@ fn validate_migration_create(req: &Request, ctx: &Context) -> Outcome {
         });
     }
     refuse_any(causes)
+}
+
+fn validate_migration_policy(req: &Request) -> Outcome {
+    let policy: MigrationPolicy = req.object()?;
+    refuse_any(
+        api::migrationpolicy::validate(&policy)
+            .into_iter()
+            .map(Cause::from)
+            .collect(),
+    )
 }
 
 fn validate_migration_update(req: &Request) -> Outcome {

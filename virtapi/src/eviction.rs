@@ -25,9 +25,6 @@ use serde_json::{Value, json};
 
 use crate::admission::{self, Context};
 
-/// The VMI annotation naming who asked for the eviction (KubeVirt's `EvictionSourceAnnotation`);
-/// the evacuation migration of a descheduler's eviction gets a lower priority.
-pub const EVICTION_SOURCE_ANNOTATION: &str = "kubevirt.io/eviction-source";
 /// The Eviction annotation the descheduler sets, and its value.
 pub const REQUESTED_BY_ANNOTATION: &str = "requested-by";
 /// The descheduler's `requested-by` value.
@@ -145,7 +142,7 @@ pub fn decide(pod: &Pod, vmi: &VirtualMachineInstance, cluster: &EvictionStrateg
 
 /// The JSON patch marking `vmi` for evacuation from `node`: a test that it still runs there,
 /// `status.evacuationNodeName`, and for the descheduler's evictions the
-/// [`EVICTION_SOURCE_ANNOTATION`].
+/// [`labels::EVICTION_SOURCE`].
 pub fn mark_patch(
     vmi: &VirtualMachineInstance,
     node: &str,
@@ -162,14 +159,14 @@ pub fn mark_patch(
         if vmi.metadata.annotations.is_some() {
             ops.push(json!({
                 "op": "add",
-                "path": format!("/metadata/annotations/{}", EVICTION_SOURCE_ANNOTATION.replace('/', "~1")),
+                "path": format!("/metadata/annotations/{}", labels::EVICTION_SOURCE.replace('/', "~1")),
                 "value": "descheduler",
             }));
         } else {
             ops.push(json!({
                 "op": "add",
                 "path": "/metadata/annotations",
-                "value": {EVICTION_SOURCE_ANNOTATION: "descheduler"},
+                "value": {labels::EVICTION_SOURCE: "descheduler"},
             }));
         }
     }
@@ -349,7 +346,7 @@ mod tests {
                 serde_json::from_value(mark_patch(&v, "node01", &by_descheduler)).unwrap();
             json_patch::patch(&mut doc, &p).unwrap();
             assert_eq!(
-                doc["metadata"]["annotations"][EVICTION_SOURCE_ANNOTATION],
+                doc["metadata"]["annotations"][labels::EVICTION_SOURCE],
                 "descheduler"
             );
         }

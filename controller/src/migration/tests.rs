@@ -120,23 +120,25 @@ fn target(phase: &str, node: Option<&str>) -> Pod {
     p
 }
 
-struct Run {
+struct Run<'a> {
     running_in_cluster: usize,
     outbound_from_node: usize,
     state_owner_live: bool,
+    policy: Option<&'a MigrationPolicy>,
 }
 
-const IDLE: Run = Run {
+const IDLE: Run<'static> = Run {
     running_in_cluster: 0,
     outbound_from_node: 0,
     state_owner_live: true,
+    policy: None,
 };
 
 fn run_with(
     m: &VirtualMachineInstanceMigration,
     v: Option<&VirtualMachineInstance>,
     pods: &[Pod],
-    r: &Run,
+    r: &Run<'_>,
 ) -> MigrationSync {
     let config = MigrationConfiguration::default().effective();
     sync(&Input {
@@ -144,6 +146,7 @@ fn run_with(
         vmi: v,
         pods,
         config: &config,
+        policy: r.policy,
         running_in_cluster: r.running_in_cluster,
         outbound_from_node: r.outbound_from_node,
         state_owner_live: r.state_owner_live,
@@ -377,6 +380,36 @@ fn target_pod_moves_pending_to_scheduling_to_scheduled_and_hands_off() {
         Some((SUCCESSFUL_HAND_OVER, messages::HANDED_OVER.to_owned()))
     );
     assert_eq!(change.failure_reason, FAILED_HAND_OVER);
+
+    // A matching MigrationPolicy: named in the state, its settings over the cluster's.
+    let policy: MigrationPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "migrations.kubevirt.io/v1alpha1", "kind": "MigrationPolicy",
+        "metadata": {"name": "fast"},
+        "spec": {"selectors": {}, "bandwidthPerMigration": "1Gi", "allowAutoConverge": true},
+    }))
+    .unwrap();
+    let mut ready = target("Running", Some("n2"));
+    ready.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+        name: "compute".into(),
+        ready: false,
+        ..ContainerStatus::default()
+    }]);
+    let out = run_with(
+        &mig(Some(Ph::Scheduling)),
+        Some(&vmi()),
+        &[source(), ready],
+        &Run {
+            policy: Some(&policy),
+            ..IDLE
+        },
+    );
+    let state = out.vmi.expect("the handoff").migration_state;
+    assert_eq!(state.migration_policy_name.as_deref(), Some("fast"));
+    let applied: MigrationConfiguration =
+        serde_json::from_value(state.migration_configuration.unwrap().0).unwrap();
+    assert_eq!(applied.bandwidth_bytes(), Some(1 << 30));
+    assert_eq!(applied.allow_auto_converge, Some(true));
+    assert_eq!(applied.progress_timeout, Some(150), "the cluster's");
 }
 
 #[test]

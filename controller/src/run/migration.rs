@@ -80,15 +80,19 @@ fn vmi_key_of(m: &VirtualMachineInstanceMigration) -> String {
     )
 }
 
-/// The migration watch: indexed by VMI and uid, then queued.
+/// The migration watch: indexed by VMI and uid, then queued; an evacuation migration's node
+/// is queued for the evacuation controller, its creation observed.
 pub(super) fn on_migration(
     q: Arc<Queue>,
     index: Arc<Mutex<MigrationIndex>>,
+    evac_q: Arc<Queue>,
+    evac_exp: Arc<UidTrackingExpectations>,
 ) -> impl Fn(Seen<'_, VirtualMachineInstanceMigration>) + Send + 'static {
     move |s| {
-        let (o, deleted) = match s {
-            Seen::Added(o) | Seen::Changed(o) => (o, false),
-            Seen::Deleted(o) => (o, true),
+        let (o, added, deleted) = match s {
+            Seen::Added(o) => (o, true, false),
+            Seen::Changed(o) => (o, false, false),
+            Seen::Deleted(o) => (o, false, true),
         };
         let key = obj_key(o);
         {
@@ -99,6 +103,8 @@ pub(super) fn on_migration(
                 index.set(&key, &vmi_key_of(o), o.metadata.uid.as_deref());
             }
         }
+        // After the index: a sync the observation lets through sees the migration.
+        super::evacuation::migration_changed(&evac_q, &evac_exp, o, added);
         q.add(&key);
     }
 }
@@ -221,11 +227,25 @@ pub(super) async fn sync_migration(s: &Shared, key: &str) {
         .and_then(|st| st.migration_uid.clone());
     let (running_in_cluster, outbound_from_node, state_owner_live) =
         counts(s, &m, node.as_deref(), state_uid.as_deref());
+    let policies = s.migration_policies.state();
+    let namespace_labels = s
+        .namespaces
+        .get(&ObjectRef::new(ns))
+        .and_then(|n| n.metadata.labels.clone())
+        .unwrap_or_default();
+    let policy = vmi.as_deref().and_then(|v| {
+        api::migrationpolicy::match_policy(
+            policies.iter().map(AsRef::as_ref),
+            v.metadata.labels.as_ref(),
+            &namespace_labels,
+        )
+    });
     let out = migration::sync(&Input {
         migration: &m,
         vmi: vmi.as_deref(),
         pods: &pods,
         config: &cfg.migrations,
+        policy,
         running_in_cluster,
         outbound_from_node,
         state_owner_live,

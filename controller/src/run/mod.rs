@@ -1,13 +1,16 @@
 //! The thin I/O shells: reflectors feeding work queues, a few workers per controller (never
 //! two on one key) calling the pure decisions, writes through the API, Events, leader election.
 //! This module holds the wiring the controllers share; each controller's watch handlers and
-//! sync are in its own module ([`vm`], [`vmi`], [`replicaset`], [`node`], [`migration`]).
+//! sync are in its own module ([`vm`], [`vmi`], [`replicaset`], [`node`], [`migration`],
+//! [`evacuation`], [`disruptionbudget`]).
 //!
 //! kube-runtime's `Controller` is not used: expectations must be observed by the very cache
 //! the reconcile reads (KubeVirt's informer handlers), and wiring our own reflectors into a
 //! `Controller` needs kube's unstable stream features. A reflector per kind (the `informer`
 //! crate) and a client-go style work queue per controller is all the machinery this needs.
 
+mod disruptionbudget;
+mod evacuation;
 mod migration;
 mod node;
 mod replicaset;
@@ -18,14 +21,16 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use api::migration::VirtualMachineInstanceMigration;
+use api::migrationpolicy::MigrationPolicy;
 use api::{
     ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
     VirtualMachineInstanceReplicaSet,
 };
+use informer::events::{Publisher, Reporter};
 use informer::{Seen, obj_key, reflect};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt as _};
@@ -89,6 +94,10 @@ const RS_WORKERS: usize = 3;
 const NODE_WORKERS: usize = 3;
 /// KubeVirt's `defaultMigrationControllerThreads`.
 const MIGRATION_WORKERS: usize = 3;
+/// KubeVirt's `defaultEvacuationControllerThreads`.
+const EVACUATION_WORKERS: usize = 3;
+/// KubeVirt's `defaultDisruptionBudgetControllerThreads`.
+const DISRUPTION_BUDGET_WORKERS: usize = 3;
 /// How soon a write refused by its compare-and-swap is retried.
 const CONFLICT_RETRY: Duration = Duration::from_millis(200);
 
@@ -113,7 +122,7 @@ fn trim_meta<K: Resource>(o: &mut K) {
 struct Shared {
     client: Client,
     opts: Options,
-    recorder: Recorder,
+    recorder: Publisher,
     vms: Store<VirtualMachine>,
     vmis: Store<VirtualMachineInstance>,
     pods: Store<Pod>,
@@ -135,6 +144,16 @@ struct Shared {
     rs_q: Arc<Queue>,
     node_q: Arc<Queue>,
     mig_q: Arc<Queue>,
+    /// The evacuation controller's queue: node names.
+    evac_q: Arc<Queue>,
+    /// Evacuation migrations being created, keyed by node.
+    evac_exp: Arc<UidTrackingExpectations>,
+    pdbs: Store<PodDisruptionBudget>,
+    /// MigrationPolicies and the namespaces' labels their selectors match.
+    migration_policies: Store<MigrationPolicy>,
+    namespaces: Store<Namespace>,
+    /// The disruption-budget controller's queue: PDB keys.
+    pdb_q: Arc<Queue>,
 }
 
 /// Runs the VM, VMI, ReplicaSet and Node controllers until the task is dropped.
@@ -170,6 +189,9 @@ async fn start_caches(
     let mig_q = Arc::new(Queue::default());
     let mig_pod_exp = Arc::new(UidTrackingExpectations::default());
     let mig_index: Arc<Mutex<migration::MigrationIndex>> = Arc::default();
+    let evac_q = Arc::new(Queue::default());
+    let evac_exp = Arc::new(UidTrackingExpectations::default());
+    let pdb_q = Arc::new(Queue::default());
     let wc = watcher::Config::default;
 
     let vms = reflect(
@@ -193,6 +215,7 @@ async fn start_caches(
             vms: vms.clone(),
             mig_q: mig_q.clone(),
             mig_index: mig_index.clone(),
+            evac_q: evac_q.clone(),
         }),
     );
     let pod_index: Arc<Mutex<OwnerIndex>> = Arc::default();
@@ -215,13 +238,17 @@ async fn start_caches(
         q.add(&obj_key(s.object()));
     });
     let q = node_q.clone();
+    let eq = evac_q.clone();
     let nodes = reflect(
         tasks,
         Api::all(client.clone()),
         wc(),
         trim_meta,
         move |s| match s {
-            Seen::Added(o) | Seen::Changed(o) => q.add(&obj_key(o)),
+            Seen::Added(o) | Seen::Changed(o) => {
+                q.add(&obj_key(o));
+                eq.add(&obj_key(o));
+            }
             Seen::Deleted(_) => {}
         },
     );
@@ -231,7 +258,35 @@ async fn start_caches(
         Api::all(client.clone()),
         wc(),
         trim_meta,
-        migration::on_migration(mig_q.clone(), mig_index.clone()),
+        migration::on_migration(
+            mig_q.clone(),
+            mig_index.clone(),
+            evac_q.clone(),
+            evac_exp.clone(),
+        ),
+    );
+    let q = pdb_q.clone();
+    let pdbs = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        move |s| match s {
+            Seen::Added(o) | Seen::Changed(o) => q.add(&obj_key(o)),
+            Seen::Deleted(_) => {}
+        },
+    );
+    let migration_policies = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, |_| {});
+    let namespaces = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        |n: &mut Namespace| {
+            cache::trim_meta(&mut n.metadata);
+            n.spec = None;
+            n.status = None;
+        },
+        |_| {},
     );
 
     for (name, ready) in [
@@ -251,6 +306,12 @@ async fn start_caches(
             "VirtualMachineInstanceMigration",
             vmims.wait_until_ready().await.is_ok(),
         ),
+        ("PodDisruptionBudget", pdbs.wait_until_ready().await.is_ok()),
+        (
+            "MigrationPolicy",
+            migration_policies.wait_until_ready().await.is_ok(),
+        ),
+        ("Namespace", namespaces.wait_until_ready().await.is_ok()),
     ] {
         if !ready {
             return Err(RunError::CacheNotReady(name));
@@ -258,7 +319,7 @@ async fn start_caches(
     }
     tracing::info!("caches synced; controllers running");
 
-    let recorder = Recorder::new(
+    let recorder = Publisher::new(
         client.clone(),
         Reporter {
             controller: "virt-controller".into(),
@@ -288,6 +349,12 @@ async fn start_caches(
         rs_q,
         node_q,
         mig_q,
+        evac_q,
+        evac_exp,
+        pdbs,
+        migration_policies,
+        namespaces,
+        pdb_q,
     })
 }
 
@@ -336,6 +403,24 @@ fn spawn_workers(tasks: &mut JoinSet<()>, shared: &Arc<Shared>) {
         |s| &s.mig_q,
         |s, k| async move {
             Box::pin(migration::sync_migration(&s, &k)).await;
+        },
+    );
+    spawn_pool(
+        tasks,
+        EVACUATION_WORKERS,
+        shared,
+        |s| &s.evac_q,
+        |s, k| async move {
+            Box::pin(evacuation::sync_node(&s, &k)).await;
+        },
+    );
+    spawn_pool(
+        tasks,
+        DISRUPTION_BUDGET_WORKERS,
+        shared,
+        |s| &s.pdb_q,
+        |s, k| async move {
+            Box::pin(disruptionbudget::sync_pdb(&s, &k)).await;
         },
     );
     let s = shared.clone();
@@ -395,6 +480,8 @@ fn snapshot(s: &Shared) -> Snapshot {
             queue_stat("virt-controller-replicaset", &s.rs_q),
             queue_stat("virt-controller-node", &s.node_q),
             queue_stat("virt-controller-migration", &s.mig_q),
+            queue_stat("virt-controller-evacuation", &s.evac_q),
+            queue_stat("virt-controller-disruption-budget", &s.pdb_q),
         ],
     }
 }

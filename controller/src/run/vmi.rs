@@ -32,6 +32,7 @@ pub(super) struct VmiWatch {
     pub vms: Store<VirtualMachine>,
     pub mig_q: Arc<Queue>,
     pub mig_index: Arc<Mutex<super::migration::MigrationIndex>>,
+    pub evac_q: Arc<Queue>,
 }
 
 /// The VMI watch: the VMI to its queue; its VM's and ReplicaSet's expectations observed and
@@ -47,6 +48,7 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
         let key = obj_key(o);
         w.vmi_q.add(&key);
         super::migration::vmi_changed(&w.mig_q, &w.mig_index, &key);
+        super::evacuation::vmi_changed(&w.evac_q, o);
         if let Some(vm) = controller_owner(o, "VirtualMachine") {
             let vm_key = key_of(ns.as_deref(), vm);
             if added {

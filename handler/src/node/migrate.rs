@@ -78,6 +78,29 @@ pub(super) fn is_target(vmi: &VirtualMachineInstance, node: &str) -> bool {
     labelled && !home
 }
 
+/// What the target writes besides the migration state when it takes the VMI over (KubeVirt's
+/// `ackMigrationCompletion`): the node, its label, and the end of an evacuation: the mark
+/// virt-api's eviction webhook set and the descheduler's annotation go, so a later drain of
+/// this node is a new evacuation.
+fn taken_over(vmi: &VirtualMachineInstance, node: &str) -> serde_json::Value {
+    let mut patch = json!({
+        "metadata": {"labels": {
+            labels::NODE_NAME: node,
+            labels::MIGRATION_TARGET_NODE_NAME: null,
+        }},
+        "status": {"nodeName": node, "evacuationNodeName": null},
+    });
+    if vmi
+        .metadata
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(labels::EVICTION_SOURCE))
+    {
+        patch["metadata"]["annotations"] = json!({labels::EVICTION_SOURCE: null});
+    }
+    patch
+}
+
 /// The source's domain after a completed migration: the guest runs elsewhere.
 pub(super) fn migrated_away(d: &Domain) -> bool {
     d.state == DomainState::Shutoff && d.reason == "Migrated"
@@ -501,13 +524,7 @@ impl Node {
                 s.target_node_domain_ready_timestamp = Some(now);
                 s.completed = Some(true);
             },
-            Some(json!({
-                "metadata": {"labels": {
-                    labels::NODE_NAME: node,
-                    labels::MIGRATION_TARGET_NODE_NAME: null,
-                }},
-                "status": {"nodeName": node},
-            })),
+            Some(taken_over(vmi, &node)),
         )
         .await?;
         self.record(
@@ -520,5 +537,38 @@ impl Node {
         )
         .await;
         Ok(Next::Done)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn taking_over_ends_an_evacuation() {
+        let mut vmi: VirtualMachineInstance = serde_json::from_value(json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "demo", "namespace": "default"},
+            "spec": {"domain": {"devices": {}}},
+            "status": {"nodeName": "node-1", "evacuationNodeName": "node-1"},
+        }))
+        .unwrap();
+        let patch = taken_over(&vmi, "node-2");
+        assert_eq!(
+            patch,
+            json!({
+                "metadata": {"labels": {
+                    "kubevirt.io/nodeName": "node-2",
+                    "kubevirt.io/migrationTargetNodeName": null,
+                }},
+                "status": {"nodeName": "node-2", "evacuationNodeName": null},
+            })
+        );
+        vmi.metadata.annotations =
+            Some([(labels::EVICTION_SOURCE.to_owned(), "descheduler".to_owned())].into());
+        assert_eq!(
+            taken_over(&vmi, "node-2")["metadata"]["annotations"],
+            json!({"kubevirt.io/eviction-source": null})
+        );
     }
 }

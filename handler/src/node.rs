@@ -186,8 +186,10 @@ pub struct Node {
     targets: Store<VirtualMachineInstance>,
     pods: Store<Pod>,
     queue: Arc<Queue>,
-    /// The running migration proxies, by VMI key.
-    proxies: Mutex<HashMap<String, crate::migration::Proxy>>,
+    /// The running migration proxies, by VMI key, each with its migration's uid: a proxy
+    /// left from a failed migration whose VMI has since left this node's target informer must
+    /// not serve the next one (its sockets lead into the old target pod).
+    proxies: Mutex<HashMap<String, (String, crate::migration::Proxy)>>,
     recorder: Publisher,
     cgroups: cgroups::CgroupSetup,
     entries: Mutex<HashMap<String, Entry>>,

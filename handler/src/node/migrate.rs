@@ -322,7 +322,7 @@ impl Node {
         self.proxies
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(key.to_owned(), proxy);
+            .insert(key.to_owned(), (uid.clone(), proxy));
         let req = MigrateRequest {
             migration_uid: uid.clone(),
             copy_disks: api::migration::copy_disks(vmi),
@@ -464,7 +464,8 @@ impl Node {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .get(key)
-                .map(|p| p.ports.clone());
+                .filter(|(of, _)| *of == uid)
+                .map(|(_, p)| p.ports.clone());
             if let Some(p) = existing {
                 p
             } else {
@@ -479,7 +480,7 @@ impl Node {
                 self.proxies
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .insert(key.to_owned(), proxy);
+                    .insert(key.to_owned(), (uid.clone(), proxy));
                 self.record(
                     vmi,
                     &[Event {

@@ -41,7 +41,7 @@ fn vmi_migratable() -> Value {
             "terminationGracePeriodSeconds": 0,
             "volumes": [
                 {"containerDisk": {"image": "kubevirt-rs/test-guest-disk:latest"}, "name": "containerdisk"},
-                {"cloudInitNoCloud": {"userData": "#!/bin/sh\n(i=0; while :; do i=$((i+1)); echo \"TICK-$i\" > /dev/ttyS0; sleep 1; done) &\n"}, "name": "cloudinitdisk"},
+                {"cloudInitNoCloud": {"userData": "#!/bin/sh\n(i=0; while :; do i=$((i+1)); echo \"TICK-$i\" > /dev/ttyS0; sleep 1; done) &\n(nc -ll -p 8080 -e echo vmi-migratable </dev/null >/dev/null 2>&1 &)\n"}, "name": "cloudinitdisk"},
             ],
         },
     })
@@ -534,7 +534,9 @@ fn migration_policy(name: &str, spec: &Value) -> Value {
 /// maintenance: every pod on it is evicted (virt-api's and virt-controller's replicas too); the
 /// launcher pod's eviction is refused and becomes an evacuation migration, which a
 /// MigrationPolicy matching the VMI's label governs; once the VMI has moved the drain
-/// completes. The guest keeps counting throughout.
+/// completes. The guest keeps counting throughout and answers through a Service before and
+/// after (new connections: with masquerade the pod IP changes, so an open one cannot survive,
+/// in KubeVirt either).
 #[test]
 fn kubectl_drain_migrates_a_live_migrate_vmi_and_completes() {
     let stack = Stack::up_nodes(2).expect("the stack on two nodes");
@@ -561,6 +563,29 @@ fn kubectl_drain_migrates_a_live_migrate_vmi_and_completes() {
     manifest["spec"]["evictionStrategy"] = json!("LiveMigrate");
     let (v, before) = boot(&stack, &manifest, 3);
     let source = v["status"]["nodeName"].as_str().unwrap().to_owned();
+    // KubeVirt's conformance check: the guest is reached through a Service before and after.
+    stack.apply(&json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "vmi-migratable", "namespace": "default"},
+        "spec": {"selector": {"special": "vmi-migratable"}, "ports": [{"port": 8080}]},
+    }));
+    let cluster_ip = stack
+        .kubectl(&[
+            "-n",
+            "default",
+            "get",
+            "service",
+            "vmi-migratable",
+            "-o",
+            "jsonpath={.spec.clusterIP}",
+        ])
+        .unwrap();
+    let service: std::net::SocketAddr = format!("{cluster_ip}:8080").parse().unwrap();
+    assert_eq!(
+        e2e::greeting(service, BOOT).unwrap(),
+        "vmi-migratable",
+        "through the Service before the drain"
+    );
 
     stack
         .kubectl(&[
@@ -627,6 +652,11 @@ fn kubectl_drain_migrates_a_live_migrate_vmi_and_completes() {
     assert!(
         first > before / 2,
         "the count went on ({before} on the source, then from {first} here): no reboot"
+    );
+    assert_eq!(
+        e2e::greeting(service, MIGRATE).unwrap(),
+        "vmi-migratable",
+        "through the Service after the drain"
     );
     stack.kubectl(&["uncordon", &source]).unwrap();
 }

@@ -40,6 +40,13 @@ struct Flags {
     /// KubeVirt's install namespace (the virt-handler pods, the service accounts).
     #[arg(long, env = "POD_NAMESPACE", default_value = "kubevirt")]
     namespace: String,
+    /// How long virt-api keeps serving after SIGTERM (kube-apiserver's
+    /// `--shutdown-delay-duration`): a pod being deleted is still some caller's endpoint until
+    /// the EndpointSlice change has reached it. Without the delay, kube-apiserver's call of the
+    /// pod-eviction webhook during `kubectl drain`, which evicts virt-api's own pods at the
+    /// same time, met a closed connection and the drain stopped.
+    #[arg(long, default_value = "5s", value_parser = api::duration::parse_duration)]
+    shutdown_delay: std::time::Duration,
 }
 
 #[tokio::main]
@@ -75,7 +82,13 @@ async fn main() -> anyhow::Result<()> {
     tokio::pin!(serving);
     tokio::select! {
         r = &mut serving => return r,
-        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = term.recv() => {
+            tracing::info!(delay = ?f.shutdown_delay, "SIGTERM: serving until the delay is over, then stopping");
+            tokio::select! {
+                r = &mut serving => return r,
+                () = tokio::time::sleep(f.shutdown_delay) => {}
+            }
+        }
         r = tokio::signal::ctrl_c() => { r.context("SIGINT handler")?; tracing::info!("SIGINT: stopping"); }
     }
     shutdown.cancel();

@@ -74,10 +74,7 @@ pub fn migrates_on_eviction(vmi: &VirtualMachineInstance, cluster: &EvictionStra
 /// Launcher pods that count as active (KubeVirt's `VMIActivePodsCount`): not Succeeded or
 /// Failed.
 pub fn is_active_pod(pod: &Pod) -> bool {
-    !matches!(
-        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
-        Some("Succeeded" | "Failed")
-    )
+    !matches!(crate::vmi::pod_phase(pod), "Succeeded" | "Failed")
 }
 
 fn node_of(vmi: &VirtualMachineInstance) -> Option<&str> {
@@ -98,23 +95,28 @@ fn marked_for(vmi: &VirtualMachineInstance, node: &str) -> bool {
         && !migrating
 }
 
-/// The VMIs of `node` to migrate away now, in the order given.
-pub fn select<'a>(
-    node: &Node,
-    candidates: &[Candidate<'a>],
-    cfg: &ClusterConfig,
-) -> Vec<&'a VirtualMachineInstance> {
+/// Whether `vmi` is asked to leave `node`: it runs there, and the node carries the drain taint
+/// or the VMI was marked for evacuation from it. The shell looks up a VMI's migrations and
+/// pods only when this holds; most syncs end here.
+pub fn asked_to_leave(node: &Node, vmi: &VirtualMachineInstance, cfg: &ClusterConfig) -> bool {
     let name = node.metadata.name.as_deref().unwrap_or_default();
     let key = cfg
         .migrations
         .node_drain_taint_key
         .as_deref()
         .unwrap_or(api::migration::DEFAULT_NODE_DRAIN_TAINT_KEY);
-    let tainted = has_drain_taint(node, key);
+    node_of(vmi) == Some(name) && (has_drain_taint(node, key) || marked_for(vmi, name))
+}
+
+/// The VMIs of `node` to migrate away now, in the order given.
+pub fn select<'a>(
+    node: &Node,
+    candidates: &[Candidate<'a>],
+    cfg: &ClusterConfig,
+) -> Vec<&'a VirtualMachineInstance> {
     candidates
         .iter()
-        .filter(|c| node_of(c.vmi) == Some(name))
-        .filter(|c| tainted || marked_for(c.vmi, name))
+        .filter(|c| asked_to_leave(node, c.vmi, cfg))
         .filter(|c| {
             !crate::vmi::is_final(c.vmi)
                 && c.vmi.metadata.deletion_timestamp.is_none()

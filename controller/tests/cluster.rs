@@ -1868,15 +1868,39 @@ async fn wait_migration_phase(
     .await
 }
 
-#[tokio::test]
-async fn migration_hands_off_to_the_handlers_and_succeeds() {
-    let (_server, client) = cluster().await;
-    let _node02 = localcluster::controlplane::ready_node(
-        &client,
+/// A second Ready node, `node02`, a migration's target; kept Ready while the value lives.
+async fn node02(client: &Client) -> localcluster::controlplane::NodeHeartbeat {
+    localcluster::controlplane::ready_node(
+        client,
         json!({"metadata": {"name": "node02", "labels": {"kubernetes.io/hostname": "node02"}}}),
         serde_json::Value::Null,
     )
+    .await
+}
+
+/// Waits for the Event with this reason and note on the object named `regarding`.
+async fn wait_for_event(client: &Client, regarding: &str, reason: &str, note: &str) {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::default_namespaced(client.clone());
+    wait_for(&format!("the {reason} event on {regarding}"), || async {
+        events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .find(|ev| {
+                ev.reason.as_deref() == Some(reason)
+                    && ev.note.as_deref() == Some(note)
+                    && ev.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(regarding)
+            })
+    })
     .await;
+}
+
+#[tokio::test]
+async fn migration_hands_off_to_the_handlers_and_succeeds() {
+    let (_server, client) = cluster().await;
+    let _node02 = node02(&client).await;
     let _c = start(&client, "a", false);
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
     let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
@@ -2077,12 +2101,7 @@ async fn evacuations_of(
 #[tokio::test]
 async fn marked_vmis_and_a_drain_tainted_node_get_evacuation_migrations() {
     let (_server, client) = cluster().await;
-    let _node02 = localcluster::controlplane::ready_node(
-        &client,
-        json!({"metadata": {"name": "node02", "labels": {"kubernetes.io/hostname": "node02"}}}),
-        serde_json::Value::Null,
-    )
-    .await;
+    let _node02 = node02(&client).await;
     let _c = start(&client, "a", false);
     let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
     let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
@@ -2146,22 +2165,8 @@ async fn marked_vmis_and_a_drain_tainted_node_get_evacuation_migrations() {
             .next()
     })
     .await;
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::default_namespaced(client.clone());
     let want = format!("Created Migration {}", e.name_any());
-    wait_for("the SuccessfulCreate event on the VMI", || async {
-        events
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .find(|ev| {
-                ev.reason.as_deref() == Some("SuccessfulCreate")
-                    && ev.note.as_deref() == Some(want.as_str())
-                    && ev.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("evacuee")
-            })
-    })
-    .await;
+    wait_for_event(&client, "evacuee", "SuccessfulCreate", &want).await;
     // Queued again and again by the migrations' progress, nothing is created twice, and the
     // VMI whose strategy is None stays.
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -2209,21 +2214,12 @@ async fn pdbs_a_vmi_controls_are_deleted() {
             .then_some(())
     })
     .await;
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::default_namespaced(client.clone());
-    wait_for("the SuccessfulDelete event on the VMI", || async {
-        events
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .find(|ev| {
-                ev.reason.as_deref() == Some("SuccessfulDelete")
-                    && ev.note.as_deref()
-                        == Some("Deleted PodDisruptionBudget kubevirt-disruption-budget-legacy")
-                    && ev.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("legacy")
-            })
-    })
+    wait_for_event(
+        &client,
+        "legacy",
+        "SuccessfulDelete",
+        "Deleted PodDisruptionBudget kubevirt-disruption-budget-legacy",
+    )
     .await;
     assert!(
         pdbs.get_opt("owned-not-controlled")

@@ -139,6 +139,56 @@ fn boot(stack: &Stack, manifest: &Value, ticks_at_least: u64) -> (Value, u64) {
     (v, count)
 }
 
+/// Waits until the guest's console counter passes `past`; the count then.
+fn counts_past(stack: &Stack, v: &Value, past: u64, what: &str) -> u64 {
+    wait_for(what, Duration::from_mins(2), || {
+        let t = ticks(stack, v);
+        t.last()
+            .copied()
+            .filter(|n| *n > past)
+            .map(Some)
+            .ok_or_else(|| format!("{t:?}"))
+    })
+    .unwrap()
+}
+
+/// The guest counts on from where it is.
+fn still_counting(stack: &Stack, v: &Value) {
+    let now = ticks(stack, v).last().copied().unwrap_or_default();
+    counts_past(stack, v, now, "the guest still counting");
+}
+
+/// On the console of the VMI's new pod the count goes on from `before` (the source's last):
+/// it started past half of that, so the guest did not reboot.
+fn went_on_after_the_move(stack: &Stack, v: &Value, before: u64) {
+    let after = counts_past(
+        stack,
+        v,
+        before,
+        "the guest counting on the target's console",
+    );
+    let first = ticks(stack, v)[0];
+    assert!(
+        first > before / 2 && first <= after,
+        "the count went on ({before} on the source, then {first}..{after} here): no reboot"
+    );
+}
+
+/// Waits until the VMI's only launcher pod is the one on `node`.
+fn only_launcher_pod_on(stack: &Stack, uid: &str, node: &str) {
+    wait_for(
+        &format!("only the launcher pod on {node} left"),
+        Duration::from_mins(2),
+        || {
+            let pods = launcher_pods(stack, uid);
+            (pods.len() == 1 && pods[0].1 == node)
+                .then_some(Some(()))
+                .ok_or_else(|| format!("{pods:?}"))
+        },
+    )
+    .unwrap();
+}
+
 /// `bandwidthPerMigration: 1Mi` in the KubeVirt CR: a migration then runs for minutes.
 fn throttle_migrations(stack: &Stack) {
     stack
@@ -233,36 +283,8 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
         "the VMIM carries the state"
     );
 
-    let after = wait_for(
-        "the guest counting on the target's console",
-        Duration::from_mins(2),
-        || {
-            let t = ticks(&stack, &v);
-            t.last()
-                .copied()
-                .filter(|n| *n > before)
-                .map(Some)
-                .ok_or_else(|| format!("{t:?}"))
-        },
-    )
-    .unwrap();
-    let first = ticks(&stack, &v)[0];
-    assert!(
-        first > before / 2 && first <= after,
-        "the count went on ({before} on the source, then {first}..{after} here): no reboot"
-    );
-
-    wait_for(
-        "only the target's launcher pod left",
-        Duration::from_mins(2),
-        || {
-            let pods = launcher_pods(&stack, &uid);
-            (pods.len() == 1 && pods[0].1 == target)
-                .then_some(Some(()))
-                .ok_or_else(|| format!("{pods:?}"))
-        },
-    )
-    .unwrap();
+    went_on_after_the_move(&stack, &v, before);
+    only_launcher_pod_on(&stack, &uid, &target);
 
     // A migration slow enough to be caught running, deleted: aborted, the VM stays.
     throttle_migrations(&stack);
@@ -306,25 +328,8 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
         ms["failureReason"], "Live migration has been aborted",
         "{ms}"
     );
-    let now = ticks(&stack, &v);
-    wait_for("the guest still counting", Duration::from_mins(2), || {
-        let t = ticks(&stack, &v);
-        (t.last() > now.last())
-            .then_some(Some(()))
-            .ok_or_else(|| format!("{t:?}"))
-    })
-    .unwrap();
-    wait_for(
-        "the aborted target's pod gone",
-        Duration::from_mins(2),
-        || {
-            let pods = launcher_pods(&stack, &uid);
-            (pods.len() == 1 && pods[0].1 == target)
-                .then_some(Some(()))
-                .ok_or_else(|| format!("{pods:?}"))
-        },
-    )
-    .unwrap();
+    still_counting(&stack, &v);
+    only_launcher_pod_on(&stack, &uid, &target);
 }
 
 /// A migration-job with this name, optionally with extra spec and annotations.
@@ -417,22 +422,8 @@ fn survived(stack: &Stack, node: &str) {
     let v = vmi(stack).unwrap();
     assert_eq!(v["status"]["nodeName"], node, "the VM stayed");
     assert_eq!(v["status"]["phase"], "Running");
-    let now = ticks(stack, &v);
-    wait_for("the guest still counting", Duration::from_mins(2), || {
-        let t = ticks(stack, &v);
-        (t.last() > now.last())
-            .then_some(Some(()))
-            .ok_or_else(|| format!("{t:?}"))
-    })
-    .unwrap();
-    let uid = v["metadata"]["uid"].as_str().unwrap();
-    wait_for("one launcher pod left", Duration::from_mins(2), || {
-        let pods = launcher_pods(stack, uid);
-        (pods.len() == 1 && pods[0].1 == node)
-            .then_some(Some(()))
-            .ok_or_else(|| format!("{pods:?}"))
-    })
-    .unwrap();
+    still_counting(stack, &v);
+    only_launcher_pod_on(stack, v["metadata"]["uid"].as_str().unwrap(), node);
 }
 
 /// What can go wrong, each time with the VM left running where it was and the VMIM saying why:
@@ -635,24 +626,7 @@ fn kubectl_drain_migrates_a_live_migrate_vmi_and_completes() {
         pods.len() == 1 && pods[0].1 == target,
         "only the target's launcher pod: {pods:?}"
     );
-    wait_for(
-        "the guest counting on the target's console",
-        Duration::from_mins(2),
-        || {
-            let t = ticks(&stack, &v);
-            t.last()
-                .copied()
-                .filter(|n| *n > before)
-                .map(Some)
-                .ok_or_else(|| format!("{t:?}"))
-        },
-    )
-    .unwrap();
-    let first = ticks(&stack, &v)[0];
-    assert!(
-        first > before / 2,
-        "the count went on ({before} on the source, then from {first} here): no reboot"
-    );
+    went_on_after_the_move(&stack, &v, before);
     assert_eq!(
         e2e::greeting(service, MIGRATE).unwrap(),
         "vmi-migratable",

@@ -54,16 +54,16 @@ pub(super) async fn sync_node(s: &Shared, name: &str) {
         return;
     }
     let cfg = cluster_config(s);
-    let on_node: Vec<_> = s
+    let leaving: Vec<_> = s
         .vmis
         .state()
         .into_iter()
-        .filter(|v| v.status.as_ref().and_then(|st| st.node_name.as_deref()) == Some(name))
+        .filter(|v| evacuation::asked_to_leave(&node, v, &cfg))
         .collect();
-    if on_node.is_empty() {
+    if leaving.is_empty() {
         return;
     }
-    let candidates: Vec<Candidate<'_>> = on_node
+    let candidates: Vec<Candidate<'_>> = leaving
         .iter()
         .map(|v| Candidate {
             vmi: v,

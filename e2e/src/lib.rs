@@ -380,18 +380,31 @@ impl Stack {
         }
     }
 
-    /// `e` with the end of virt-controller's and virt-handler's logs (read from the node's
-    /// log directory, so it works without the kubelet API) and their pods' states.
-    fn with_component_logs(&self, error: StackError) -> StackError {
+    /// `error` with what a reader needs to tell why: the VMIs, migrations and pods of every
+    /// namespace, the newest events, and the end of every KubeVirt component's log (read from
+    /// the nodes' log directories, so it works without the kubelet API).
+    pub fn with_component_logs(&self, error: StackError) -> StackError {
         use std::fmt::Write as _;
         let mut diagnostics = String::new();
-        if let Ok(pods) = self.kubectl(&["-n", "kubevirt", "get", "pods", "-o", "wide"]) {
-            diagnostics.push_str("kubevirt pods:\n");
-            diagnostics.push_str(&pods);
+        for (what, args) in [
+            (
+                "VMIs, migrations and pods",
+                &["get", "vmi,vmim,pods", "-A", "-o", "wide"][..],
+            ),
+            (
+                "newest events",
+                &["get", "events", "-A", "--sort-by=.lastTimestamp"][..],
+            ),
+        ] {
+            if let Ok(out) = self.kubectl(args) {
+                let lines: Vec<&str> = out.lines().collect();
+                let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+                let _ = write!(diagnostics, "\n--- {what}:\n{tail}");
+            }
         }
         for (pod, container, log) in self.pod_logs("kubevirt") {
             let lines: Vec<&str> = log.lines().collect();
-            let tail = lines[lines.len().saturating_sub(15)..].join("\n");
+            let tail = lines[lines.len().saturating_sub(25)..].join("\n");
             let _ = write!(diagnostics, "\n--- {pod}/{container}:\n{tail}");
         }
         StackError::Diagnosed {

@@ -586,6 +586,7 @@ fn kubectl_drain_migrates_a_live_migrate_vmi_and_completes() {
             "--delete-emptydir-data",
             "--timeout=420s",
         ])
+        .map_err(|e| stack.with_component_logs(e))
         .expect("kubectl drain completes");
 
     let v = vmi(&stack).unwrap();

@@ -35,6 +35,7 @@ pub mod config;
 pub mod crds;
 pub mod defaults;
 pub mod duration;
+pub mod hotplug;
 pub mod kubevirt;
 pub mod labels;
 pub mod metrics;

@@ -221,6 +221,8 @@ pub const INTERFACE_NOT_LIVE_MIGRATABLE: &str = "InterfaceNotLiveMigratable";
 pub const HOST_DEVICE_NOT_LIVE_MIGRATABLE: &str = "HostDeviceNotLiveMigratable";
 /// `DisksNotLiveMigratable`.
 pub const DISKS_NOT_LIVE_MIGRATABLE: &str = "DisksNotLiveMigratable";
+/// KubeVirt's `VirtualMachineInstanceReasonHotplugNotMigratable`.
+pub const HOTPLUG_NOT_LIVE_MIGRATABLE: &str = "HotplugNotLiveMigratable";
 
 /// Whether `vmi` can be live-migrated, checked in KubeVirt's order (the first failing check
 /// names the reason). `pvc_shared` says whether a claim is `ReadWriteMany` (`None`: unknown).
@@ -272,6 +274,13 @@ pub fn live_migratable(
         return Err(NotMigratable {
             reason: HOST_DEVICE_NOT_LIVE_MIGRATABLE,
             message: "VMI specifies non-migratable GPU device".into(),
+        });
+    }
+    if !crate::hotplug::hotplug_volumes(vmi).is_empty() {
+        // The target would need its own attachment pod before the guest moves; not done yet.
+        return Err(NotMigratable {
+            reason: HOTPLUG_NOT_LIVE_MIGRATABLE,
+            message: "cannot migrate VMI with hotplugged volumes".into(),
         });
     }
     for v in &spec.volumes {

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use k8s_openapi::api::core::v1::{Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Pod, PodSpec, Volume};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 /// kubectl's copy of the whole applied object, which `kubectl apply` keeps on every object it
@@ -23,14 +23,26 @@ pub fn trim_meta(meta: &mut ObjectMeta) {
     }
 }
 
-/// A launcher pod as the controllers read it: metadata, status and, of the spec, only
-/// `nodeName`. The containers, volumes and the rest of the spec, most of a launcher pod's
-/// size, are written by the VMI controller and never read back.
+/// A launcher or attachment pod as the controllers read it: metadata, status and, of the
+/// spec, `nodeName`, the tolerations (an attachment pod copies its launcher's) and which
+/// volumes are claims (hotplug compares them). The containers and the volumes' other sources,
+/// most of a launcher pod's size, are written by the VMI controller and never read back.
 pub fn trim_pod(pod: &mut Pod) {
     trim_meta(&mut pod.metadata);
     if let Some(spec) = pod.spec.as_mut() {
+        let volumes = spec.volumes.take().map(|vs| {
+            vs.into_iter()
+                .map(|v| Volume {
+                    name: v.name,
+                    persistent_volume_claim: v.persistent_volume_claim,
+                    ..Volume::default()
+                })
+                .collect()
+        });
         *spec = PodSpec {
             node_name: spec.node_name.take(),
+            tolerations: spec.tolerations.take(),
+            volumes,
             ..PodSpec::default()
         };
     }
@@ -92,11 +104,21 @@ impl OwnerIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{Container, PodStatus};
+    use k8s_openapi::api::core::v1::{
+        Container, EmptyDirVolumeSource, PersistentVolumeClaimVolumeSource, PodStatus,
+    };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
 
     #[test]
     fn trimmed_pod_keeps_what_the_controllers_read() {
+        let claim = Volume {
+            name: "data".into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: "data-pvc".into(),
+                read_only: None,
+            }),
+            ..Volume::default()
+        };
         let mut pod = Pod {
             metadata: ObjectMeta {
                 name: Some("virt-launcher-a-x".into()),
@@ -116,6 +138,14 @@ mod tests {
                     name: "compute".into(),
                     ..Container::default()
                 }],
+                volumes: Some(vec![
+                    Volume {
+                        name: "private".into(),
+                        empty_dir: Some(EmptyDirVolumeSource::default()),
+                        ..Volume::default()
+                    },
+                    claim.clone(),
+                ]),
                 ..PodSpec::default()
             }),
             status: Some(PodStatus {
@@ -134,6 +164,13 @@ mod tests {
             pod.spec,
             Some(PodSpec {
                 node_name: Some("node-1".into()),
+                volumes: Some(vec![
+                    Volume {
+                        name: "private".into(),
+                        ..Volume::default()
+                    },
+                    claim,
+                ]),
                 ..PodSpec::default()
             })
         );

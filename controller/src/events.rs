@@ -23,6 +23,8 @@ pub const FAILED_VALIDATION: &str = crate::vmi::FAILED_VALIDATION;
 pub const ERR_IMAGE_PULL: &str = "ErrImagePull";
 /// The kubelet backs off pulling a containerDisk image.
 pub const IMAGE_PULL_BACK_OFF: &str = "ImagePullBackOff";
+/// KubeVirt's `hotplugVolumeErrorReason` (the VM's Failure condition).
+pub const HOTPLUG_VOLUME_ERROR: &str = "HotPlugVolumeError";
 /// A PVC a volume names does not exist.
 pub const FAILED_PVC_NOT_FOUND: &str = "FailedPvcNotFound";
 /// A ReplicaSet was paused.

@@ -9,6 +9,7 @@ pub mod disruptionbudget;
 pub mod evacuation;
 pub mod events;
 pub mod finalizers;
+pub mod hotplug;
 pub mod metrics;
 pub mod migration;
 pub mod node;

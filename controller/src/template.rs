@@ -382,6 +382,9 @@ pub fn render_launcher_pod(
     let disk_mount_dir = container_disk_mount_dir(cfg, uid);
     let mut disks: Vec<DiskImage<'_>> = Vec::new();
     let mut pull_secrets: Vec<String> = Vec::new();
+    // Hotplugged claims reach the launcher through an attachment pod, never its own volumes:
+    // a VM started with one attached keeps it hotplugged.
+    let hotplugged = api::hotplug::hotplug_volumes(vmi);
     for (index, v) in spec.volumes.iter().enumerate() {
         match v.source() {
             Some(VolumeSource::ContainerDisk(cd)) => {
@@ -398,7 +401,9 @@ pub fn render_launcher_pod(
                     pull_secrets.push(s.clone());
                 }
             }
-            Some(VolumeSource::PersistentVolumeClaim(pvc)) => {
+            Some(VolumeSource::PersistentVolumeClaim(pvc))
+                if !hotplugged.contains(v.name.as_str()) =>
+            {
                 volumes.push(Volume {
                     name: v.name.clone(),
                     persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {

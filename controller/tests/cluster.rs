@@ -2267,3 +2267,142 @@ async fn a_repeated_event_is_counted_and_a_new_message_under_its_reason_is_kept(
         ]
     );
 }
+
+#[tokio::test]
+async fn a_claim_hotplugged_into_a_vm_gets_an_attachment_pod_until_it_is_removed() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    // A claim bound by kube-controller-manager to a volume made for it.
+    let pvs: Api<k8s_openapi::api::core::v1::PersistentVolume> = Api::all(client.clone());
+    pvs.create(
+        &PostParams::default(),
+        &serde_json::from_value(json!({
+            "metadata": {"name": "pv-data"},
+            "spec": {"capacity": {"storage": "64Mi"}, "accessModes": ["ReadWriteOnce"],
+                     "hostPath": {"path": "/tmp/pv-data"}, "storageClassName": "",
+                     "claimRef": {"namespace": "default", "name": "data"}},
+        }))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> =
+        Api::default_namespaced(client.clone());
+    claims
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "data"},
+                "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                         "volumeName": "pv-data", "resources": {"requests": {"storage": "64Mi"}}},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    vms.create(&PostParams::default(), &vm_with("hp", "Always"))
+        .await
+        .unwrap();
+    let vmi = run_guest(&client, "hp", None).await;
+    let launcher = pods_of(&client, &vmi).await.remove(0);
+
+    // virt-api's addvolume on a VM: the volume and its disk in the template.
+    let template = |with: bool| {
+        let mut spec = vmi_spec();
+        if with {
+            spec["domain"]["devices"]["disks"]
+                .as_array_mut()
+                .unwrap()
+                .push(json!({"name": "data", "disk": {"bus": "scsi"}}));
+            spec["volumes"].as_array_mut().unwrap().push(
+                json!({"name": "data", "persistentVolumeClaim": {"claimName": "data", "hotpluggable": true}}),
+            );
+        }
+        json!({"spec": {"template": {"spec": spec}}})
+    };
+    vms.patch("hp", &PatchParams::default(), &Patch::Merge(template(true)))
+        .await
+        .unwrap();
+    let entry = |v: &VirtualMachineInstance| {
+        v.status
+            .as_ref()
+            .and_then(|s| s.volume_status.iter().find(|e| e.name == "data").cloned())
+    };
+    let attachment = wait_for("the attachment pod", || async {
+        pods.list(&ListParams::default().labels("kubevirt.io=hotplug-disk"))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .next()
+    })
+    .await;
+    let spec = attachment.spec.clone().unwrap();
+    assert_eq!(
+        attachment.owner_references()[0].uid,
+        launcher.uid().unwrap()
+    );
+    assert_eq!(
+        spec.volumes.unwrap()[1]
+            .persistent_volume_claim
+            .as_ref()
+            .unwrap()
+            .claim_name,
+        "data"
+    );
+    let e = wait_for("the volume AttachedToNode", || async {
+        entry(&vmis.get("hp").await.unwrap())
+            .filter(|e| e.phase.as_deref() == Some("AttachedToNode"))
+    })
+    .await;
+    let claim_info = &e.persistent_volume_claim_info.unwrap().0;
+    assert_eq!(claim_info["capacity"]["storage"], "64Mi", "{claim_info}");
+    let v = vmis.get("hp").await.unwrap();
+    assert!(
+        v.spec.volumes.iter().any(|v| v.name == "data"),
+        "the VM controller added the volume to the VMI"
+    );
+    // The attachment pod runs, its container ready: virt-handler may mount from it.
+    bind_and_run(&client, &attachment, "node01").await;
+    pods.patch_status(
+        &attachment.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"containerStatuses": [{
+            "name": "hotplug-disk", "ready": true, "image": "", "imageID": "", "restartCount": 0,
+        }]}})),
+    )
+    .await
+    .unwrap();
+    wait_for("the attachment pod's uid in the status", || async {
+        entry(&vmis.get("hp").await.unwrap()).filter(|e| {
+            e.hotplug_volume
+                .as_ref()
+                .is_some_and(|h| h.0["attachPodUID"].as_str() == attachment.uid().as_deref())
+        })
+    })
+    .await;
+
+    // removevolume: out of the template, out of the VMI; not in use by the launcher, so the
+    // attachment pod and the entry go.
+    vms.patch(
+        "hp",
+        &PatchParams::default(),
+        &Patch::Merge(template(false)),
+    )
+    .await
+    .unwrap();
+    wait_for("the attachment pod and the entry gone", || async {
+        let left = pods
+            .list(&ListParams::default().labels("kubevirt.io=hotplug-disk"))
+            .await
+            .unwrap()
+            .items;
+        let v = vmis.get("hp").await.unwrap();
+        (left.is_empty() && entry(&v).is_none() && !v.spec.volumes.iter().any(|v| v.name == "data"))
+            .then_some(())
+    })
+    .await;
+}

@@ -7,6 +7,7 @@ pub mod devices;
 pub mod events;
 pub mod guestinfo;
 pub mod heartbeat;
+pub mod hotplug;
 pub mod metrics;
 pub mod migration;
 pub mod mounts;

@@ -48,12 +48,15 @@ const MAX_STACKED_MOUNTS: usize = 8;
 pub struct MountConfig {
     /// The launcher's `--container-disk-dir`, as the launcher sees it.
     pub container_disk_dir: PathBuf,
+    /// The launcher's `--hotplug-disk-dir`, as the launcher sees it.
+    pub hotplug_disk_dir: PathBuf,
 }
 
 impl Default for MountConfig {
     fn default() -> Self {
         Self {
             container_disk_dir: PathBuf::from(DEFAULT_CONTAINER_DISK_DIR),
+            hotplug_disk_dir: PathBuf::from(crate::hotplug::DEFAULT_HOTPLUG_DISK_DIR),
         }
     }
 }
@@ -130,7 +133,7 @@ pub enum MountError {
 }
 
 impl MountError {
-    fn iso(field: &str) -> impl FnOnce(IsolationError) -> MountError + '_ {
+    pub(crate) fn iso(field: &str) -> impl FnOnce(IsolationError) -> MountError + '_ {
         move |source| MountError::Isolation {
             field: field.to_owned(),
             source: Box::new(source),
@@ -290,11 +293,26 @@ fn mount_one(
     let field = m.field.as_str();
     let image_root = peer.open_mount_root().map_err(MountError::iso(field))?;
     let source = find_image(&image_root, &m.source, peer.pid, field)?;
+    attach(&source, peer, launcher, root, target, field, true)
+}
+
+/// Bind-mounts `source`, a file of `peer`'s mount namespace, onto `target` in the launcher's
+/// (read-only if asked); `false` when it was already there. A target holding another mount
+/// (a restarted container's old one) has it replaced.
+pub(crate) fn attach(
+    source: &SafePath,
+    peer: &PodIsolation,
+    launcher: &PodIsolation,
+    root: &MountRoot,
+    target: &Path,
+    field: &str,
+    read_only_mount: bool,
+) -> Result<bool, MountError> {
     let dest = ensure_target(root, target, field)?;
     let src_stat = source.metadata().map_err(MountError::iso(field))?;
     let dst_stat = dest.metadata().map_err(MountError::iso(field))?;
     let same = (src_stat.st_dev, src_stat.st_ino) == (dst_stat.st_dev, dst_stat.st_ino);
-    if same && read_only(&dest, field)? {
+    if same && read_only(&dest, field)? == read_only_mount {
         return Ok(false);
     }
     if is_mount_root(&dest, field)? {
@@ -307,12 +325,14 @@ fn mount_one(
         .run_in_namespace(NsKind::Mnt, || source.clone_mount())
         .and_then(|r| r)
         .map_err(MountError::iso(field))?;
-    tree.make_read_only().map_err(MountError::iso(field))?;
+    if read_only_mount {
+        tree.make_read_only().map_err(MountError::iso(field))?;
+    }
     launcher
         .run_in_namespace(NsKind::Mnt, move || tree.attach_onto(&dest))
         .and_then(|r| r)
         .map_err(MountError::iso(field))?;
-    tracing::info!(target = %target.display(), pid = peer.pid, "mounted read-only");
+    tracing::info!(target = %target.display(), pid = peer.pid, read_only = read_only_mount, "mounted");
     Ok(true)
 }
 
@@ -370,7 +390,7 @@ fn find_image(
     Ok(file)
 }
 
-fn entries(dir: OwnedFd) -> nix::Result<Vec<OsString>> {
+pub(crate) fn entries(dir: OwnedFd) -> nix::Result<Vec<OsString>> {
     let mut d = nix::dir::Dir::from_fd(dir)?;
     let mut out = Vec::new();
     for e in d.iter() {
@@ -438,7 +458,7 @@ fn read_only(p: &SafePath, field: &str) -> Result<bool, MountError> {
 
 /// Whether a mount sits on this file (statx `STATX_ATTR_MOUNT_ROOT`, Linux 5.8; nix has no
 /// statx).
-fn is_mount_root(p: &SafePath, field: &str) -> Result<bool, MountError> {
+pub(crate) fn is_mount_root(p: &SafePath, field: &str) -> Result<bool, MountError> {
     use std::os::fd::AsRawFd as _;
     let mut stx = std::mem::MaybeUninit::<libc::statx>::zeroed();
     // SAFETY: a descriptor we hold, an empty C string with AT_EMPTY_PATH, and a buffer of
@@ -462,7 +482,7 @@ fn is_mount_root(p: &SafePath, field: &str) -> Result<bool, MountError> {
 /// Takes every mount off `target` inside the launcher's mount namespace. umount2 wants a
 /// path: the thread moves into the target's directory, through a handle, and names only
 /// the last component, without following it.
-fn unmount_all(
+pub(crate) fn unmount_all(
     launcher: &PodIsolation,
     root: &MountRoot,
     target: &Path,

@@ -10,7 +10,7 @@
 //! restarted handler rebuilds it from their current state and leaves running VMs untouched
 //! (a second sync of an unchanged VMI is a no-op in the launcher).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -36,6 +36,7 @@ use workqueue::Queue;
 use crate::devices::{self, DeviceError};
 use crate::events::{Event, EventType};
 use crate::guestinfo;
+use crate::hotplug;
 use crate::mounts::{self, MountConfig, MountError, Prepared};
 use crate::shutdown::{self, Action, DomainPresence};
 use crate::status::{self, LauncherView, Observed, PodReady, PodView};
@@ -156,8 +157,8 @@ struct Entry {
     /// The launcher answered at least once.
     seen: bool,
     unreachable_since: Option<Instant>,
-    /// The VMI generation last synced successfully.
-    synced_generation: Option<i64>,
+    /// The VMI generation last synced successfully, and the hotplugged volumes it had.
+    synced: Option<(i64, BTreeSet<String>)>,
     /// When ACPI power-down was last sent.
     signalled_at: Option<Instant>,
     /// When shutdown of a domain whose VMI is gone began.
@@ -572,13 +573,17 @@ impl Node {
     }
 
     /// Detects the launcher's isolation, lets its cgroup open the VM's devices, and makes the
-    /// VMI's containerDisk and kernelBoot files visible in it (idempotent). `Some(reason)`: an image container does not serve yet.
+    /// VMI's containerDisk and kernelBoot files and its hotplugged volumes visible in it
+    /// (idempotent), unmounting hotplugged volumes the guest (`in_domain`) no longer has and
+    /// the spec no longer wants. `Some(reason)`: an image container does not serve yet; and
+    /// the hotplugged volumes mounted.
     async fn prepare(
         &self,
         key: &str,
         vmi: &Arc<VirtualMachineInstance>,
         socket: &Path,
-    ) -> Result<Option<String>, ReconcileError> {
+        in_domain: BTreeSet<String>,
+    ) -> Result<(Option<String>, BTreeSet<String>), ReconcileError> {
         let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
         self.with_entry(key, uid, |e| e.prepared = Some(Arc::clone(vmi)));
         let path = socket.to_owned();
@@ -586,9 +591,10 @@ impl Node {
         let cfg = self.cfg.mounts.clone();
         let setup = self.cgroups.clone();
         let private_dir = self.cfg.launcher_private_dir.clone();
+        let pods_dir = self.cfg.pods_dir.clone();
         // Blocking: detection reads /proc; mounts and network phase 1 enter the pod's
         // namespaces on threads of their own.
-        let (pid, prepared) = tokio::task::spawn_blocking(move || {
+        let (pid, prepared, hot) = tokio::task::spawn_blocking(move || {
             let iso = isolation::detect_from_socket(&path)?;
             // QEMU opens /dev/kvm, /dev/net/tun and /dev/vhost-net (those the host has).
             // Hotplugged block volumes are not offered yet, so there are no block devices.
@@ -601,11 +607,17 @@ impl Node {
             // below starts QEMU; phase 1 is idempotent, so every reconcile runs it.
             network::phase1::setup(&v, &iso, &private_dir)?;
             let prepared = mounts::prepare(&v, &iso, &cfg)?;
-            Ok::<_, ReconcileError>((iso.pid, prepared))
+            let hot = hotplug::mount(&v, &iso, &pods_dir, &cfg.hotplug_disk_dir)?;
+            let keep: BTreeSet<String> = hotplug::plan(&v).into_iter().map(|p| p.volume).collect();
+            hotplug::unmount_unused(&iso, &cfg.hotplug_disk_dir, &keep, &in_domain)?;
+            Ok::<_, ReconcileError>((iso.pid, prepared, hot))
         })
         .await??;
         self.with_entry(key, uid, |e| e.pid = Some(pid));
-        Ok(match prepared {
+        for (volume, why) in &hot.waiting {
+            tracing::debug!(key, %volume, %why, "waiting for a hotplug attachment pod");
+        }
+        let waiting = match prepared {
             Prepared::Ready { mounted, .. } => {
                 if !mounted.is_empty() {
                     tracing::info!(key, ?mounted, "image files mounted into the launcher");
@@ -617,7 +629,8 @@ impl Node {
                 socket,
                 reason,
             } => Some(format!("{field}: {} not ready: {reason}", socket.display())),
-        })
+        };
+        Ok((waiting, hot.ready))
     }
 
     /// Syncs the VMI unless this generation already was (the launcher treats a repeated sync
@@ -629,20 +642,25 @@ impl Node {
         vmi: &VirtualMachineInstance,
         socket: &Path,
         domain: &Domain,
+        hotplug_mounted: &BTreeSet<String>,
     ) -> Result<Option<String>, ReconcileError> {
         let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
         let generation = vmi.metadata.generation.unwrap_or_default();
-        let synced = self.with_entry(key, uid, |e| e.synced_generation == Some(generation));
+        let state = (generation, hotplug_mounted.clone());
+        let synced = self.with_entry(key, uid, |e| e.synced.as_ref() == Some(&state));
         if domain.state.is_final()
             || (synced && domain.state != launcher_api::domain::DomainState::NoState)
         {
             return Ok(None);
         }
         let c = LauncherClient::new(socket, self.cfg.sync_timeout);
-        match c.sync(vmi).await {
+        match c
+            .sync(&hotplug::without_unmounted(vmi, hotplug_mounted))
+            .await
+        {
             Ok(d) => {
                 self.with_entry(key, uid, |e| {
-                    e.synced_generation = Some(generation);
+                    e.synced = Some(state);
                     if e.watch.is_none() {
                         e.domain = Some(d);
                     }
@@ -725,6 +743,7 @@ impl Node {
         let mut sync_error = None;
         let mut guest_os = None;
         let mut guest_interfaces = None;
+        let mut hotplug_mounted = BTreeSet::new();
 
         if let Some(deleted) = &vmi.metadata.deletion_timestamp {
             recheck = self
@@ -733,9 +752,11 @@ impl Node {
         } else if let LauncherView::Answering(d) = &launcher
             && !d.state.is_final()
         {
-            match self.prepare(key, &vmi, &socket).await {
-                Ok(None) => {
-                    sync_error = self.sync(key, &vmi, &socket, d).await?;
+            let in_domain = d.disks.iter().map(|disk| disk.name.clone()).collect();
+            match self.prepare(key, &vmi, &socket, in_domain).await {
+                Ok((None, mounted)) => {
+                    sync_error = self.sync(key, &vmi, &socket, d, &mounted).await?;
+                    hotplug_mounted = mounted;
                     let (view, again) = self.observe(key, &vmi, &socket).await?;
                     let mut agent_poll = None;
                     if let LauncherView::Answering(d) = &view {
@@ -753,7 +774,7 @@ impl Node {
                     launcher = view;
                     recheck = again.or(agent_poll);
                 }
-                Ok(Some(waiting)) => {
+                Ok((Some(waiting), _)) => {
                     tracing::debug!(key, %waiting, "waiting for an image container");
                     recheck = Some(NOT_READY_RECHECK);
                 }
@@ -772,6 +793,7 @@ impl Node {
             guest_os,
             guest_interfaces,
             sync_error: sync_error.clone(),
+            hotplug_mounted,
             now: now(),
         };
         self.write_status(&vmi, &obs).await?;

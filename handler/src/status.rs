@@ -5,6 +5,8 @@
 //!
 //! Pure: the caller passes the clock, so a table test pins every rule.
 
+use std::collections::BTreeSet;
+
 use api::status::{
     Condition, PhaseTransitionTimestamp, VirtualMachineInstanceCondition,
     VirtualMachineInstanceConditionType as Cond, VirtualMachineInstanceGuestOsInfo,
@@ -73,6 +75,8 @@ pub struct Observed {
     pub guest_interfaces: Option<Vec<AgentInterface>>,
     /// The error of the last sync attempt (KubeVirt's `Synchronized` condition).
     pub sync_error: Option<String>,
+    /// Hotplugged volumes whose images are mounted in the launcher.
+    pub hotplug_mounted: BTreeSet<String>,
     pub now: Time,
 }
 
@@ -307,7 +311,8 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
         };
     }
     if let Some(d) = domain {
-        let (volumes, volume_events) = crate::volumes::compute(vmi, &old.volume_status, &d.disks);
+        let (volumes, volume_events) =
+            crate::volumes::compute(vmi, &old.volume_status, &d.disks, &obs.hotplug_mounted);
         status.volume_status = volumes;
         events.extend(volume_events);
         // KubeVirt's `updateFSFreezeStatus`: the agent's answer as the launcher relays it, kept
@@ -478,6 +483,7 @@ mod tests {
             guest_os: None,
             guest_interfaces: None,
             sync_error: None,
+            hotplug_mounted: BTreeSet::new(),
             now: t(10),
         }
     }

@@ -3,11 +3,12 @@
 //! `generateEventsForVolumeStatusChange` in `pkg/virt-handler/vm.go`): every entry gets the
 //! guest device its disk has, and a hotplugged volume is `Ready` once its disk is in the domain.
 //!
-//! KubeVirt's virt-controller creates the hotplug entries (attachment pod, `Pending` ... `MountedToPod`)
-//! and virt-handler moves them to `Ready`. Our controller does not hotplug through attachment
-//! pods, so an entry is also made here for a disk the launcher reports as hotplugged, and an
-//! entry whose volume left both the spec and the domain is dropped here (KubeVirt's controller
-//! drops it once the attachment pod is gone).
+//! virt-controller keeps an entry per volume and moves a hotplugged claim up to
+//! `AttachedToNode` (its attachment pod runs); virt-handler moves it to `MountedToPod` once
+//! its image is mounted in the launcher, to `Ready` once the guest has the disk, and after an
+//! unplug to `UnMountedFromPod`, after which virt-controller deletes the attachment pod and the
+//! entry. A disk hotplugged without an attachment pod (a volume the launcher creates itself,
+//! such as an emptyDisk) gets its entry here, which goes once it left both spec and domain.
 //!
 //! Pure: the table tests pin every rule.
 
@@ -23,7 +24,7 @@ use crate::events::Event;
 /// KubeVirt's reasons (`pkg/virt-handler/controller.go`).
 pub const REASON_READY: &str = "VolumeReady";
 pub const REASON_UNPLUGGED: &str = "VolumeUnplugged";
-pub const PHASE_READY: &str = "Ready";
+pub const PHASE_READY: &str = api::hotplug::PHASE_READY;
 
 /// The device-name prefix of a bus (KubeVirt's `getPrefixFromBus`).
 fn prefix(bus: &str) -> &'static str {
@@ -91,12 +92,24 @@ fn ready_message(name: &str) -> String {
     format!("Successfully attach hotplugged volume {name} to VM")
 }
 
-/// The new `volumeStatus` and the events of its change.
+fn set(v: &mut VolumeStatus, phase: &str, reason: &str, message: String) {
+    v.phase = Some(phase.to_owned());
+    v.reason = Some(reason.to_owned());
+    v.message = Some(message);
+}
+
+/// The new `volumeStatus` and the events of its change; `mounted`: the hotplugged volumes
+/// whose images are mounted in the launcher now.
 pub fn compute(
     vmi: &VirtualMachineInstance,
     old: &[VolumeStatus],
     disks: &[DiskStatus],
+    mounted: &BTreeSet<String>,
 ) -> (Vec<VolumeStatus>, Vec<Event>) {
+    use api::hotplug::{
+        PHASE_ATTACHED_TO_NODE, PHASE_BOUND, PHASE_MOUNTED_TO_POD, PHASE_PENDING,
+        PHASE_UNMOUNTED_FROM_POD, REASON_MOUNTED_TO_POD, REASON_UNMOUNTED_FROM_POD,
+    };
     let targets = targets(old, disks);
     let in_spec: BTreeSet<&str> = vmi.spec.volumes.iter().map(|v| v.name.as_str()).collect();
     let mut events = Vec::new();
@@ -104,12 +117,43 @@ pub fn compute(
     for v in old {
         let mut v = v.clone();
         v.target = targets.get(&v.name).cloned().unwrap_or_default();
+        let spec = in_spec.contains(v.name.as_str());
         if v.hotplug_volume.is_some() {
+            let phase = v.phase.as_deref();
             if !v.target.is_empty() {
-                v.phase = Some(PHASE_READY.to_owned());
-                v.reason = Some(REASON_READY.to_owned());
-                v.message = Some(ready_message(&v.name));
-            } else if !in_spec.contains(v.name.as_str()) {
+                let message = ready_message(&v.name);
+                set(&mut v, PHASE_READY, REASON_READY, message);
+            } else if api::hotplug::attach_pod_name(&v).is_some() {
+                // KubeVirt's `updateHotplugVolumeStatus`: virt-controller drops the entry.
+                if mounted.contains(&v.name)
+                    && spec
+                    && matches!(
+                        phase,
+                        Some(PHASE_BOUND | PHASE_PENDING | PHASE_ATTACHED_TO_NODE)
+                    )
+                {
+                    let message =
+                        format!("Volume {} has been mounted in virt-launcher pod", v.name);
+                    set(&mut v, PHASE_MOUNTED_TO_POD, REASON_MOUNTED_TO_POD, message);
+                } else if !mounted.contains(&v.name)
+                    && !spec
+                    && matches!(
+                        phase,
+                        Some(PHASE_READY | PHASE_MOUNTED_TO_POD | PHASE_ATTACHED_TO_NODE)
+                    )
+                {
+                    let message = format!(
+                        "Volume {} has been unmounted from virt-launcher pod",
+                        v.name
+                    );
+                    set(
+                        &mut v,
+                        PHASE_UNMOUNTED_FROM_POD,
+                        REASON_UNMOUNTED_FROM_POD,
+                        message,
+                    );
+                }
+            } else if !spec {
                 events.push(Event::normal(
                     REASON_UNPLUGGED,
                     &format!("Volume {} has been unplugged", v.name),
@@ -236,7 +280,7 @@ mod tests {
             disk("root", "virtio", "/disk.img", false),
             disk("hot", "scsi", "/hot", true),
         ];
-        let (new, events) = compute(&vmi(&["root", "hot"]), &[], &disks);
+        let (new, events) = compute(&vmi(&["root", "hot"]), &[], &disks, &BTreeSet::new());
         assert_eq!(
             serde_json::to_value(&new).expect("json"),
             serde_json::json!([{
@@ -256,7 +300,7 @@ mod tests {
             )]
         );
         // Unchanged the second time: no event, same status.
-        let (again, events) = compute(&vmi(&["root", "hot"]), &new, &disks);
+        let (again, events) = compute(&vmi(&["root", "hot"]), &new, &disks, &BTreeSet::new());
         assert_eq!(again, new);
         assert!(events.is_empty(), "{events:?}");
     }
@@ -272,7 +316,12 @@ mod tests {
             status("hot", "", Some("MountedToPod"), true),
             status("later", "", Some("Pending"), true),
         ];
-        let (new, events) = compute(&vmi(&["root", "hot", "later"]), &old, &disks);
+        let (new, events) = compute(
+            &vmi(&["root", "hot", "later"]),
+            &old,
+            &disks,
+            &BTreeSet::new(),
+        );
         let got: Vec<_> = new
             .iter()
             .map(|v| (v.name.as_str(), v.target.as_str(), v.phase.as_deref()))
@@ -301,7 +350,7 @@ mod tests {
             status("hot", "sda", Some("Ready"), true),
             status("root", "vda", None, false),
         ];
-        let (new, events) = compute(&vmi(&["root"]), &old, &disks);
+        let (new, events) = compute(&vmi(&["root"]), &old, &disks, &BTreeSet::new());
         assert_eq!(new, [status("root", "vda", None, false)]);
         assert_eq!(
             events,
@@ -311,8 +360,53 @@ mod tests {
             )]
         );
         // Still in the spec (being plugged again): kept, without a target.
-        let (new, events) = compute(&vmi(&["root", "hot"]), &old, &disks);
+        let (new, events) = compute(&vmi(&["root", "hot"]), &old, &disks, &BTreeSet::new());
         assert_eq!(new[0], status("hot", "", Some("Ready"), true));
         assert!(events.is_empty(), "{events:?}");
+    }
+
+    #[test]
+    fn attached_volumes_are_mounted_then_ready_and_unmounted_after_the_unplug() {
+        let attached = |phase: &str| VolumeStatus {
+            phase: Some(phase.into()),
+            hotplug_volume: Some(Preserved(
+                serde_json::json!({"attachPodName": "hp-1", "attachPodUID": "u"}),
+            )),
+            ..status("hot", "", None, true)
+        };
+        let root = [disk("root", "virtio", "/disk.img", false)];
+        let mounted = BTreeSet::from(["hot".to_owned()]);
+        let (new, events) = compute(
+            &vmi(&["root", "hot"]),
+            &[attached("AttachedToNode")],
+            &root,
+            &mounted,
+        );
+        assert_eq!(new[0].phase.as_deref(), Some("MountedToPod"));
+        assert_eq!(
+            events,
+            [Event::normal(
+                "VolumeMountedToPod",
+                "Volume hot has been mounted in virt-launcher pod"
+            )]
+        );
+        // Not mounted yet: it waits.
+        let (new, _) = compute(
+            &vmi(&["root", "hot"]),
+            &[attached("AttachedToNode")],
+            &root,
+            &BTreeSet::new(),
+        );
+        assert_eq!(new[0].phase.as_deref(), Some("AttachedToNode"));
+        // Removed from the spec and out of the guest: unmounted, and the entry stays for
+        // virt-controller to drop with the attachment pod.
+        let (new, events) = compute(
+            &vmi(&["root"]),
+            &[attached("Ready")],
+            &root,
+            &BTreeSet::new(),
+        );
+        assert_eq!(new[0].phase.as_deref(), Some("UnMountedFromPod"));
+        assert_eq!(events[0].reason, "VolumeUnMountedFromPod");
     }
 }

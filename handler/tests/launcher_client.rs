@@ -145,6 +145,7 @@ async fn guest_watch_follows_boot_pause_agent_and_shutdown() {
             guest_os: None,
             guest_interfaces: None,
             sync_error: None,
+            hotplug_mounted: std::collections::BTreeSet::new(),
             now: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 k8s_openapi::jiff::Timestamp::now(),
             ),

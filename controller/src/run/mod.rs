@@ -28,7 +28,7 @@ use api::{
 };
 use informer::events::{Publisher, Reporter};
 use informer::{Seen, obj_key, reflect};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::Store;
@@ -127,6 +127,9 @@ struct Shared {
     vmis: Store<VirtualMachineInstance>,
     pods: Store<Pod>,
     pod_index: Arc<Mutex<OwnerIndex>>,
+    /// Hotplug attachment pods by the VMI they serve (their controller is the launcher pod).
+    attachment_index: Arc<Mutex<OwnerIndex>>,
+    pvcs: Store<PersistentVolumeClaim>,
     replicasets: Store<VirtualMachineInstanceReplicaSet>,
     nodes: Store<Node>,
     kubevirts: Store<KubeVirt>,
@@ -219,19 +222,32 @@ async fn start_caches(
         }),
     );
     let pod_index: Arc<Mutex<OwnerIndex>> = Arc::default();
+    let attachment_index: Arc<Mutex<OwnerIndex>> = Arc::default();
     let pods = reflect(
         tasks,
         Api::all(client.clone()),
-        wc().labels(&format!("{}=virt-launcher", api::labels::APP)),
+        wc().labels(&format!(
+            "{} in (virt-launcher,{})",
+            api::labels::APP,
+            api::hotplug::ATTACHMENT_POD_APP
+        )),
         cache::trim_pod,
         vmi::on_pod(vmi::PodWatch {
             vmi_q: vmi_q.clone(),
             pod_exp: pod_exp.clone(),
             index: pod_index.clone(),
+            attachments: attachment_index.clone(),
             mig_q: mig_q.clone(),
             mig_pod_exp: mig_pod_exp.clone(),
             mig_index: mig_index.clone(),
         }),
+    );
+    let pvcs = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        vmi::on_claim(vmi_q.clone(), vmis.clone()),
     );
     let q = rs_q.clone();
     let replicasets = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, move |s| {
@@ -297,6 +313,10 @@ async fn start_caches(
         ),
         ("Pod", pods.wait_until_ready().await.is_ok()),
         (
+            "PersistentVolumeClaim",
+            pvcs.wait_until_ready().await.is_ok(),
+        ),
+        (
             "VirtualMachineInstanceReplicaSet",
             replicasets.wait_until_ready().await.is_ok(),
         ),
@@ -334,6 +354,8 @@ async fn start_caches(
         vmis,
         pods,
         pod_index,
+        attachment_index,
+        pvcs,
         replicasets,
         nodes,
         kubevirts,

@@ -3,7 +3,10 @@
 
 use std::sync::Arc;
 
-use api::{VirtualMachine, VirtualMachineInstance, VirtualMachineStatus};
+use api::{
+    VirtualMachine, VirtualMachineInstance, VirtualMachineInstancePhase as Phase,
+    VirtualMachineStatus,
+};
 use informer::{Seen, cas_status_patch, controller_owner, controller_ref, obj_key, split_key};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
@@ -208,7 +211,57 @@ async fn act(
         }
         Ok(VmAction::WaitBackoff(d)) => s.vm_q.add_after(key, d),
     }
+    if let Some(v) = vmi.filter(|v| {
+        v.metadata.deletion_timestamp.is_none() && vmi::phase_of(v) == Some(Phase::Running)
+    }) && let Some((volumes, disks)) = api::hotplug::declarative_sync(vm, v)
+        && let Err(e) = patch_hotplug_volumes(vmi_api, v, &volumes, &disks).await
+    {
+        out.sync_error = Some((events::HOTPLUG_VOLUME_ERROR.into(), e.to_string()));
+        retry_later(
+            &s.vm_q,
+            key,
+            "hotplugging the VM's volumes into its VMI",
+            &e,
+        );
+    }
     out
+}
+
+/// KubeVirt's `patchHotplugVolumes`: the VMI's volumes and disks replaced, guarded by tests
+/// of the lists this was computed from, so a concurrent change is never overwritten.
+async fn patch_hotplug_volumes(
+    vmi_api: &Api<VirtualMachineInstance>,
+    vmi: &VirtualMachineInstance,
+    volumes: &[api::vmi::Volume],
+    disks: &[api::vmi::Disk],
+) -> Result<(), kube::Error> {
+    let mut ops = Vec::new();
+    for (path, old, new) in [
+        ("/spec/volumes", json!(vmi.spec.volumes), json!(volumes)),
+        (
+            "/spec/domain/devices/disks",
+            json!(vmi.spec.domain.devices.disks),
+            json!(disks),
+        ),
+    ] {
+        let present = old.as_array().is_some_and(|a| !a.is_empty());
+        if present {
+            ops.push(json!({"op": "test", "path": path, "value": old}));
+        }
+        ops.push(
+            json!({"op": if present { "replace" } else { "add" }, "path": path, "value": new}),
+        );
+    }
+    let patch: json_patch::Patch =
+        serde_json::from_value(serde_json::Value::Array(ops)).map_err(kube::Error::SerdeError)?;
+    vmi_api
+        .patch(
+            &vmi.name_any(),
+            &PatchParams::default(),
+            &Patch::Json::<()>(patch),
+        )
+        .await
+        .map(|_| ())
 }
 
 /// Writes `vm::next_status` when it differs from the cached one.

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use api::validation::FieldError;
 use api::{ClusterConfig, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceStatus};
 use informer::{Seen, controller_owner, controller_ref, key_of, obj_key, split_key, status_patch};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -19,7 +19,7 @@ use super::{Shared, cluster_config, event, lock, retry_later};
 use crate::cache::OwnerIndex;
 use crate::template::render_launcher_pod;
 use crate::vmi::PodAction;
-use crate::{events, finalizers, vmi};
+use crate::{events, finalizers, hotplug, vmi};
 use workqueue::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 
 /// What the VMI watch feeds.
@@ -80,11 +80,47 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
     }
 }
 
+/// The PVC watch: the VMIs using the claim, since a claim binding lets its hotplug go on.
+pub(super) fn on_claim(
+    vmi_q: Arc<Queue>,
+    vmis: Store<VirtualMachineInstance>,
+) -> impl Fn(Seen<'_, PersistentVolumeClaim>) + Send + 'static {
+    move |s| {
+        let c = s.object();
+        let ns = c.namespace().unwrap_or_default();
+        let name = c.name_any();
+        for v in vmis.state().iter().filter(|v| {
+            v.namespace().as_deref() == Some(ns.as_str())
+                && v.spec
+                    .volumes
+                    .iter()
+                    .any(|vol| api::hotplug::claim_name(vol) == Some(name.as_str()))
+        }) {
+            vmi_q.add(&obj_key(v.as_ref()));
+        }
+    }
+}
+
+/// The VMI an attachment pod serves, by its annotation (its controller is the launcher pod).
+fn attachment_vmi_key(pod: &Pod) -> Option<String> {
+    let app = pod.metadata.labels.as_ref()?.get(api::labels::APP)?;
+    if app != api::hotplug::ATTACHMENT_POD_APP {
+        return None;
+    }
+    let vmi = pod
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(api::hotplug::OWNER_VMI_NAME_ANNOTATION)?;
+    Some(key_of(pod.namespace().as_deref(), vmi))
+}
+
 /// What the launcher pod watch feeds.
 pub(super) struct PodWatch {
     pub vmi_q: Arc<Queue>,
     pub pod_exp: Arc<UidTrackingExpectations>,
     pub index: Arc<Mutex<OwnerIndex>>,
+    pub attachments: Arc<Mutex<OwnerIndex>>,
     pub mig_q: Arc<Queue>,
     pub mig_pod_exp: Arc<UidTrackingExpectations>,
     pub mig_index: Arc<Mutex<super::migration::MigrationIndex>>,
@@ -98,6 +134,7 @@ pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
         vmi_q,
         pod_exp,
         index,
+        attachments,
         mig_q,
         mig_pod_exp,
         mig_index,
@@ -109,6 +146,24 @@ pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
             Seen::Deleted(o) => (o, false, true),
         };
         let pod_key = obj_key(o);
+        if let Some(vmi_key) = attachment_vmi_key(o) {
+            {
+                let mut a = lock(&attachments);
+                if deleted {
+                    a.remove(&pod_key);
+                } else {
+                    a.set(&pod_key, Some(&vmi_key));
+                }
+            }
+            if added {
+                pod_exp.creation_observed(&vmi_key);
+            }
+            if deleted || o.metadata.deletion_timestamp.is_some() {
+                pod_exp.deletion_observed(&vmi_key, &pod_key);
+            }
+            vmi_q.add(&vmi_key);
+            return;
+        }
         let owner = controller_owner(o, "VirtualMachineInstance");
         let vmi_key = owner.map(|owner| key_of(o.namespace().as_deref(), owner));
         // Indexed before the expectation is marked observed: a sync that finds its
@@ -187,10 +242,23 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         });
     }
     problems.extend(api::validation::validate_vmi(&defaulted, &cfg));
-    // PVC access modes are not cached: a VMI with a claim is reported as not known to be
-    // migratable (KubeVirt's message for a PVC it cannot look up).
-    let out = vmi::sync_with(&vmi, &pods, &problems, &|_| None, Timestamp::now());
+    let claim = |name: &str| {
+        s.pvcs
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|c| (*c).clone())
+    };
+    let shared = |name: &str| {
+        claim(name).map(|c| {
+            c.spec
+                .and_then(|s| s.access_modes)
+                .is_some_and(|m| m.iter().any(|m| m == "ReadWriteMany"))
+        })
+    };
+    let mut out = vmi::sync_with(&vmi, &pods, &problems, &shared, Timestamp::now());
     let old_status = vmi.status.clone().unwrap_or_default();
+    if let Some(launcher) = hotplug_launcher(&vmi, &out.status, &pods) {
+        out.status.volume_status = Box::pin(sync_hotplug(s, key, &vmi, launcher, &claim)).await;
+    }
 
     Box::pin(act_on_pods(
         s, key, &vmi, &defaulted, &cfg, out.pods, &pods_api,
@@ -237,6 +305,115 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         release_finalizer: out.release_finalizer,
     };
     write_vmi(s, key, &vmi, write).await;
+}
+
+/// The launcher pod whose hotplug volumes are looked after: the VMI runs in it, it is not
+/// going away, and no migration is moving the VMI (a hotplugged VMI is not live-migratable,
+/// but one may have started before the volume was added).
+fn hotplug_launcher<'a>(
+    vmi: &VirtualMachineInstance,
+    status: &VirtualMachineInstanceStatus,
+    pods: &'a [Pod],
+) -> Option<&'a Pod> {
+    let running = status.phase == Some(api::VirtualMachineInstancePhase::Running);
+    let migrating = status
+        .migration_state
+        .as_ref()
+        .is_some_and(|m| m.completed != Some(true) && m.failed != Some(true));
+    let pod = vmi::current_pod(vmi, pods)?;
+    (running && !migrating && pod.metadata.deletion_timestamp.is_none()).then_some(pod)
+}
+
+/// Creates and deletes the attachment pods of `launcher` as `hotplug::plan_attachments`
+/// decides, and returns the VMI's new `volumeStatus` (with its events recorded).
+async fn sync_hotplug(
+    s: &Shared,
+    key: &str,
+    vmi: &VirtualMachineInstance,
+    launcher: &Pod,
+    claim: &(dyn Fn(&str) -> Option<PersistentVolumeClaim> + Sync),
+) -> Vec<api::status::VolumeStatus> {
+    let attachments: Vec<Pod> = lock(&s.attachment_index)
+        .children(key)
+        .iter()
+        .filter_map(|k| {
+            let (ns, name) = split_key(k);
+            s.pods.get(&ObjectRef::new(name).within(ns))
+        })
+        .filter(|p| hotplug::is_attachment_pod_of(p, launcher))
+        .map(|p| (*p).clone())
+        .collect();
+    let attachments: Vec<&Pod> = attachments.iter().collect();
+    let hot = hotplug::hotplug_volumes(vmi, launcher);
+    let ready: Vec<&api::vmi::Volume> = hot
+        .into_iter()
+        .filter(|v| hotplug::claim_ready(api::hotplug::claim_name(v).and_then(claim).as_ref()))
+        .collect();
+    let plan = hotplug::plan_attachments(vmi, &attachments, &ready);
+    let pods_api: Api<Pod> =
+        Api::namespaced(s.client.clone(), &vmi.namespace().unwrap_or_default());
+    if !plan.create.is_empty() {
+        let pod =
+            hotplug::render_attachment_pod(vmi, launcher, &ready, &s.opts.template.launcher_image);
+        s.pod_exp.expect_creations(key, 1);
+        if let Err(e) = pods_api.create(&PostParams::default(), &pod).await {
+            s.pod_exp.creation_observed(key);
+            event(
+                s,
+                vmi,
+                true,
+                events::FAILED_CREATE_POD,
+                format!("Error creating attachment pod: {e}"),
+            )
+            .await;
+            retry_later(&s.vmi_q, key, "creating an attachment pod", &e);
+        }
+    }
+    if !plan.delete.is_empty() {
+        let ns = vmi.namespace();
+        let keys: Vec<String> = plan
+            .delete
+            .iter()
+            .map(|n| key_of(ns.as_deref(), n))
+            .collect();
+        s.pod_exp.expect_deletions(key, &keys);
+        for (n, k) in plan.delete.iter().zip(&keys) {
+            // KubeVirt deletes attachment pods at once: they only hold mounts.
+            let now = DeleteParams {
+                grace_period_seconds: Some(0),
+                ..DeleteParams::default()
+            };
+            match pods_api.delete(n, &now).await {
+                Ok(_) => {
+                    event(
+                        s,
+                        vmi,
+                        false,
+                        events::SUCCESSFUL_DELETE_POD,
+                        format!("Deleted attachment pod {n}"),
+                    )
+                    .await
+                }
+                Err(e) => {
+                    s.pod_exp.deletion_observed(key, k);
+                    event(
+                        s,
+                        vmi,
+                        true,
+                        events::FAILED_DELETE_POD,
+                        format!("Failed to delete attachment pod {n}"),
+                    )
+                    .await;
+                    retry_later(&s.vmi_q, key, "deleting an attachment pod", &e);
+                }
+            }
+        }
+    }
+    let (status, volume_events) = hotplug::volume_status(vmi, launcher, &attachments, claim);
+    for (reason, message) in volume_events {
+        event(s, vmi, false, reason, message).await;
+    }
+    status
 }
 
 /// Creates or deletes launcher pods as `vmi::sync` decided.

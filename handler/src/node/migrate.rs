@@ -16,7 +16,7 @@
 //! hand over between themselves; here the handover goes through the VMI (the source's
 //! `endTimestamp`, then the target's resume), so the guest's downtime includes one API round trip.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -396,9 +396,10 @@ impl Node {
         };
         let mut d = *d;
         if d.migration.is_none() {
-            match self.prepare(key, vmi, &socket).await {
-                Ok(None) => {}
-                Ok(Some(_waiting)) => return Ok(Next::After(NOT_READY_RECHECK)),
+            // A VMI with hotplugged volumes is not migratable: nothing to mount or unmount.
+            match self.prepare(key, vmi, &socket, BTreeSet::new()).await {
+                Ok((None, _)) => {}
+                Ok((Some(_waiting), _)) => return Ok(Next::After(NOT_READY_RECHECK)),
                 Err(ReconcileError::Mounts(e)) => {
                     self.fail_migration(key, vmi, super::error_chain(&e), false)
                         .await?;

@@ -693,6 +693,26 @@ impl ControlPlane {
         client_for(&self.admin_kubeconfig).await
     }
 
+    /// The state directory (`ControlPlaneConfig::dir`).
+    pub fn dir(&self) -> &Path {
+        &self.config.dir
+    }
+
+    /// A kubeconfig for `user` (no groups) with a new client certificate `pki/<name>.crt`,
+    /// also written to `<dir>/<name>.conf`, as the components' are.
+    pub fn user_kubeconfig(&self, name: &str, user: &str) -> Result<String, ControlPlaneError> {
+        let client = self.pki.client(
+            name,
+            &Subject {
+                common_name: user,
+                organizations: &[],
+            },
+        )?;
+        let text = pki::kubeconfig(&self.url, &self.pki.ca().cert_pem, user, &client);
+        pki::write_file(&self.config.dir.join(format!("{name}.conf")), &text, 0o600)?;
+        Ok(text)
+    }
+
     /// Credentials for a kubelet named `node` serving its API at `address`.
     pub fn node_credentials(
         &self,

@@ -160,12 +160,20 @@ async fn up(
         .with_context(|| format!("writing {}", pid_path.display()))?;
     let started = std::time::Instant::now();
     let mut plane = ControlPlane::start(config).await?;
+    // Before the kubeconfig is written: a claim made as soon as it is there gets the default
+    // class.
+    let storage = localcluster::storage::Provisioner::start(&plane).await?;
     let kubeconfig = dir.join("kubeconfig");
     localcluster::pki::write_file(&kubeconfig, plane.kubeconfig(), 0o600)?;
     println!(
         "control plane ready in {:.1} s: {}",
         started.elapsed().as_secs_f64(),
         plane.url()
+    );
+    println!(
+        "storage class {} (default): volumes in {}",
+        localcluster::storage::STORAGE_CLASS,
+        localcluster::storage::volumes_dir(&dir).display()
     );
     let nodes = localcluster::kubelet::cluster::LocalNodes::start(&plane, node_args, &dir).await?;
     for (name, root) in nodes.nodes() {
@@ -199,16 +207,20 @@ async fn up(
             _ = term.recv() => break None,
             _ = watch.tick() => {
                 if let Err(e) = plane.check() {
-                    break Some(e);
+                    break Some(anyhow::Error::from(e));
+                }
+                if let Err(e) = storage.check() {
+                    break Some(e.into());
                 }
             }
         }
     };
     if let Some(e) = &exited {
-        eprintln!("localcluster: {e}");
+        eprintln!("localcluster: {e:#}");
     }
     println!("stopping");
     nodes.stop().await;
+    drop(storage);
     plane.stop();
     for path in [&kubeconfig, &pid_path] {
         if let Err(e) = std::fs::remove_file(path) {
@@ -216,7 +228,7 @@ async fn up(
         }
     }
     match exited {
-        Some(e) => Err(e.into()),
+        Some(e) => Err(e),
         None => Ok(()),
     }
 }

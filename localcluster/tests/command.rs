@@ -1,6 +1,7 @@
-//! The `localcluster` command: `up` starts the upstream control plane (from `--kube`) and
-//! writes the kubeconfig kubectl uses, refuses a second `up` on the same state and a start of
-//! nodes without root; `down` stops every component and removes its state files.
+//! The `localcluster` command: `up` starts the upstream control plane (from `--kube`) and the
+//! volume provisioner, and writes the kubeconfig kubectl uses; it refuses a second `up` on the
+//! same state and a start of nodes without root; `down` stops every component and removes its
+//! state files.
 
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
@@ -107,6 +108,21 @@ fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
         String::from_utf8_lossy(&get.stdout).trim(),
         "namespace/default"
     );
+    // The volume provisioner runs inside `up`, with its default StorageClass.
+    let class = kubectl(&[
+        "get",
+        "storageclass",
+        localcluster::storage::STORAGE_CLASS,
+        "-o",
+        "jsonpath={.provisioner}",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&class.stdout),
+        localcluster::storage::PROVISIONER,
+        "{}",
+        String::from_utf8_lossy(&class.stderr)
+    );
+    assert!(dir.path().join("volumes").is_dir());
     // The whole upstream control plane, as its own processes: etcd, kube-apiserver,
     // kube-controller-manager and kube-scheduler (no kube-proxy without nodes).
     let components = processes_using(dir.path());

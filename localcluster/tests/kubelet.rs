@@ -9,119 +9,13 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{Cluster, eventually};
+use common::{Cluster, TestNode, eventually, fresh_node_name, pod, sh, wait_pod};
 use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use kube::Api;
 use kube::api::{DeleteParams, PostParams};
-use localcluster::kubelet::network::PodCidr;
-use localcluster::kubelet::{Kubelet, NodeConfig, Serving};
 use serde_json::{Value, json};
 
 const IMAGE: &str = common::TOOLS_IMAGE;
-
-/// A node with a unique name, bridge and pod CIDR, rooted in a temp dir, so tests can run in
-/// parallel. Dropping it kills its pods and removes what they held.
-struct TestNode {
-    kubelet: Option<Kubelet>,
-    _dir: tempfile::TempDir,
-}
-
-/// A node name no other test uses.
-fn fresh_node_name() -> String {
-    format!("n-{}", &uuid::Uuid::new_v4().simple().to_string()[..6])
-}
-
-impl TestNode {
-    async fn start(cluster: &Cluster) -> Self {
-        Self::start_config(cluster, |_| {}).await
-    }
-
-    /// Starts a node whose configuration `adjust` changes last.
-    async fn start_config(cluster: &Cluster, adjust: impl FnOnce(&mut NodeConfig)) -> Self {
-        Self::start_named(cluster, &fresh_node_name(), false, adjust).await
-    }
-
-    /// A node serving the kubelet API (on a free port, with the serving certificate of its
-    /// credentials), which kube-apiserver dials for logs and exec.
-    async fn start_serving(cluster: &Cluster) -> Self {
-        Self::start_named(cluster, &fresh_node_name(), true, |_| {}).await
-    }
-
-    /// Starts node `name` as `system:node:<name>`, serving the kubelet API if `serve`.
-    async fn start_named(
-        cluster: &Cluster,
-        name: &str,
-        serve: bool,
-        adjust: impl FnOnce(&mut NodeConfig),
-    ) -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let bytes = id.as_bytes();
-        let cidr = PodCidr::parse(&format!(
-            "10.{}.{}.0/24",
-            200 + u32::from(bytes[6]) % 50,
-            u32::from(bytes[7]) * 2 % 250
-        ))
-        .expect("cidr");
-        let mut config = NodeConfig::new(name, dir.path(), cidr, common::images());
-        config.restart_backoff = Duration::from_millis(500);
-        config.heartbeat = Duration::from_secs(2);
-        let (client, creds) = cluster.node_client(name).await;
-        if serve {
-            config.serving = Some(Serving {
-                port: 0,
-                cert_pem: creds.serving.cert_pem,
-                key_pem: creds.serving.key_pem,
-                client_ca_pem: creds.ca_pem,
-            });
-        }
-        adjust(&mut config);
-        let kubelet = Kubelet::start(client, config)
-            .await
-            .expect("starting the kubelet");
-        Self {
-            kubelet: Some(kubelet),
-            _dir: dir,
-        }
-    }
-
-    fn kubelet(&self) -> &Kubelet {
-        self.kubelet.as_ref().expect("running")
-    }
-
-    fn name(&self) -> String {
-        self.kubelet().node_name().to_string()
-    }
-
-    fn pods_dir(&self) -> PathBuf {
-        self.kubelet().config().pods_dir()
-    }
-
-    async fn stop(mut self) {
-        if let Some(k) = self.kubelet.take() {
-            k.stop().await;
-        }
-    }
-}
-
-fn pod(name: &str, node: &str, spec: &Value) -> Pod {
-    let mut p = json!({"metadata": {"name": name}, "spec": {"nodeName": node}});
-    json_patch::merge(&mut p["spec"], spec);
-    serde_json::from_value(p).expect("pod")
-}
-
-fn sh(name: &str, script: &str) -> Value {
-    json!({"name": name, "image": IMAGE, "command": ["/bin/sh", "-c", script]})
-}
-
-async fn wait_pod(api: &Api<Pod>, name: &str, what: &str, f: impl Fn(&Value) -> bool) -> Value {
-    eventually(120, what, || async {
-        let p = api.get(name).await.ok()?;
-        let v = serde_json::to_value(&p).ok()?;
-        f(&v).then_some(v)
-    })
-    .await
-}
 
 fn condition(pod: &Value, kind: &str) -> Option<String> {
     pod["status"]["conditions"]

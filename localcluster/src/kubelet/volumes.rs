@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, DownwardAPIVolumeFile, KeyToPath, Pod, Secret, ServiceAccount, Volume,
+    ConfigMap, DownwardAPIVolumeFile, HostPathVolumeSource, KeyToPath, PersistentVolume,
+    PersistentVolumeClaim, PersistentVolumeClaimVolumeSource, Pod, Secret, ServiceAccount, Volume,
     VolumeProjection,
 };
 use kube::api::PostParams;
@@ -18,6 +19,17 @@ use super::KubeletError;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostVolume {
     pub path: PathBuf,
+    /// Every mount of it is read-only, whatever the mount says (a claim's `readOnly`).
+    pub read_only: bool,
+}
+
+impl HostVolume {
+    fn writable(path: PathBuf) -> Self {
+        Self {
+            path,
+            read_only: false,
+        }
+    }
 }
 
 /// Host paths that belong to a node rather than the machine, so each simulated node has its
@@ -338,6 +350,130 @@ async fn projection(
     })
 }
 
+/// The node-side path of a hostPath (a pod's or a persistent volume's), made or checked as its
+/// `type` says.
+fn host_path_volume(
+    node_root: &Path,
+    source: &HostPathVolumeSource,
+    volume: &str,
+) -> Result<PathBuf, KubeletError> {
+    let path = host_path(node_root, &source.path);
+    match source.type_.as_deref().unwrap_or_default() {
+        "" | "DirectoryOrCreate" if !path.exists() => {
+            std::fs::create_dir_all(&path).map_err(io(&path))?;
+        }
+        "FileOrCreate" if !path.exists() => {
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(io(parent))?;
+            }
+            std::fs::write(&path, b"").map_err(io(&path))?;
+        }
+        "Directory" | "File" | "Socket" | "CharDevice" | "BlockDevice" if !path.exists() => {
+            return Err(KubeletError::Volume {
+                volume: volume.into(),
+                message: format!("hostPath {} does not exist", path.display()),
+            });
+        }
+        _ => {}
+    }
+    Ok(path)
+}
+
+/// The fields of a persistent volume's spec that are not its source: what is left is the
+/// source, whose name tells the user what the kubelet refused.
+const VOLUME_FIELDS: &[&str] = &[
+    "accessModes",
+    "capacity",
+    "claimRef",
+    "mountOptions",
+    "nodeAffinity",
+    "persistentVolumeReclaimPolicy",
+    "storageClassName",
+    "volumeAttributesClassName",
+    "volumeMode",
+];
+
+/// The name of the volume a claim is bound to; or why the pod must wait.
+pub fn bound_volume(claim: &PersistentVolumeClaim) -> Result<&str, String> {
+    let name = claim.metadata.name.as_deref().unwrap_or_default();
+    let phase = claim
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.as_deref())
+        .unwrap_or("Pending");
+    match claim.spec.as_ref().and_then(|s| s.volume_name.as_deref()) {
+        Some(volume) if phase == "Bound" && !volume.is_empty() => Ok(volume),
+        _ => Err(format!(
+            "persistentvolumeclaim {name:?} is not bound (phase {phase})"
+        )),
+    }
+}
+
+/// The hostPath of a persistent volume, the only kind the process kubelet mounts; or what
+/// kind it is instead.
+pub fn volume_host_path(volume: &PersistentVolume) -> Result<&HostPathVolumeSource, String> {
+    let name = volume.metadata.name.as_deref().unwrap_or_default();
+    let spec = volume.spec.as_ref();
+    if spec.and_then(|s| s.volume_mode.as_deref()) == Some("Block") {
+        return Err(format!(
+            "persistentvolume {name:?} is a block volume: the process kubelet mounts filesystem volumes only"
+        ));
+    }
+    if let Some(hp) = spec.and_then(|s| s.host_path.as_ref()) {
+        return Ok(hp);
+    }
+    let kind = serde_json::to_value(spec)
+        .ok()
+        .and_then(|v| {
+            v.as_object()?
+                .keys()
+                .find(|k| !VOLUME_FIELDS.contains(&k.as_str()))
+                .cloned()
+        })
+        .unwrap_or_else(|| "no source".into());
+    Err(format!(
+        "persistentvolume {name:?} is of type {kind}: the process kubelet mounts hostPath volumes only"
+    ))
+}
+
+/// The volume bound to a pod's claim (in the pod's namespace): the persistent volume's
+/// hostPath, read-only when the pod's volume says so. The Node authorizer lets the node read
+/// the claims of its pods and the volumes bound to them.
+async fn claimed_volume(
+    client: &Client,
+    namespace: &str,
+    node_root: &Path,
+    source: &PersistentVolumeClaimVolumeSource,
+    volume: &str,
+) -> Result<HostVolume, KubeletError> {
+    let claim_name = &source.claim_name;
+    let refused = |message: String| KubeletError::Volume {
+        volume: volume.into(),
+        message,
+    };
+    let claim = Api::<PersistentVolumeClaim>::namespaced(client.clone(), namespace)
+        .get_opt(claim_name)
+        .await
+        .map_err(|source| KubeletError::Api {
+            what: format!("persistentvolumeclaim {namespace}/{claim_name}"),
+            source,
+        })?
+        .ok_or_else(|| refused(format!("persistentvolumeclaim {claim_name:?} not found")))?;
+    let bound = bound_volume(&claim).map_err(refused)?;
+    let pv = Api::<PersistentVolume>::all(client.clone())
+        .get(bound)
+        .await
+        .map_err(|source| KubeletError::Api {
+            what: format!("persistentvolume {bound} (bound to claim {namespace}/{claim_name})"),
+            source,
+        })?;
+    let hp = volume_host_path(&pv).map_err(refused)?;
+    Ok(HostVolume {
+        path: host_path_volume(node_root, hp, volume)?,
+        read_only: source.read_only.unwrap_or(false),
+    })
+}
+
 /// Materializes one volume for the pod in `pod_dir`.
 pub async fn prepare(
     client: &Client,
@@ -351,47 +487,31 @@ pub async fn prepare(
     if volume.empty_dir.is_some() {
         let path = plugin_dir(pod_dir, "empty-dir", name);
         std::fs::create_dir_all(&path).map_err(io(&path))?;
-        return Ok(HostVolume { path });
+        return Ok(HostVolume::writable(path));
     }
     if let Some(hp) = &volume.host_path {
-        let path = host_path(node_root, &hp.path);
-        match hp.type_.as_deref().unwrap_or_default() {
-            "" | "DirectoryOrCreate" if !path.exists() => {
-                std::fs::create_dir_all(&path).map_err(io(&path))?;
-            }
-            "FileOrCreate" if !path.exists() => {
-                if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent).map_err(io(parent))?;
-                }
-                std::fs::write(&path, b"").map_err(io(&path))?;
-            }
-            "Directory" | "File" | "Socket" | "CharDevice" | "BlockDevice" if !path.exists() => {
-                return Err(KubeletError::Volume {
-                    volume: name.into(),
-                    message: format!("hostPath {} does not exist", path.display()),
-                });
-            }
-            _ => {}
-        }
-        return Ok(HostVolume { path });
+        return Ok(HostVolume::writable(host_path_volume(node_root, hp, name)?));
+    }
+    if let Some(claim) = &volume.persistent_volume_claim {
+        return claimed_volume(client, &namespace, node_root, claim, name).await;
     }
     if let Some(cm) = &volume.config_map {
         let path = plugin_dir(pod_dir, "configmap", name);
         let data = config_map_data(client, &namespace, &cm.name, cm.optional, name).await?;
         write_files(&path, &projected_files(&data, cm.items.as_deref(), name)?)?;
-        return Ok(HostVolume { path });
+        return Ok(HostVolume::writable(path));
     }
     if let Some(sec) = &volume.secret {
         let path = plugin_dir(pod_dir, "secret", name);
         let secret_name = sec.secret_name.clone().unwrap_or_default();
         let data = secret_data(client, &namespace, &secret_name, sec.optional, name).await?;
         write_files(&path, &projected_files(&data, sec.items.as_deref(), name)?)?;
-        return Ok(HostVolume { path });
+        return Ok(HostVolume::writable(path));
     }
     if let Some(dapi) = &volume.downward_api {
         let path = plugin_dir(pod_dir, "downward-api", name);
         write_files(&path, &downward_files(pod, dapi.items.as_deref(), name)?)?;
-        return Ok(HostVolume { path });
+        return Ok(HostVolume::writable(path));
     }
     if let Some(projected) = &volume.projected {
         let path = plugin_dir(pod_dir, "projected", name);
@@ -400,11 +520,11 @@ pub async fn prepare(
             files.extend(projection(client, pod, &namespace, source, name).await?);
         }
         write_files(&path, &files)?;
-        return Ok(HostVolume { path });
+        return Ok(HostVolume::writable(path));
     }
     Err(KubeletError::Volume {
         volume: name.into(),
-        message: "unsupported volume type: the process kubelet handles emptyDir, hostPath, configMap, secret, downwardAPI and projected".into(),
+        message: "unsupported volume type: the process kubelet handles emptyDir, hostPath, configMap, secret, downwardAPI, projected and persistentVolumeClaim".into(),
     })
 }
 
@@ -449,6 +569,47 @@ mod tests {
             ..KeyToPath::default()
         }];
         assert!(projected_files(&data, Some(&missing), "v").is_err());
+    }
+
+    #[test]
+    fn a_claim_must_be_bound_and_its_volume_a_host_path() {
+        let claim = |spec: serde_json::Value, phase: &str| -> PersistentVolumeClaim {
+            serde_json::from_value(json!({"metadata": {"name": "data"}, "spec": spec,
+                                          "status": {"phase": phase}}))
+            .unwrap()
+        };
+        assert_eq!(
+            bound_volume(&claim(json!({"volumeName": "pvc-1"}), "Bound")),
+            Ok("pvc-1")
+        );
+        assert_eq!(
+            bound_volume(&claim(json!({}), "Pending")),
+            Err("persistentvolumeclaim \"data\" is not bound (phase Pending)".into())
+        );
+        let volume = |spec: serde_json::Value| -> PersistentVolume {
+            serde_json::from_value(json!({"metadata": {"name": "pv"}, "spec": spec})).unwrap()
+        };
+        let common = json!({"accessModes": ["ReadWriteOnce"], "capacity": {"storage": "1Gi"},
+                            "claimRef": {"name": "data"}, "storageClassName": "local",
+                            "persistentVolumeReclaimPolicy": "Delete"});
+        let mut host = common.clone();
+        host["hostPath"] = json!({"path": "/v/pv", "type": "Directory"});
+        assert_eq!(
+            volume_host_path(&volume(host.clone())).unwrap().path,
+            "/v/pv"
+        );
+        let mut nfs = common.clone();
+        nfs["nfs"] = json!({"server": "nfs.example.com", "path": "/export"});
+        assert_eq!(
+            volume_host_path(&volume(nfs)).unwrap_err(),
+            "persistentvolume \"pv\" is of type nfs: the process kubelet mounts hostPath volumes only"
+        );
+        host["volumeMode"] = json!("Block");
+        assert!(
+            volume_host_path(&volume(host))
+                .unwrap_err()
+                .contains("is a block volume")
+        );
     }
 
     #[test]

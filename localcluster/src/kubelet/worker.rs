@@ -328,6 +328,19 @@ impl Worker {
             pod_dir: pod_dir.clone(),
             log_dir: self.log_dir(),
         };
+        // Registered at once, so a pod deleted while it waits still has its directory removed.
+        self.register(&sandbox);
+        // What may wait on the API (a claim not bound yet, a config map not created yet) comes
+        // first, as the real kubelet mounts volumes before it creates the sandbox: a retry
+        // then finds no network namespace or pause process of an earlier try.
+        let node_root = self.config().root.clone();
+        let mut volumes = BTreeMap::new();
+        for v in spec.volumes.iter().flatten() {
+            let host =
+                volumes::prepare(&self.shared.client, &self.pod, &pod_dir, &node_root, v).await?;
+            volumes.insert(v.name.clone(), host);
+        }
+        let kubernetes_service = serviceaccount::kubernetes_service(&self.shared.client).await?;
         if spec.host_network.unwrap_or(false) {
             self.pod_ip = Some(self.config().host_ip.clone());
         } else {
@@ -379,15 +392,8 @@ impl Worker {
             sandbox.pause = Some(spawned.pid);
             self.register(&sandbox);
         }
-        let node_root = self.config().root.clone();
-        let mut volumes = BTreeMap::new();
-        for v in spec.volumes.iter().flatten() {
-            let host =
-                volumes::prepare(&self.shared.client, &self.pod, &pod_dir, &node_root, v).await?;
-            volumes.insert(v.name.clone(), host);
-        }
         self.volumes = volumes;
-        self.kubernetes_service = serviceaccount::kubernetes_service(&self.shared.client).await?;
+        self.kubernetes_service = kubernetes_service;
         self.sandbox = Some(sandbox);
         Ok(())
     }
@@ -709,7 +715,11 @@ impl Worker {
             }
             let target =
                 plan.mount_point(&root, std::path::Path::new(&m.mount_path), source.is_file());
-            plan.bind(&source, &target, m.read_only.unwrap_or(false));
+            plan.bind(
+                &source,
+                &target,
+                m.read_only.unwrap_or(false) || volume.read_only,
+            );
             match m.mount_propagation.as_deref() {
                 Some("Bidirectional") => {
                     propagation = MsFlags::MS_SLAVE;

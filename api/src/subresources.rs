@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::vmi::{Disk, Volume};
+use crate::vmi::{DataVolumeSource, Disk, PersistentVolumeClaimSource, Volume};
 
 /// The aggregated API group virt-api serves.
 pub const GROUP: &str = "subresources.kubevirt.io";
@@ -34,12 +34,14 @@ pub enum VmiSubresource {
     GuestOsInfo,
     UserList,
     FilesystemList,
+    AddVolume,
+    RemoveVolume,
     PortForward,
 }
 
 impl VmiSubresource {
     /// Every VMI subresource, in the order of KubeVirt's discovery document.
-    pub const ALL: [VmiSubresource; 13] = [
+    pub const ALL: [VmiSubresource; 15] = [
         VmiSubresource::Console,
         VmiSubresource::Vnc,
         VmiSubresource::VncScreenshot,
@@ -52,6 +54,8 @@ impl VmiSubresource {
         VmiSubresource::GuestOsInfo,
         VmiSubresource::UserList,
         VmiSubresource::FilesystemList,
+        VmiSubresource::AddVolume,
+        VmiSubresource::RemoveVolume,
         VmiSubresource::PortForward,
     ];
 
@@ -71,6 +75,8 @@ impl VmiSubresource {
             VmiSubresource::GuestOsInfo => "guestosinfo",
             VmiSubresource::UserList => "userlist",
             VmiSubresource::FilesystemList => "filesystemlist",
+            VmiSubresource::AddVolume => "addvolume",
+            VmiSubresource::RemoveVolume => "removevolume",
             VmiSubresource::PortForward => "portforward",
         }
     }
@@ -246,37 +252,87 @@ pub struct ScreenshotOptions {
     pub move_cursor: bool,
 }
 
-/// `PUT .../virtualmachines/{name}/addvolume`: a hotplug disk and its volume.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// KubeVirt's `HotplugVolumeSource`: the claim a hotplugged volume is backed by.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HotplugVolumeSource {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<PersistentVolumeClaimSource>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_volume: Option<DataVolumeSource>,
+}
+
+impl HotplugVolumeSource {
+    /// The DataVolume's or claim's name, the DataVolume first (KubeVirt's `volumeSourceName`);
+    /// empty when neither is set.
+    pub fn name(&self) -> &str {
+        match (&self.data_volume, &self.persistent_volume_claim) {
+            (Some(dv), _) => &dv.name,
+            (None, Some(pvc)) => &pvc.claim_name,
+            (None, None) => "",
+        }
+    }
+}
+
+/// `PUT .../virtualmachines/{name}/addvolume` (and of a VMI): a hotplug disk and its volume,
+/// both named `name`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AddVolumeOptions {
+    #[serde(default)]
     pub name: String,
+    /// Its name is the request's; a body may leave it out.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "unnamed_disk"
+    )]
     pub disk: Option<Disk>,
-    /// KubeVirt's `HotplugVolumeSource` (a `persistentVolumeClaim` or `dataVolume`), kept as
-    /// the [`Volume`] it becomes.
-    pub volume_source: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_source: Option<HotplugVolumeSource>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dry_run: Vec<String>,
 }
 
+/// A [`Disk`] whose `name` may be missing (it becomes empty).
+fn unnamed_disk<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Disk>, D::Error> {
+    let Some(mut v) = Option::<serde_json::Value>::deserialize(d)? else {
+        return Ok(None);
+    };
+    if let Some(o) = v.as_object_mut() {
+        o.entry("name").or_insert_with(|| "".into());
+    }
+    serde_json::from_value(v)
+        .map(Some)
+        .map_err(serde::de::Error::custom)
+}
+
 impl AddVolumeOptions {
-    /// The volume this adds, named as the request says.
-    pub fn volume(&self) -> Result<Volume, serde_json::Error> {
-        let mut v = self
-            .volume_source
-            .clone()
-            .unwrap_or_else(|| serde_json::json!({}));
-        if let Some(o) = v.as_object_mut() {
-            o.insert("name".into(), self.name.clone().into());
+    /// The volume this adds, as KubeVirt's `ApplyVolumeRequestOnVMISpec` makes it: named as the
+    /// request, its claim (the PVC when both are given) marked `hotpluggable`; no source when
+    /// the request has none.
+    pub fn volume(&self) -> Volume {
+        let source = self.volume_source.clone().unwrap_or_default();
+        let mut v = Volume {
+            name: self.name.clone(),
+            ..Volume::default()
+        };
+        if let Some(mut pvc) = source.persistent_volume_claim {
+            pvc.hotpluggable = Some(true);
+            v.persistent_volume_claim = Some(pvc);
+        } else if let Some(mut dv) = source.data_volume {
+            dv.hotpluggable = Some(true);
+            v.data_volume = Some(dv);
         }
-        serde_json::from_value(v)
+        v
     }
 }
 
-/// `PUT .../virtualmachines/{name}/removevolume`.
+/// `PUT .../virtualmachines/{name}/removevolume` (and of a VMI).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RemoveVolumeOptions {
+    #[serde(default)]
     pub name: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dry_run: Vec<String>,
@@ -377,14 +433,61 @@ mod tests {
     }
 
     #[test]
-    fn add_volume_names_its_volume() {
+    fn add_volume_speaks_kubevirts_json() {
         let o: AddVolumeOptions = serde_json::from_value(serde_json::json!({
             "name": "extra",
-            "disk": {"name": "extra", "disk": {"bus": "scsi"}},
-            "volumeSource": {"persistentVolumeClaim": {"claimName": "pvc1", "hotpluggable": true}}
+            "disk": {"name": "extra", "disk": {"bus": "scsi"}, "serial": "extra"},
+            "volumeSource": {"persistentVolumeClaim": {"claimName": "pvc1"}},
+            "dryRun": ["All"]
         }))
         .unwrap();
-        let v = o.volume().unwrap();
-        assert_eq!(v.name, "extra");
+        assert_eq!(o.volume_source.as_ref().unwrap().name(), "pvc1");
+        assert_eq!(
+            serde_json::to_value(o.volume()).unwrap(),
+            serde_json::json!({"name": "extra", "persistentVolumeClaim": {"claimName": "pvc1", "hotpluggable": true}})
+        );
+        let dv = AddVolumeOptions {
+            name: "d".into(),
+            volume_source: Some(HotplugVolumeSource {
+                data_volume: Some(DataVolumeSource {
+                    name: "dv1".into(),
+                    hotpluggable: None,
+                }),
+                ..HotplugVolumeSource::default()
+            }),
+            ..AddVolumeOptions::default()
+        };
+        assert_eq!(
+            serde_json::to_value(&dv).unwrap(),
+            serde_json::json!({"name": "d", "volumeSource": {"dataVolume": {"name": "dv1"}}})
+        );
+        assert_eq!(
+            serde_json::to_value(dv.volume()).unwrap(),
+            serde_json::json!({"name": "d", "dataVolume": {"name": "dv1", "hotpluggable": true}})
+        );
+        let unnamed: AddVolumeOptions =
+            serde_json::from_str(r#"{"name": "x", "disk": {"disk": {"bus": "virtio"}}}"#).unwrap();
+        assert_eq!(unnamed.disk.unwrap().name, "");
+        // An empty body decodes, so virt-api can name what is missing.
+        let empty: AddVolumeOptions = serde_json::from_str("{}").unwrap();
+        assert_eq!(empty, AddVolumeOptions::default());
+        let empty: RemoveVolumeOptions = serde_json::from_str("{}").unwrap();
+        assert!(empty.name.is_empty());
+    }
+
+    #[test]
+    fn the_data_volume_names_a_source_first() {
+        let both = HotplugVolumeSource {
+            persistent_volume_claim: Some(PersistentVolumeClaimSource {
+                claim_name: "pvc".into(),
+                ..PersistentVolumeClaimSource::default()
+            }),
+            data_volume: Some(DataVolumeSource {
+                name: "dv".into(),
+                hotpluggable: None,
+            }),
+        };
+        assert_eq!(both.name(), "dv");
+        assert_eq!(HotplugVolumeSource::default().name(), "");
     }
 }

@@ -22,8 +22,10 @@
 //!   specs and would otherwise report what defaulting fills in.
 //! - A refusal's message reads `field.path: problem, ...`; KubeVirt's joins the problems only
 //!   (its causes carry the fields, as ours do).
-//! - On a VMI spec change by a KubeVirt service account, volume and disk changes are refused:
-//!   kubevirt-rs does not hotplug volumes.
+//! - On a VMI spec change by a KubeVirt service account, volume and disk changes are admitted as
+//!   KubeVirt's `AdmitHotplugStorage` admits them (`admission::storage`), except that a new
+//!   hotplugged volume must be a PVC or DataVolume: kubevirt-rs has no `memoryDump` volumes, nor
+//!   KubeVirt's utility volumes.
 //! - The migration validators do not look up the VMI (exists, not final, migratable) or in-flight
 //!   migrations of it: that needs the API and is left to the migration controller.
 //! - KubeVirt's schema check (`ValidateSchema` against its OpenAPI definitions) is the CRD's
@@ -82,6 +84,10 @@ pub const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";
 pub const MIGRATION_SELECTOR_LABEL: &str = "kubevirt.io/vmi-name";
 /// KubeVirt's `NodeRestriction` feature gate (Beta: on unless disabled).
 const NODE_RESTRICTION_GATE: &str = "NodeRestriction";
+/// KubeVirt's `DeclarativeHotplugVolumes` feature gate (Beta: on unless disabled).
+const DECLARATIVE_HOTPLUG_VOLUMES_GATE: &str = "DeclarativeHotplugVolumes";
+/// KubeVirt's `HotplugVolumes` feature gate (deprecated: on only when listed).
+const HOTPLUG_VOLUMES_GATE: &str = "HotplugVolumes";
 
 /// Labels only KubeVirt's service accounts may set or change on a VMI (KubeVirt's
 /// `restrictedVmiLabels`): the controllers and the handler route on them.
@@ -366,6 +372,8 @@ pub struct Context {
     pub namespace: String,
     /// KubeVirt's `NodeRestriction`: virt-handler may only update VMIs on its own node.
     pub node_restriction: bool,
+    /// The volume hotplug feature gates.
+    pub hotplug: HotplugGates,
     /// New ids for VM firmware uuid and serial (uuid v4 in production).
     pub new_id: Arc<dyn Fn() -> String + Send + Sync>,
     /// The clock for the VMI's `Pending` phase transition timestamp.
@@ -378,6 +386,7 @@ impl fmt::Debug for Context {
             .field("cluster", &self.cluster)
             .field("namespace", &self.namespace)
             .field("node_restriction", &self.node_restriction)
+            .field("hotplug", &self.hotplug)
             .finish_non_exhaustive()
     }
 }
@@ -389,6 +398,7 @@ impl Context {
             cluster,
             namespace: namespace.into(),
             node_restriction: true,
+            hotplug: HotplugGates::default(),
             new_id: Arc::new(|| uuid::Uuid::new_v4().to_string()),
             now: Arc::new(Timestamp::now),
         }
@@ -401,14 +411,20 @@ impl Context {
             .configuration
             .as_ref()
             .and_then(|c| c.developer_configuration.as_ref());
-        let listed = |gates: Option<&Vec<String>>| {
-            gates.is_some_and(|g| g.iter().any(|g| g == NODE_RESTRICTION_GATE))
+        let listed = |gates: Option<&Vec<String>>, gate: &str| {
+            gates.is_some_and(|g| g.iter().any(|g| g == gate))
         };
-        // KubeVirt's precedence for a Beta gate: enabled > disabled > on by default.
-        let node_restriction = listed(dev.and_then(|d| d.feature_gates.as_ref()))
-            || !listed(dev.and_then(|d| d.disabled_feature_gates.as_ref()));
+        let enabled = |gate| listed(dev.and_then(|d| d.feature_gates.as_ref()), gate);
+        let disabled = |gate| listed(dev.and_then(|d| d.disabled_feature_gates.as_ref()), gate);
+        // KubeVirt's precedence for a Beta gate: enabled > disabled > on by default; a
+        // deprecated gate is on only when enabled.
+        let beta = |gate| enabled(gate) || !disabled(gate);
         Self {
-            node_restriction,
+            node_restriction: beta(NODE_RESTRICTION_GATE),
+            hotplug: HotplugGates {
+                declarative: beta(DECLARATIVE_HOTPLUG_VOLUMES_GATE),
+                legacy: enabled(HOTPLUG_VOLUMES_GATE),
+            },
             ..Self::new(ClusterConfig::from_kubevirt(kv), namespace)
         }
     }
@@ -420,6 +436,32 @@ impl Context {
             .strip_prefix(self.namespace.as_str())?
             .strip_prefix(':')?;
         SERVICE_ACCOUNTS.contains(&account).then_some(account)
+    }
+}
+
+/// KubeVirt's volume hotplug feature gates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HotplugGates {
+    /// `DeclarativeHotplugVolumes`: a VM's hotpluggable volumes follow its template.
+    pub declarative: bool,
+    /// The deprecated `HotplugVolumes`, which also lets a VM's VMI be hotplugged directly.
+    pub legacy: bool,
+}
+
+impl Default for HotplugGates {
+    /// KubeVirt's defaults: the Beta gate on, the deprecated one off.
+    fn default() -> Self {
+        Self {
+            declarative: true,
+            legacy: false,
+        }
+    }
+}
+
+impl HotplugGates {
+    /// Whether the `addvolume` and `removevolume` subresources are served at all.
+    pub fn enabled(self) -> bool {
+        self.declarative || self.legacy
     }
 }
 
@@ -938,7 +980,7 @@ fn validate_vmi_update(req: &Request, ctx: &Context) -> Outcome {
                 "update of VMI object is restricted",
             ));
         }
-        hotplug(&new, &old)?;
+        hotplug(&new, &old, ctx.hotplug)?;
     }
     if account.is_none()
         && reserved_labels(new.metadata.labels.as_ref())
@@ -998,8 +1040,13 @@ fn node_restriction(
     Ok(())
 }
 
-/// The spec changes KubeVirt's components may make: not the hotplug bounds fixed at start.
-fn hotplug(new: &VirtualMachineInstance, old: &VirtualMachineInstance) -> Result<(), Refusal> {
+/// The spec changes KubeVirt's components may make: not the hotplug bounds fixed at start, and
+/// volumes and disks only as hotplug changes them.
+fn hotplug(
+    new: &VirtualMachineInstance,
+    old: &VirtualMachineInstance,
+    gates: HotplugGates,
+) -> Result<(), Refusal> {
     let max_sockets = |v: &VirtualMachineInstance| v.spec.domain.cpu.as_ref()?.max_sockets;
     if max_sockets(new) != max_sockets(old) {
         return Err(Refusal::one(
@@ -1018,16 +1065,7 @@ fn hotplug(new: &VirtualMachineInstance, old: &VirtualMachineInstance) -> Result
             "Memory maxGuest changed",
         ));
     }
-    if new.spec.volumes != old.spec.volumes
-        || new.spec.domain.devices.disks != old.spec.domain.devices.disks
-    {
-        return Err(Refusal::one(
-            FIELD_VALUE_NOT_SUPPORTED,
-            "spec.volumes",
-            &format!("volume hotplug: {}", validation::UNSUPPORTED),
-        ));
-    }
-    Ok(())
+    storage::admit_hotplug(new, old, gates.declarative)
 }
 
 /// Quantities compared by value, as KubeVirt's `Quantity.Equal` (`1Gi` = `1024Mi`).
@@ -1167,5 +1205,6 @@ fn validate_migration_update(req: &Request) -> Outcome {
     Ok(Allowed::default())
 }
 
+mod storage;
 #[cfg(test)]
 mod tests;

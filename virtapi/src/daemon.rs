@@ -117,6 +117,8 @@ impl VirtApi {
                 f.console_server_port,
                 f.handler_tls,
             ),
+            kubevirts: kubevirts.clone(),
+            namespace: f.namespace.clone(),
         });
         {
             // kube-apiserver rotates its front-proxy CA and settings in the ConfigMap.

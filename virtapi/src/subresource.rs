@@ -2,16 +2,17 @@
 //! authenticated from the aggregation layer's headers, authorized by a SubjectAccessReview
 //! (KubeVirt's authorizer), then served: VMI streams and actions are relayed to the handler of
 //! the VMI's node, VM lifecycle requests become patches of the VM, `migrate` creates a
-//! VirtualMachineInstanceMigration.
+//! VirtualMachineInstanceMigration, `addvolume` and `removevolume` patch the VM's template or
+//! the VMI's spec.
 
 use std::sync::Arc;
 
 use api::status::{VirtualMachineInstanceConditionType as Cond, VirtualMachineInstancePhase};
 use api::subresources::{
-    self as sr, DRY_RUN_ALL, FreezeUnfreezeTimeout, MigrateOptions, PauseOptions, RestartOptions,
-    StartOptions, StopOptions, VmSubresource, VmiSubresource,
+    self as sr, AddVolumeOptions, DRY_RUN_ALL, FreezeUnfreezeTimeout, MigrateOptions, PauseOptions,
+    RemoveVolumeOptions, RestartOptions, StartOptions, StopOptions, VmSubresource, VmiSubresource,
 };
-use api::{ConditionStatus, VirtualMachineInstance};
+use api::{ConditionStatus, KubeVirt, VirtualMachine, VirtualMachineInstance};
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -20,14 +21,19 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes as SarAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
 };
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{ApiResource, DynamicObject, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::Store;
 use kube::{Api, Client};
+use serde_json::Value;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 
+use crate::admission::HotplugGates;
 use crate::authn::{self, Denied, Peer, RequestHeaderConfig, ResourceAttributes, Target, User};
 use crate::lifecycle::{self, Call};
 use crate::status::Refusal;
 use crate::virthandler::{Handlers, handler_message};
+use crate::volumes::{self, VolumeRequest};
+use crate::webhooks;
 
 /// The largest request body virt-api reads (options objects are small).
 const MAX_BODY: usize = 1024 * 1024;
@@ -39,6 +45,9 @@ pub struct App {
     pub client: Client,
     pub request_headers: std::sync::RwLock<RequestHeaderConfig>,
     pub handlers: Handlers,
+    /// The KubeVirt CRs, for the feature gates, and virt-api's namespace, which picks the one.
+    pub kubevirts: Store<KubeVirt>,
+    pub namespace: String,
 }
 
 impl std::fmt::Debug for App {
@@ -53,6 +62,10 @@ impl App {
             .read()
             .expect("request header config lock poisoned")
             .clone()
+    }
+
+    fn hotplug_gates(&self) -> HotplugGates {
+        webhooks::context(&self.kubevirts, &self.namespace).hotplug
     }
 }
 
@@ -269,6 +282,13 @@ async fn vmi_subresource(
     sub: VmiSubresource,
     rest: &[String],
 ) -> Result<Response, Refusal> {
+    match sub {
+        VmiSubresource::AddVolume => return hotplug_volume(app, req, ns, name, false, true).await,
+        VmiSubresource::RemoveVolume => {
+            return hotplug_volume(app, req, ns, name, false, false).await;
+        }
+        _ => {}
+    }
     if sub == VmiSubresource::PortForward {
         let forward = parse_port_forward(rest)?;
         let vmi = get_vmi(&app.client, ns, name).await?;
@@ -511,6 +531,13 @@ async fn vm_subresource(
     sub: VmSubresource,
     rest: &[String],
 ) -> Result<Response, Refusal> {
+    match sub {
+        VmSubresource::AddVolume => return hotplug_volume(app, req, ns, name, true, true).await,
+        VmSubresource::RemoveVolume => {
+            return hotplug_volume(app, req, ns, name, true, false).await;
+        }
+        _ => {}
+    }
     let forward = if sub == VmSubresource::PortForward {
         Some(parse_port_forward(rest)?)
     } else {
@@ -577,10 +604,10 @@ async fn vm_subresource(
             let o: MigrateOptions = body_of(req).await?;
             return migrate(app, ns, name, vmi.as_ref(), &o).await;
         }
+        // Served before the VM's VMI is read.
         VmSubresource::AddVolume | VmSubresource::RemoveVolume | VmSubresource::PortForward => {
-            // PortForward was served above.
-            return Err(Refusal::bad_request(format!(
-                "{} is not served by this virt-api yet",
+            return Err(Refusal::internal(format!(
+                "{} reached the VM's lifecycle requests",
                 sub.as_str()
             )));
         }
@@ -608,6 +635,93 @@ async fn vm_subresource(
             other => Refusal::internal(other),
         })?;
     }
+    Ok(StatusCode::ACCEPTED.into_response())
+}
+
+/// The object `name` of kind `K` as the API server stores it, or 404. `short` is KubeVirt's
+/// name for it in messages (`vm`, `vmi`).
+async fn get_raw<K: kube::Resource<DynamicType = ()>>(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    short: &str,
+) -> Result<(Api<DynamicObject>, Value), Refusal> {
+    let api = Api::namespaced_with(client.clone(), ns, &ApiResource::erase::<K>(&()));
+    let object = api
+        .get_opt(name)
+        .await
+        .map_err(|e| Refusal::internal(format!("unable to retrieve {short} [{name}]: {e}")))?
+        .ok_or_else(|| Refusal::not_found(&K::kind(&()).to_lowercase(), name))?;
+    let raw = serde_json::to_value(object).map_err(Refusal::internal)?;
+    Ok((api, raw))
+}
+
+/// `addvolume` (`add`) or `removevolume` of the VM (`on_vm`) or VMI `name`, in KubeVirt's
+/// order: the gates, the body, the object, its checks, then the patch (202).
+async fn hotplug_volume(
+    app: &App,
+    req: Request<Body>,
+    ns: &str,
+    name: &str,
+    on_vm: bool,
+    add: bool,
+) -> Result<Response, Refusal> {
+    let gates = app.hotplug_gates();
+    if !gates.enabled() {
+        return Err(Refusal::bad_request(volumes::HOTPLUG_NOT_ENABLED));
+    }
+    let request = if add {
+        VolumeRequest::add(body_of::<AddVolumeOptions>(req).await?)?
+    } else {
+        VolumeRequest::remove(body_of::<RemoveVolumeOptions>(req).await?)?
+    };
+    let dry = dry_run(request.dry_run())?;
+    let (resource, short) = if on_vm {
+        ("virtualmachine", "vm")
+    } else {
+        ("virtualmachineinstance", "vmi")
+    };
+    let (api, patch) = if on_vm {
+        let (api, raw) = get_raw::<VirtualMachine>(&app.client, ns, name, short).await?;
+        let vm: VirtualMachine = serde_json::from_value(raw.clone()).map_err(Refusal::internal)?;
+        let existing = vm.spec.template.spec.map(|s| s.volumes).unwrap_or_default();
+        volumes::verify(&existing, &request)
+            .map_err(|why| Refusal::conflict(resource, name, why))?;
+        let spec = raw.pointer("/spec/template/spec").unwrap_or(&Value::Null);
+        (api, volumes::patch("/spec/template", spec, &request))
+    } else {
+        let (api, raw) = get_raw::<VirtualMachineInstance>(&app.client, ns, name, short).await?;
+        let vmi: VirtualMachineInstance =
+            serde_json::from_value(raw.clone()).map_err(Refusal::internal)?;
+        // Without the deprecated gate, a VM's VMI follows the VM's template only.
+        if volumes::owned_by_vm(&vmi) && !gates.legacy {
+            return Err(Refusal::bad_request(format!(
+                "VMI {ns}/{name} is owned by a VM"
+            )));
+        }
+        if !running(&vmi) {
+            return Err(Refusal::conflict(resource, name, volumes::VMI_NOT_RUNNING));
+        }
+        volumes::verify(&vmi.spec.volumes, &request)
+            .map_err(|why| Refusal::conflict(resource, name, why))?;
+        let spec = raw.get("spec").unwrap_or(&Value::Null);
+        (api, volumes::patch("", spec, &request))
+    };
+    let patch: json_patch::Patch = patch
+        .and_then(serde_json::from_value)
+        .map_err(|e| Refusal::conflict(resource, name, e))?;
+    let pp = PatchParams {
+        dry_run: dry,
+        ..Default::default()
+    };
+    api.patch(name, &pp, &Patch::<()>::Json(patch))
+        .await
+        .map_err(|e| match e {
+            // A failed `test` (the object changed since it was read) or a webhook's refusal:
+            // passed on as it is, as KubeVirt does, so virtctl can tell and retry the first.
+            kube::Error::Api(s) if s.code == 422 => Refusal::from_kube(kube::Error::Api(s)),
+            other => Refusal::internal(format!("unable to patch {short}: {other}")),
+        })?;
     Ok(StatusCode::ACCEPTED.into_response())
 }
 

@@ -33,19 +33,23 @@ impl Webhooks {
         }
     }
 
-    /// The context of the KubeVirt CR in virt-api's namespace (the active one), else
-    /// KubeVirt's defaults.
     fn context(&self) -> Context {
-        let kubevirts = self.kubevirts.state();
-        kubevirts
-            .iter()
-            .find(|kv| kv.metadata.namespace.as_deref() == Some(self.namespace.as_str()))
-            .or(kubevirts.first())
-            .map_or_else(
-                || Context::new(api::ClusterConfig::default(), self.namespace.clone()),
-                |kv| Context::from_kubevirt(kv, self.namespace.clone()),
-            )
+        context(&self.kubevirts, &self.namespace)
     }
+}
+
+/// The context of the KubeVirt CR in virt-api's namespace (the active one), else KubeVirt's
+/// defaults.
+pub fn context(kubevirts: &Store<KubeVirt>, namespace: &str) -> Context {
+    let kubevirts = kubevirts.state();
+    kubevirts
+        .iter()
+        .find(|kv| kv.metadata.namespace.as_deref() == Some(namespace))
+        .or(kubevirts.first())
+        .map_or_else(
+            || Context::new(api::ClusterConfig::default(), namespace),
+            |kv| Context::from_kubevirt(kv, namespace),
+        )
 }
 
 impl Admission for Webhooks {

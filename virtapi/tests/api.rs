@@ -1,7 +1,8 @@
 //! virt-api behind the real kube-apiserver's aggregation layer (see `common`): discovery, the
 //! console relayed to virt-handler's console server, authorization by the API server and by
 //! virt-api's own SubjectAccessReview, VMI actions relayed with the handler's answer, VM
-//! start/stop/restart as patches of the VM.
+//! start/stop/restart as patches of the VM, addvolume/removevolume as patches of the VM's
+//! template or the VMI's spec.
 
 mod common;
 
@@ -11,7 +12,7 @@ use common::{Cluster, NS, subresources, vm_path, vmi_path};
 use futures::{SinkExt as _, StreamExt as _};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Api;
-use kube::api::PostParams;
+use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::UnixListener;
@@ -46,7 +47,9 @@ async fn discovery_through_kube_apiserver_and_an_unknown_subresource() {
             "virtualmachineinstances/console",
             "virtualmachineinstances/vnc",
             "virtualmachineinstances/pause",
+            "virtualmachineinstances/addvolume",
             "virtualmachines/start",
+            "virtualmachines/removevolume",
         ] {
             assert!(served.contains(&want), "{version} lacks {want}: {served:?}");
         }
@@ -423,6 +426,277 @@ async fn vm_start_stop_restart_patch_the_vm() {
         .await
         .expect("start");
     assert_eq!(r.status, 405, "{}", r.text());
+}
+
+/// `{op}volume` of `kind`'s `name` as the administrator: the answer's code and message.
+async fn volume(c: &Cluster, kind: &str, name: &str, op: &str, body: Value) -> (u16, String) {
+    let path = if kind == "vm" {
+        vm_path(name, &format!("{op}volume"))
+    } else {
+        vmi_path(name, &format!("{op}volume"))
+    };
+    let r = c
+        .admin()
+        .request("PUT", &path, &[], Some(body))
+        .await
+        .expect("request");
+    (r.status, r.message())
+}
+
+/// An `addvolume` body for the claim `claim` as the disk and volume `name`.
+fn add_pvc(name: &str, claim: &str) -> Value {
+    json!({
+        "name": name,
+        "disk": {"disk": {"bus": "scsi"}, "serial": name},
+        "volumeSource": {"persistentVolumeClaim": {"claimName": claim}},
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn addvolume_and_removevolume_patch_the_vm_template_and_the_vmi_spec() {
+    let c = Cluster::start().await;
+    let vms: Api<api::VirtualMachine> = Api::namespaced(c.client.clone(), NS);
+    let vm: api::VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "demo", "namespace": NS},
+        "spec": {"runStrategy": "Halted", "template": {"spec": {
+            "domain": {"devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}}]}},
+            "volumes": [{"name": "root", "containerDisk": {"image": "guest"}}],
+        }}},
+    }))
+    .expect("VM");
+    let vm = vms
+        .create(&PostParams::default(), &vm)
+        .await
+        .expect("create the VM");
+    let template = || async {
+        let vm = vms.get("demo").await.expect("the VM");
+        let spec = serde_json::to_value(vm.spec.template.spec).expect("JSON");
+        (
+            spec["volumes"].clone(),
+            spec["domain"]["devices"]["disks"].clone(),
+        )
+    };
+    let (root_volume, root_disk) = template().await;
+    let conflict = |why: &str| {
+        format!("Operation cannot be fulfilled on virtualmachine.kubevirt.io \"demo\": {why}")
+    };
+
+    // A dry run changes nothing; the real one appends the hotpluggable volume and its disk.
+    let mut dry = add_pvc("data", "claim1");
+    dry["dryRun"] = json!(["All"]);
+    let accepted = (202, String::new());
+    assert_eq!(volume(&c, "vm", "demo", "add", dry).await, accepted);
+    assert_eq!(template().await, (root_volume.clone(), root_disk.clone()));
+    assert_eq!(
+        volume(&c, "vm", "demo", "add", add_pvc("data", "claim1")).await,
+        accepted
+    );
+    let (volumes, disks) = template().await;
+    assert_eq!(
+        volumes[1],
+        json!({"name": "data", "persistentVolumeClaim": {"claimName": "claim1", "hotpluggable": true}})
+    );
+    assert_eq!(
+        disks[1],
+        json!({"name": "data", "disk": {"bus": "scsi"}, "serial": "data"})
+    );
+    assert_eq!((&volumes[0], &disks[0]), (&root_volume[0], &root_disk[0]));
+
+    // KubeVirt's refusals, each naming what was wrong.
+    let cases = [
+        (
+            "add",
+            add_pvc("data", "claim2"),
+            409,
+            conflict("Unable to add volume [data] because volume with that name already exists"),
+        ),
+        (
+            "add",
+            add_pvc("other", "claim1"),
+            409,
+            conflict("Unable to add volume source [claim1] because it already exists"),
+        ),
+        (
+            "remove",
+            json!({"name": "root"}),
+            409,
+            conflict("Unable to remove volume [root] because it is not hotpluggable"),
+        ),
+        (
+            "remove",
+            json!({"name": "nope"}),
+            409,
+            conflict("Unable to remove volume [nope] because it does not exist"),
+        ),
+        (
+            "add",
+            json!({}),
+            400,
+            "AddVolumeOptions requires name to be set".to_owned(),
+        ),
+        (
+            "add",
+            json!({"name": "x", "volumeSource": {}}),
+            400,
+            "AddVolumeOptions requires disk to not be nil".to_owned(),
+        ),
+        (
+            "remove",
+            json!({}),
+            400,
+            "RemoveVolumeOptions requires name to be set".to_owned(),
+        ),
+    ];
+    for (op, body, code, message) in cases {
+        assert_eq!(
+            volume(&c, "vm", "demo", op, body.clone()).await,
+            (code, message),
+            "{op} {body}"
+        );
+    }
+    assert_eq!(
+        volume(&c, "vm", "missing", "add", add_pvc("data", "claim1"))
+            .await
+            .0,
+        404
+    );
+
+    // Removed by a dry run: still there; then removed for real, disk and all.
+    let remove = json!({"name": "data"});
+    let dry = json!({"name": "data", "dryRun": ["All"]});
+    assert_eq!(volume(&c, "vm", "demo", "remove", dry).await.0, 202);
+    assert_eq!(template().await.0.as_array().map(Vec::len), Some(2));
+    assert_eq!(
+        volume(&c, "vm", "demo", "remove", remove.clone()).await.0,
+        202
+    );
+    assert_eq!(template().await, (root_volume, root_disk));
+
+    // The VM's own VMI is the VM's to change; a VMI of its own is patched, while Running.
+    let vmis: Api<api::VirtualMachineInstance> = Api::namespaced(c.client.clone(), NS);
+    let owned: api::VirtualMachineInstance = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "demo", "namespace": NS, "ownerReferences": [{
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "name": "demo",
+            "uid": vm.metadata.uid, "controller": true, "blockOwnerDeletion": true,
+        }]},
+        "spec": {"domain": {"devices": {}}},
+        "status": {"phase": "Running", "nodeName": common::NODE},
+    }))
+    .expect("VMI");
+    vmis.create(&PostParams::default(), &owned)
+        .await
+        .expect("create the VM's VMI");
+    assert_eq!(
+        volume(&c, "vmi", "demo", "add", add_pvc("data", "claim1")).await,
+        (400, format!("VMI {NS}/demo is owned by a VM"))
+    );
+    c.vmi("solo", Phase::Running).await;
+    let lists = || async {
+        let v = vmis.get("solo").await.expect("the VMI");
+        (v.spec.volumes, v.spec.domain.devices.disks)
+    };
+    // A spec with no volumes or disks yet, then with empty lists: both patched.
+    for _ in 0..2 {
+        assert_eq!(
+            volume(&c, "vmi", "solo", "add", add_pvc("data", "claim1"))
+                .await
+                .0,
+            202
+        );
+        let (volumes, disks) = lists().await;
+        assert_eq!(
+            (
+                volumes.len(),
+                volumes[0].name.as_str(),
+                disks[0].name.as_str()
+            ),
+            (1, "data", "data")
+        );
+        assert_eq!(
+            volume(&c, "vmi", "solo", "remove", remove.clone()).await.0,
+            202
+        );
+        let (volumes, disks) = lists().await;
+        assert!(
+            volumes.is_empty() && disks.is_empty(),
+            "{volumes:?} {disks:?}"
+        );
+    }
+    vmis.patch(
+        "solo",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+    )
+    .await
+    .expect("the VMI ends");
+    assert_eq!(
+        volume(&c, "vmi", "solo", "add", add_pvc("data", "claim1")).await,
+        (
+            409,
+            "Operation cannot be fulfilled on virtualmachineinstance.kubevirt.io \"solo\": VMI is not running".to_owned()
+        )
+    );
+
+    // virt-api's SubjectAccessReview names the volume subresources.
+    let front_proxy = c.virt_api_direct(true);
+    let nobody = [
+        ("X-Remote-User", "nobody"),
+        ("X-Remote-Group", "system:authenticated"),
+    ];
+    for path in [
+        vm_path("demo", "addvolume"),
+        vmi_path("solo", "removevolume"),
+    ] {
+        let r = front_proxy
+            .request("PUT", &path, &nobody, Some(remove.clone()))
+            .await
+            .expect("request");
+        let sub = path.rsplit('/').take(3).collect::<Vec<_>>();
+        let named = format!("{}/{}", sub[2], sub[0]);
+        assert_eq!(r.status, 403, "{}", r.text());
+        assert!(r.message().contains(&named), "{named}: {}", r.text());
+    }
+
+    // The deprecated gate lets a VM's VMI be patched directly; with neither gate nothing is.
+    let kubevirts: Api<api::KubeVirt> = Api::namespaced(c.client.clone(), common::KUBEVIRT_NS);
+    let gates = |enabled: Value| {
+        json!({"spec": {"configuration": {"developerConfiguration": {
+            "featureGates": enabled,
+            "disabledFeatureGates": ["DeclarativeHotplugVolumes"],
+        }}}})
+    };
+    let mut kv = gates(json!(["HotplugVolumes"]));
+    kv["apiVersion"] = json!("kubevirt.io/v1");
+    kv["kind"] = json!("KubeVirt");
+    kv["metadata"] = json!({"name": "kubevirt", "namespace": common::KUBEVIRT_NS});
+    kubevirts
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(kv).expect("KubeVirt"),
+        )
+        .await
+        .expect("create the KubeVirt CR");
+    let mut dry = add_pvc("data", "claim1");
+    dry["dryRun"] = json!(["All"]);
+    common::wait_for("virt-api reads HotplugVolumes", || async {
+        volume(&c, "vmi", "demo", "add", dry.clone()).await.0 == 202
+    })
+    .await;
+    kubevirts
+        .patch(
+            "kubevirt",
+            &PatchParams::default(),
+            &Patch::Merge(gates(json!([]))),
+        )
+        .await
+        .expect("no hotplug gate");
+    common::wait_for("virt-api reads no hotplug gate", || async {
+        volume(&c, "vm", "demo", "add", dry.clone()).await
+            == (400, virtapi::volumes::HOTPLUG_NOT_ENABLED.to_owned())
+    })
+    .await;
 }
 
 /// KubeVirt's webhook configurations (`manifests/install/55-virt-api-webhooks.yaml`) with the

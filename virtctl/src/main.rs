@@ -14,6 +14,7 @@ mod version;
 mod vm;
 mod vmi;
 mod vnc;
+mod volume;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -71,6 +72,10 @@ enum Command {
         #[arg(long, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
         dry_run: bool,
     },
+    /// add a volume to a running VM
+    Addvolume(volume::AddVolumeArgs),
+    /// remove a volume from a running VM
+    Removevolume(volume::RemoveVolumeArgs),
     /// Pause a virtual machine (vm|vmi NAME).
     Pause(PauseArgs),
     /// Unpause a virtual machine (vm|vmi NAME).
@@ -228,6 +233,8 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::MigrateCancel { name, dry_run } => {
             vm::migrate_cancel(&cluster, &name, dry_run).await?;
         }
+        Command::Addvolume(a) => volume::add(&cluster, &a).await?,
+        Command::Removevolume(a) => volume::remove(&cluster, &a).await?,
         Command::Pause(a) => {
             vmi::pause(&cluster, vmi::parse_kind(&a.kind)?, &a.name, a.dry_run).await?;
         }

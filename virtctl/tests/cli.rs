@@ -42,12 +42,66 @@ fn status(code: u16, reason: &str, message: &str) -> Response {
 }
 
 fn record(seen: &Mutex<Vec<Seen>>, method: &Method, uri: &Uri, body: &Bytes) -> Response {
-    seen.lock().unwrap().push(Seen {
-        method: method.to_string(),
-        uri: uri.to_string(),
-        body: String::from_utf8_lossy(body).into_owned(),
-    });
+    let earlier = {
+        let mut seen = seen.lock().unwrap();
+        let earlier = seen.iter().filter(|s| s.uri == uri.to_string()).count();
+        seen.push(Seen {
+            method: method.to_string(),
+            uri: uri.to_string(),
+            body: String::from_utf8_lossy(body).into_owned(),
+        });
+        earlier
+    };
     let path = uri.path();
+    // Volumes: the DataVolume `dv1` and the claim `pvc1`; a cluster without CDI has no
+    // DataVolume API at all.
+    if let Some(dv) =
+        path.strip_prefix("/apis/cdi.kubevirt.io/v1beta1/namespaces/ctxns/datavolumes/")
+    {
+        return if dv == "dv1" {
+            "{}".into_response()
+        } else {
+            status(
+                404,
+                "NotFound",
+                "the server could not find the requested resource",
+            )
+        };
+    }
+    if let Some(pvc) = path.strip_prefix("/api/v1/namespaces/ctxns/persistentvolumeclaims/") {
+        return if pvc == "pvc1" {
+            "{}".into_response()
+        } else {
+            status(
+                404,
+                "NotFound",
+                &format!("persistentvolumeclaims {pvc:?} not found"),
+            )
+        };
+    }
+    // A VMI of its own: no VM of that name.
+    if path.contains("/virtualmachines/standalone/") {
+        return status(
+            404,
+            "NotFound",
+            r#"virtualmachine.kubevirt.io "standalone" not found"#,
+        );
+    }
+    // The object changes under the first two requests (a JSON patch `test` fails).
+    if path.contains("/busy/") && earlier < 2 {
+        return status(
+            422,
+            "Invalid",
+            "the server rejected our request due to an error in our request",
+        );
+    }
+    if path.contains("/conflict/") {
+        return status(
+            409,
+            "Conflict",
+            r#"Operation cannot be fulfilled on virtualmachine.kubevirt.io "conflict": Unable to add volume [pvc1] because volume with that name already exists"#,
+        );
+    }
     if path.contains("/unavailable/") {
         return status(
             503,
@@ -482,6 +536,144 @@ fn create_vm_prints_a_manifest_without_a_cluster() {
     assert_eq!(
         vm["spec"]["template"]["spec"]["volumes"][0]["containerDisk"]["image"],
         "img"
+    );
+}
+
+#[test]
+fn addvolume_finds_the_source_and_falls_back_to_the_vmi() {
+    let server = Server::start();
+    let out = server.run(&["addvolume", "demo", "--volume-name=pvc1", "--serial=s1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "Successfully submitted add volume request to VM demo for volume pvc1\n"
+    );
+    let seen = server.seen();
+    let uris: Vec<&str> = seen.iter().map(|s| s.uri.as_str()).collect();
+    assert_eq!(
+        uris,
+        [
+            "/apis/cdi.kubevirt.io/v1beta1/namespaces/ctxns/datavolumes/pvc1",
+            "/api/v1/namespaces/ctxns/persistentvolumeclaims/pvc1",
+            &format!("{BASE}/ctxns/virtualmachines/demo/addvolume"),
+        ]
+    );
+    assert_eq!(seen[2].method, "PUT");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&seen[2].body).unwrap(),
+        serde_json::json!({
+            "name": "pvc1",
+            "disk": {"name": "", "disk": {"bus": "scsi"}, "serial": "s1"},
+            "volumeSource": {"persistentVolumeClaim": {"claimName": "pvc1", "hotpluggable": true}},
+        })
+    );
+
+    // A DataVolume, a VMI without a VM, a dry run.
+    let out = server.run(&[
+        "addvolume",
+        "standalone",
+        "--volume-name=dv1",
+        "--disk-name=data",
+        "--dry-run",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "Dry Run execution\nSuccessfully submitted add volume request to VM standalone for volume dv1\n"
+    );
+    let seen = &server.seen()[3..];
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert_eq!(
+        seen[2].uri,
+        format!("{BASE}/ctxns/virtualmachineinstances/standalone/addvolume")
+    );
+    let body: serde_json::Value = serde_json::from_str(&seen[2].body).unwrap();
+    assert_eq!(body["name"], "data");
+    assert_eq!(body["dryRun"], serde_json::json!(["All"]));
+    assert_eq!(
+        body["volumeSource"],
+        serde_json::json!({"dataVolume": {"name": "dv1", "hotpluggable": true}})
+    );
+}
+
+#[test]
+fn addvolume_errors_are_kubevirts() {
+    let server = Server::start();
+    let out = server.run(&["addvolume", "demo", "--volume-name=nothing"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stderr),
+        "error adding volume, Volume nothing is not a DataVolume or PersistentVolumeClaim\n"
+    );
+    let out = server.run(&["addvolume", "demo", "--volume-name=pvc1", "--bus=sata"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stderr),
+        "Invalid bus type 'sata' for disk. Only 'scsi' and 'virtio' are supported.\n"
+    );
+    let out = server.run(&["addvolume", "conflict", "--volume-name=pvc1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stderr),
+        "error adding volume, Operation cannot be fulfilled on virtualmachine.kubevirt.io \"conflict\": Unable to add volume [pvc1] because volume with that name already exists (HTTP 409 Conflict)\n"
+    );
+    assert!(
+        !server
+            .seen()
+            .iter()
+            .any(|s| s.uri.contains("virtualmachineinstances")),
+        "a VM's refusal is final"
+    );
+    let out = server.run(&["addvolume", "demo"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--volume-name"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn removevolume_retries_a_concurrent_change() {
+    let server = Server::start();
+    let out = server.run(&["removevolume", "busy", "--volume-name=pvc1", "--persist"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "Successfully submitted remove volume request to VM busy for volume pvc1\n"
+    );
+    let seen = server.seen();
+    assert_eq!(
+        seen.len(),
+        3,
+        "two refusals, then the request went through: {seen:?}"
+    );
+    for s in &seen {
+        assert_eq!(
+            s.uri,
+            format!("{BASE}/ctxns/virtualmachines/busy/removevolume")
+        );
+        assert_eq!(s.body, r#"{"name":"pvc1"}"#);
+    }
+    let out = server.run(&[
+        "removevolume",
+        "standalone",
+        "--volume-name=pvc1",
+        "--dry-run",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let seen = server.seen();
+    assert_eq!(
+        seen[4].uri,
+        format!("{BASE}/ctxns/virtualmachineinstances/standalone/removevolume")
+    );
+    assert_eq!(seen[4].body, r#"{"name":"pvc1","dryRun":["All"]}"#);
+    let out = server.run(&["removevolume", "missing", "--volume-name=pvc1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).starts_with("error removing volume, "),
+        "{}",
+        text(&out.stderr)
     );
 }
 

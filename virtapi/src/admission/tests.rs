@@ -25,6 +25,7 @@ fn ctx() -> Context {
         cluster: ClusterConfig::default(),
         namespace: DEFAULT_NAMESPACE.to_owned(),
         node_restriction: true,
+        hotplug: HotplugGates::default(),
         new_id: Arc::new(move || format!("id-{}", counter.fetch_add(1, Ordering::SeqCst))),
         now: Arc::new(|| NOW.parse().unwrap()),
     }
@@ -566,7 +567,7 @@ fn vmi_update() {
             controller.clone(),
             None,
             |v| v["spec"]["volumes"][0]["containerDisk"]["image"] = json!("quay.io/other:v1"),
-            Err("spec.volumes: volume hotplug: not supported by kubevirt-rs yet"),
+            Err("hotplug volume root, changed"),
             false,
         ),
         Case {
@@ -628,6 +629,258 @@ fn vmi_update() {
             c.validator,
         );
     }
+}
+
+#[test]
+fn vmi_volume_hotplug_by_kubevirt() {
+    fn hot(name: &str) -> Value {
+        json!({"name": name, "persistentVolumeClaim": {"claimName": name, "hotpluggable": true}})
+    }
+    fn scsi(name: &str) -> Value {
+        json!({"name": name, "disk": {"bus": "scsi"}})
+    }
+    fn plug(v: &mut Value, volume: Value, disk: Value) {
+        v["spec"]["volumes"].as_array_mut().unwrap().push(volume);
+        v["spec"]["domain"]["devices"]["disks"]
+            .as_array_mut()
+            .unwrap()
+            .push(disk);
+    }
+    fn unplug(v: &mut Value, name: &str) {
+        for list in ["/spec/volumes", "/spec/domain/devices/disks"] {
+            v.pointer_mut(list)
+                .and_then(Value::as_array_mut)
+                .unwrap()
+                .retain(|e| e["name"] != name);
+        }
+    }
+    let cases: [(&str, Edit, Want); 19] = [
+        (
+            "add a PVC on scsi",
+            |v| plug(v, hot("new"), scsi("new")),
+            Ok(()),
+        ),
+        (
+            "add a DataVolume on virtio",
+            |v| {
+                plug(
+                    v,
+                    json!({"name": "new", "dataVolume": {"name": "dv", "hotpluggable": true}}),
+                    json!({"name": "new", "disk": {"bus": "virtio"}, "dedicatedIOThread": true}),
+                );
+            },
+            Ok(()),
+        ),
+        (
+            "add a LUN",
+            |v| {
+                plug(
+                    v,
+                    hot("new"),
+                    json!({"name": "new", "lun": {"bus": "scsi"}}),
+                );
+            },
+            Ok(()),
+        ),
+        ("remove a hotplugged volume", |v| unplug(v, "hot"), Ok(())),
+        (
+            "eject a hotplugged CD-ROM's volume",
+            |v| {
+                v["spec"]["volumes"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|e| e["name"] != "cd");
+            },
+            Ok(()),
+        ),
+        (
+            "a volume without a disk",
+            |v| {
+                v["spec"]["volumes"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(hot("new"));
+            },
+            Err("mismatch between volumes declared (4) and required (3)"),
+        ),
+        (
+            "a disk without a volume",
+            |v| {
+                v["spec"]["domain"]["devices"]["disks"]
+                    .as_array_mut()
+                    .unwrap()
+                    .push(scsi("new"));
+            },
+            Err("mismatch between volumes declared (3) and required (4)"),
+        ),
+        (
+            "an emptyDisk",
+            |v| {
+                plug(
+                    v,
+                    json!({"name": "new", "emptyDisk": {"capacity": "1Gi"}}),
+                    scsi("new"),
+                );
+            },
+            Err("volume new is not a PVC or DataVolume"),
+        ),
+        (
+            "a disk on sata",
+            |v| {
+                plug(
+                    v,
+                    hot("new"),
+                    json!({"name": "new", "disk": {"bus": "sata"}}),
+                );
+            },
+            Err(
+                "Hotplug configuration for disk [new] requires bus to be 'scsi' or 'virtio'. [sata] is not permitted.",
+            ),
+        ),
+        (
+            "a disk with no bus",
+            |v| plug(v, hot("new"), json!({"name": "new", "disk": {}})),
+            Err(
+                "Hotplug configuration for disk [new] requires bus to be 'scsi' or 'virtio'. [] is not permitted.",
+            ),
+        ),
+        (
+            "a LUN on virtio",
+            |v| {
+                plug(
+                    v,
+                    hot("new"),
+                    json!({"name": "new", "lun": {"bus": "virtio"}}),
+                );
+            },
+            Err(
+                "Hotplug configuration for LUN [new] requires bus to be 'scsi'. [virtio] is not permitted.",
+            ),
+        ),
+        (
+            "a CD-ROM",
+            |v| {
+                plug(
+                    v,
+                    hot("new"),
+                    json!({"name": "new", "cdrom": {"bus": "scsi"}}),
+                );
+            },
+            Err(
+                "Hotplug configuration for [new] requires diskDevice of type 'disk' or 'lun' to be used.",
+            ),
+        ),
+        (
+            "an IOThread on scsi",
+            |v| {
+                plug(
+                    v,
+                    hot("new"),
+                    json!({"name": "new", "disk": {"bus": "scsi"}, "dedicatedIOThread": true}),
+                );
+            },
+            Err("Hotplug configuration for [new] requires virtio bus for IOThreads."),
+        ),
+        (
+            "boot order 0",
+            |v| {
+                plug(
+                    v,
+                    hot("new"),
+                    json!({"name": "new", "disk": {"bus": "scsi"}, "bootOrder": 0}),
+                );
+            },
+            Err(
+                "spec.domain.devices.disks[3].bootOrder: spec.domain.devices.disks[3] must have a boot order > 0, if supplied",
+            ),
+        ),
+        (
+            "remove the permanent volume",
+            |v| unplug(v, "root"),
+            Err("Number of permanent volumes has changed"),
+        ),
+        (
+            "change the permanent volume",
+            |v| v["spec"]["volumes"][0]["containerDisk"]["image"] = json!("other"),
+            Err("permanent volume root, changed"),
+        ),
+        (
+            "change the permanent disk",
+            |v| v["spec"]["domain"]["devices"]["disks"][0]["serial"] = json!("x"),
+            Err("permanent disk root, changed"),
+        ),
+        (
+            "change a hotplugged volume",
+            |v| v["spec"]["volumes"][1]["persistentVolumeClaim"]["claimName"] = json!("other"),
+            Err("hotplug volume hot, changed"),
+        ),
+        (
+            "change a hotplugged disk",
+            |v| v["spec"]["domain"]["devices"]["disks"][1]["disk"]["bus"] = json!("virtio"),
+            Err("hotplug disk hot, changed"),
+        ),
+    ];
+    let mut old = defaulted_vmi(&vmi());
+    plug(&mut old, hot("hot"), scsi("hot"));
+    plug(
+        &mut old,
+        hot("cd"),
+        json!({"name": "cd", "cdrom": {"bus": "scsi"}}),
+    );
+    old["status"]["phase"] = json!("Running");
+    old["status"]["volumeStatus"] = json!([
+        {"name": "root", "target": "vda"},
+        {"name": "hot", "target": "sda", "hotplugVolume": {}},
+        {"name": "cd", "target": "sdb", "hotplugVolume": {}},
+    ]);
+    for account in [API_SERVICE_ACCOUNT, CONTROLLER_SERVICE_ACCOUNT] {
+        for (case, edit, want) in &cases {
+            let mut new = old.clone();
+            edit(&mut new);
+            let review = review(
+                "virtualmachineinstances",
+                "UPDATE",
+                &sa(account),
+                &new,
+                Some(&old),
+            );
+            let got = verdict(&run(Webhook::VmiUpdateValidator, &review));
+            expect(&format!("{account}: {case}"), &got, *want);
+        }
+    }
+
+    // Only KubeVirt's components go through the subresource.
+    let mut new = old.clone();
+    plug(&mut new, hot("new"), scsi("new"));
+    let by_user = review("virtualmachineinstances", "UPDATE", USER, &new, Some(&old));
+    expect(
+        "a user's hotplug",
+        &verdict(&run(Webhook::VmiUpdateValidator, &by_user)),
+        Err("spec: update of VMI object is restricted"),
+    );
+    // Without DeclarativeHotplugVolumes a CD-ROM needs its volume.
+    let mut new = old.clone();
+    new["spec"]["volumes"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|e| e["name"] != "cd");
+    let review = review(
+        "virtualmachineinstances",
+        "UPDATE",
+        &sa(CONTROLLER_SERVICE_ACCOUNT),
+        &new,
+        Some(&old),
+    );
+    let mut legacy = ctx();
+    legacy.hotplug = HotplugGates {
+        declarative: false,
+        legacy: true,
+    };
+    expect(
+        "eject without DeclarativeHotplugVolumes",
+        &verdict(&run_with(Webhook::VmiUpdateValidator, &review, &legacy)),
+        Err("mismatch between volumes declared (2) and required (3)"),
+    );
 }
 
 #[test]
@@ -1190,12 +1443,34 @@ fn context_from_kubevirt() {
     for (case, dev, want) in cases {
         let ctx = Context::from_kubevirt(&kv(dev), "kubevirt");
         assert_eq!(ctx.node_restriction, want, "{case}");
+        assert_eq!(ctx.hotplug, HotplugGates::default(), "{case}");
         assert_eq!(
             ctx.cluster.default_network_interface,
             DefaultNetworkInterface::Masquerade
         );
         assert_ne!((ctx.new_id)(), (ctx.new_id)(), "{case}: fresh ids");
     }
+    let hotplug = |dev: Value| Context::from_kubevirt(&kv(dev), "kubevirt").hotplug;
+    let gates = |declarative, legacy| HotplugGates {
+        declarative,
+        legacy,
+    };
+    assert_eq!(
+        hotplug(json!({"disabledFeatureGates": ["DeclarativeHotplugVolumes"]})),
+        gates(false, false)
+    );
+    assert!(!gates(false, false).enabled());
+    assert_eq!(
+        hotplug(
+            json!({"featureGates": ["HotplugVolumes"], "disabledFeatureGates": ["DeclarativeHotplugVolumes"]})
+        ),
+        gates(false, true)
+    );
+    assert_eq!(
+        hotplug(json!({"featureGates": ["HotplugVolumes"]})),
+        gates(true, true)
+    );
+    assert!(gates(false, true).enabled());
     let ctx = ctx();
     assert_eq!(
         ctx.service_account(&sa(HANDLER_SERVICE_ACCOUNT)),

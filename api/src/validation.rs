@@ -1012,7 +1012,6 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
                     if p.claim_name.is_empty() {
                         e.add(format!("{spath}.claimName"), "required");
                     }
-                    e.unsupported_true(format!("{spath}.hotpluggable"), p.hotpluggable);
                 }
                 VolumeSource::Ephemeral(p) => {
                     if p.persistent_volume_claim.is_none() {

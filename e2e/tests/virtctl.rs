@@ -58,6 +58,44 @@ fn running_vmi(stack: &Stack) -> String {
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// What the guest writes at the start of a hotplugged disk.
+const HOTPLUG_MARK: &str = "kubevirt-rs-hotplug";
+
+/// The guest device of the VMI's volume `name`, once virt-handler reports it `Ready`.
+fn wait_volume_ready(stack: &Stack, name: &str) -> String {
+    wait_for(
+        &format!("the hotplugged volume {name} Ready"),
+        CHANGE,
+        || {
+            let vmi = get(stack, "vmi")?;
+            let entry = vmi["status"]["volumeStatus"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|v| v["name"] == name)
+                .cloned()
+                .unwrap_or_default();
+            match (entry["phase"].as_str(), entry["target"].as_str()) {
+                (Some("Ready"), Some(t)) if !t.is_empty() => Ok(Some(t.to_owned())),
+                _ => Err(format!("{entry}")),
+            }
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The disk image in the claim's volume on this machine (localcluster's volumes are host
+/// directories).
+fn claim_image(stack: &Stack, claim: &str) -> PathBuf {
+    let pv = stack
+        .kubectl(&["get", "pvc", claim, "-o", "jsonpath={.spec.volumeName}"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let dir = stack
+        .kubectl(&["get", "pv", &pv, "-o", "jsonpath={.spec.hostPath.path}"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    PathBuf::from(dir).join("disk.img")
+}
+
 struct KillOnDrop(Child);
 
 impl Drop for KillOnDrop {
@@ -303,6 +341,45 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
         "through virtctl scp\n"
     );
 
+    // Hotplug: a blank claim added to the running VM (and to its spec: KubeVirt's declarative
+    // hotplug), seen and written by the guest, its data on the claim's volume.
+    let guest = |command: &str| {
+        let mut args = vec!["ssh", "root@vmi/demo", "-c", command];
+        args.extend(ssh_opts);
+        stack.virtctl(&args).unwrap_or_else(|e| panic!("{e}"))
+    };
+    stack.apply(&serde_json::json!({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data", "namespace": "default"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "64Mi"}}},
+    }));
+    let said = stack
+        .virtctl(&["addvolume", "demo", "--volume-name=data"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        said.trim(),
+        "Successfully submitted add volume request to VM demo for volume data"
+    );
+    let disk = wait_volume_ready(&stack, "data");
+    let template = &get(&stack, "vm").unwrap()["spec"]["template"]["spec"];
+    assert!(
+        template["volumes"].as_array().unwrap().iter().any(|v| v
+            == &serde_json::json!({"name": "data", "persistentVolumeClaim": {"claimName": "data", "hotpluggable": true}})),
+        "the volume is in the VM's spec: {template}"
+    );
+    // 64Mi less CDI's 5.5 % filesystem overhead, in whole MiB: 60 MiB of 512-byte sectors.
+    let said = guest(&format!(
+        "cat /sys/block/{disk}/size; printf {HOTPLUG_MARK} | dd of=/dev/{disk} conv=fsync 2>/dev/null"
+    ));
+    assert_eq!(said.trim(), "122880", "the guest sees the disk");
+    let image = claim_image(&stack, "data");
+    let written = std::fs::read(&image).unwrap_or_else(|e| panic!("{}: {e}", image.display()));
+    assert!(
+        written.starts_with(HOTPLUG_MARK.as_bytes()),
+        "the guest's write reached {}",
+        image.display()
+    );
+
     // Authorization is the API server's: `view` may read guest info but not attach.
     let viewer = viewer_kubeconfig(&stack);
     let said = stack
@@ -339,6 +416,42 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
             .ok_or(format!("VMI {uid} {}", vmi["status"]["phase"]))
     })
     .unwrap_or_else(|e| panic!("{e}"));
+    // The new VMI gets the hotplugged volume again, with the data; then it is removed.
+    let disk = wait_volume_ready(&stack, "data");
+    running_vmi(&stack);
+    assert_eq!(
+        guest(&format!("head -c {} /dev/{disk}", HOTPLUG_MARK.len())).trim(),
+        HOTPLUG_MARK
+    );
+    let said = stack
+        .virtctl(&["removevolume", "demo", "--volume-name=data"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        said.trim(),
+        "Successfully submitted remove volume request to VM demo for volume data"
+    );
+    wait_for("the volume and its attachment pod gone", CHANGE, || {
+        let vmi = get(&stack, "vmi")?;
+        let entries = vmi["status"]["volumeStatus"].to_string();
+        let pods = stack
+            .kubectl(&[
+                "get",
+                "pods",
+                "-l",
+                "kubevirt.io=hotplug-disk",
+                "-o",
+                "name",
+            ])
+            .map_err(|e| e.to_string())?;
+        (!entries.contains("\"data\"") && pods.trim().is_empty())
+            .then_some(Some(()))
+            .ok_or(format!("volumeStatus {entries}; attachment pods {pods:?}"))
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        !guest("ls /sys/block").split_whitespace().any(|d| d == disk),
+        "the guest no longer has {disk}"
+    );
     stack
         .virtctl(&["stop", "demo"])
         .unwrap_or_else(|e| panic!("{e}"));

@@ -178,7 +178,8 @@ pub fn mount(
     Ok(out)
 }
 
-/// The claim's `disk.img`, created sparse at `size` (owned by qemu) when missing.
+/// The claim's `disk.img`, created sparse at `size` when missing, owned by qemu (KubeVirt's
+/// `SetFileOwnership` of a hotplugged image).
 fn find_or_create(
     root: &MountRoot,
     image: &Path,
@@ -186,7 +187,12 @@ fn find_or_create(
     field: &str,
 ) -> Result<isolation::SafePath, MountError> {
     match root.resolve(image, Resolve::InRoot) {
-        Ok(found) => return Ok(found),
+        Ok(found) => {
+            found
+                .chown(Some(QEMU_ID), Some(QEMU_ID))
+                .map_err(MountError::iso(field))?;
+            return Ok(found);
+        }
         Err(IsolationError::Path { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
         }
         Err(e) => return Err(MountError::iso(field)(e)),

@@ -10,6 +10,7 @@
 
 pub mod events;
 pub mod leader;
+pub mod patch;
 
 use std::collections::HashSet;
 use std::sync::Arc;

@@ -714,7 +714,8 @@ async fn hotplug_volume(
         dry_run: dry,
         ..Default::default()
     };
-    api.patch(name, &pp, &Patch::<()>::Json(patch))
+    // Encoded as Go encodes, or a `test` of a string holding `&` (a cloud-init script) fails.
+    informer::patch::json_patch(&api, name, &pp, patch)
         .await
         .map_err(|e| match e {
             // A failed `test` (the object changed since it was read) or a webhook's refusal:

@@ -83,15 +83,6 @@ fn uses_claim(v: &Volume, name: &str) -> bool {
             .is_some_and(|p| p.claim_name == name)
 }
 
-fn hotpluggable(v: &Volume) -> bool {
-    v.data_volume
-        .as_ref()
-        .is_some_and(|d| d.hotpluggable == Some(true))
-        || v.persistent_volume_claim
-            .as_ref()
-            .is_some_and(|p| p.hotpluggable == Some(true))
-}
-
 /// KubeVirt's `verifyVolumeOption` against the volumes there: a new volume's name and claim must
 /// be unused; a removed volume (named by itself or by its claim) must exist and be hotpluggable.
 /// The error is the conflict's reason.
@@ -123,7 +114,7 @@ pub fn verify(volumes: &[Volume], request: &VolumeRequest) -> Result<(), String>
                     "Unable to remove volume [{}] because it does not exist",
                     o.name
                 )),
-                Some(v) if !hotpluggable(v) => Err(format!(
+                Some(v) if !api::hotplug::is_hotpluggable(v) => Err(format!(
                     "Unable to remove volume [{}] because it is not hotpluggable",
                     v.name
                 )),

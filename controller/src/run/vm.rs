@@ -254,12 +254,7 @@ async fn patch_hotplug_volumes(
     }
     let patch: json_patch::Patch =
         serde_json::from_value(serde_json::Value::Array(ops)).map_err(kube::Error::SerdeError)?;
-    vmi_api
-        .patch(
-            &vmi.name_any(),
-            &PatchParams::default(),
-            &Patch::Json::<()>(patch),
-        )
+    informer::patch::json_patch(vmi_api, &vmi.name_any(), &PatchParams::default(), patch)
         .await
         .map(|_| ())
 }

@@ -392,7 +392,7 @@ async fn sync_hotplug(
                         events::SUCCESSFUL_DELETE_POD,
                         format!("Deleted attachment pod {n}"),
                     )
-                    .await
+                    .await;
                 }
                 Err(e) => {
                     s.pod_exp.deletion_observed(key, k);

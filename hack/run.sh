@@ -106,6 +106,8 @@ The VM runs on localcluster, through virt-api, virt-controller, virt-handler and
   virtctl guestosinfo $vm -n $ns                  # what the guest agent reports
   virtctl pause vm $vm -n $ns; virtctl unpause vm $vm -n $ns
   virtctl restart $vm -n $ns; virtctl stop $vm -n $ns; virtctl start $vm -n $ns
+  kubectl -n $ns create -f - <<<'{"apiVersion":"v1","kind":"PersistentVolumeClaim","metadata":{"name":"data"},"spec":{"accessModes":["ReadWriteOnce"],"resources":{"requests":{"storage":"1Gi"}}}}'
+  virtctl addvolume $vm -n $ns --volume-name=data # a blank claim, hotplugged (removevolume unplugs it)
   nc $pod_ip 8080      # the demo guest's listener, through the masquerade binding (pod IP $pod_ip)
 Stop everything:
   $bins/localcluster down

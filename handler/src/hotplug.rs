@@ -106,6 +106,14 @@ pub fn without_unmounted(
     out
 }
 
+/// Whether any entry of the VMI's `volumeStatus` is a hotplugged volume's.
+pub fn has_hotplug_entries(vmi: &VirtualMachineInstance) -> bool {
+    vmi.status
+        .iter()
+        .flat_map(|s| &s.volume_status)
+        .any(|s| s.hotplug_volume.is_some())
+}
+
 /// The attachment pod's socket, seen from virt-handler (in the kubelet's directory of its
 /// `hotplug-disks` emptyDir).
 pub fn attachment_socket(pods_dir: &Path, pod_uid: &str) -> PathBuf {

@@ -608,8 +608,13 @@ impl Node {
             network::phase1::setup(&v, &iso, &private_dir)?;
             let prepared = mounts::prepare(&v, &iso, &cfg)?;
             let hot = hotplug::mount(&v, &iso, &pods_dir, &cfg.hotplug_disk_dir)?;
-            let keep: BTreeSet<String> = hotplug::plan(&v).into_iter().map(|p| p.volume).collect();
-            hotplug::unmount_unused(&iso, &cfg.hotplug_disk_dir, &keep, &in_domain)?;
+            // Only a VMI with hotplug entries can have images to unmount: an unplugged volume
+            // keeps its entry until virt-controller sees it unmounted.
+            if hotplug::has_hotplug_entries(&v) {
+                let keep: BTreeSet<String> =
+                    hotplug::plan(&v).into_iter().map(|p| p.volume).collect();
+                hotplug::unmount_unused(&iso, &cfg.hotplug_disk_dir, &keep, &in_domain)?;
+            }
             Ok::<_, ReconcileError>((iso.pid, prepared, hot))
         })
         .await??;

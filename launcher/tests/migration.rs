@@ -137,8 +137,9 @@ fn guest_live_migration_completes_and_a_cancelled_one_leaves_the_guest_running()
     let d = target.post("/v1/migration/finish");
     assert_eq!(d["state"], "Running", "{d}");
     assert_eq!(d["reason"], "Migrated");
-    let (status, e) = target.request("POST", "/v1/migration/finish", None);
-    assert_eq!((status, e["code"].as_str()), (409, Some("MigrationFailed")));
+    // Asked again (virt-handler retries when its status write failed): the same answer.
+    let again = target.post("/v1/migration/finish");
+    assert_eq!((&again["state"], &again["reason"]), (&d["state"], &d["reason"]));
 
     let mut console = Console::connect(&target.vm_dir(&id).join("virt-serial0"));
     let after = uptime(&mut console);

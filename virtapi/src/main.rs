@@ -42,10 +42,12 @@ struct Flags {
     namespace: String,
     /// How long virt-api keeps serving after SIGTERM (kube-apiserver's
     /// `--shutdown-delay-duration`): a pod being deleted is still some caller's endpoint until
-    /// the EndpointSlice change has reached it. Without the delay, kube-apiserver's call of the
-    /// pod-eviction webhook during `kubectl drain`, which evicts virt-api's own pods at the
-    /// same time, met a closed connection and the drain stopped.
-    #[arg(long, default_value = "5s", value_parser = api::duration::parse_duration)]
+    /// the EndpointSlice change has reached kube-proxy. Without the delay, kube-apiserver's call
+    /// of the pod-eviction webhook during `kubectl drain`, which evicts virt-api's own pods at
+    /// the same time, met a closed connection and the drain stopped; with 5 s, on a loaded
+    /// machine, a call was still routed to the pod once it was gone and timed out. 15 s stays
+    /// well inside the pod's 30 s grace period.
+    #[arg(long, default_value = "15s", value_parser = api::duration::parse_duration)]
     shutdown_delay: std::time::Duration,
 }
 

@@ -148,6 +148,11 @@ impl Launcher {
         let ready = m
             .as_ref()
             .is_some_and(|m| m.role == Role::Target && m.phase == MigrationPhase::Completed);
+        if ready && !waiting {
+            // Finished before: virt-handler asks again when its status write after the first
+            // finish failed (a conflict), and must then go on to take the VMI over.
+            return Ok(self.domain());
+        }
         if !(ready && waiting) {
             return Err(Error::Migration(format!(
                 "nothing to finish: this launcher is not a migration target whose state is in \

@@ -139,7 +139,10 @@ fn guest_live_migration_completes_and_a_cancelled_one_leaves_the_guest_running()
     assert_eq!(d["reason"], "Migrated");
     // Asked again (virt-handler retries when its status write failed): the same answer.
     let again = target.post("/v1/migration/finish");
-    assert_eq!((&again["state"], &again["reason"]), (&d["state"], &d["reason"]));
+    assert_eq!(
+        (&again["state"], &again["reason"]),
+        (&d["state"], &d["reason"])
+    );
 
     let mut console = Console::connect(&target.vm_dir(&id).join("virt-serial0"));
     let after = uptime(&mut console);

@@ -478,22 +478,23 @@ fn guest_operator_installs_restores_rotates_updates_and_uninstalls() {
             format!("kubevirt-rs/{name}:next")
         );
     }
-    let pods = stack
-        .kubectl(&[
-            "-n",
-            "kubevirt",
-            "get",
-            "pods",
-            "-l",
-            "kubevirt.io in (virt-api,virt-controller,virt-handler)",
-            "-o",
-            "jsonpath={.items[*].spec.containers[0].image}",
-        ])
-        .expect("component pods");
-    assert!(
-        !pods.contains(":latest"),
-        "every component pod runs the new images: {pods}"
-    );
+    // The old pods leave as their grace allows (virt-api keeps serving 15 s after SIGTERM).
+    wait_for("every component pod to run the new images", SETTLE, || {
+        let pods = stack
+            .kubectl(&[
+                "-n",
+                "kubevirt",
+                "get",
+                "pods",
+                "-l",
+                "kubevirt.io in (virt-api,virt-controller,virt-handler)",
+                "-o",
+                "jsonpath={.items[*].spec.containers[0].image}",
+            ])
+            .map_err(|e| e.to_string())?;
+        (!pods.contains(":latest")).then_some(Some(())).ok_or(pods)
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(qemu_pid(), qemu, "the VM kept its QEMU through the update");
     console_round_trip(&stack, "demo", "updated").unwrap_or_else(|e| panic!("{e}"));
 

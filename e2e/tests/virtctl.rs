@@ -343,10 +343,15 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
 
     // Hotplug: a blank claim added to the running VM (and to its spec: KubeVirt's declarative
     // hotplug), seen and written by the guest, its data on the claim's volume.
+    // A command over ssh; after a reboot the guest's sshd starts a little after its agent, so
+    // the first answer is waited for.
     let guest = |command: &str| {
         let mut args = vec!["ssh", "root@vmi/demo", "-c", command];
         args.extend(ssh_opts);
-        stack.virtctl(&args).unwrap_or_else(|e| panic!("{e}"))
+        wait_for("the guest's sshd to answer", CHANGE, || {
+            stack.virtctl(&args).map(Some).map_err(|e| e.to_string())
+        })
+        .unwrap_or_else(|e| panic!("{e}"))
     };
     stack.apply(&serde_json::json!({
         "apiVersion": "v1", "kind": "PersistentVolumeClaim",

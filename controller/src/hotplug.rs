@@ -21,10 +21,9 @@ use api::labels;
 use api::status::VolumeStatus;
 use api::vmi::Volume;
 use k8s_openapi::api::core::v1::{
-    Affinity, Capabilities, Container, EmptyDirVolumeSource, NodeAffinity, NodeSelector,
-    NodeSelectorRequirement, NodeSelectorTerm, PersistentVolumeClaim,
-    PersistentVolumeClaimVolumeSource, Pod, PodSpec, ResourceRequirements, SecurityContext,
-    Toleration, Volume as PodVolume, VolumeMount,
+    Affinity, Container, EmptyDirVolumeSource, NodeAffinity, NodeSelector, NodeSelectorRequirement,
+    NodeSelectorTerm, PersistentVolumeClaim, PersistentVolumeClaimVolumeSource, Pod, PodSpec,
+    ResourceRequirements, Toleration, Volume as PodVolume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -315,16 +314,7 @@ pub fn render_attachment_pod(
                     limits: Some(resources("100m", "80M")),
                     ..ResourceRequirements::default()
                 }),
-                security_context: Some(SecurityContext {
-                    run_as_user: Some(107),
-                    run_as_non_root: Some(true),
-                    allow_privilege_escalation: Some(false),
-                    capabilities: Some(Capabilities {
-                        add: None,
-                        drop: Some(vec!["ALL".into()]),
-                    }),
-                    ..SecurityContext::default()
-                }),
+                security_context: Some(crate::template::non_root_security_context()),
                 volume_mounts: Some(mounts),
                 ..Container::default()
             }],

@@ -572,7 +572,8 @@ pub fn render_launcher_pod(
     })
 }
 
-fn non_root_security_context() -> SecurityContext {
+/// KubeVirt's non-root support containers: user 107, no privilege escalation, no capabilities.
+pub(crate) fn non_root_security_context() -> SecurityContext {
     SecurityContext {
         run_as_user: Some(107),
         run_as_non_root: Some(true),

@@ -954,7 +954,8 @@ pub async fn install_crds(client: &kube::Client) {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// An error with its sources, `: `-separated, for logs and panics.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

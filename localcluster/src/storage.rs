@@ -31,7 +31,7 @@ use kube::{Client, Resource as _};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
-use crate::controlplane::{self, ControlPlane, ControlPlaneError};
+use crate::controlplane::{self, ControlPlane, ControlPlaneError, error_chain};
 
 /// The default StorageClass `up` makes.
 pub const STORAGE_CLASS: &str = "local";
@@ -408,17 +408,6 @@ async fn publish(
 fn retry<K>(_: Arc<K>, error: &StorageError, _: Arc<Context>) -> Action {
     tracing::warn!(error = %error_chain(error), "volume provisioner; trying again");
     Action::requeue(RETRY)
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// The running provisioner; dropping it stops it.

@@ -370,44 +370,18 @@ async fn sync_hotplug(
         }
     }
     if !plan.delete.is_empty() {
-        let ns = vmi.namespace();
-        let keys: Vec<String> = plan
-            .delete
-            .iter()
-            .map(|n| key_of(ns.as_deref(), n))
-            .collect();
-        s.pod_exp.expect_deletions(key, &keys);
-        for (n, k) in plan.delete.iter().zip(&keys) {
-            // KubeVirt deletes attachment pods at once: they only hold mounts.
-            let now = DeleteParams {
-                grace_period_seconds: Some(0),
-                ..DeleteParams::default()
-            };
-            match pods_api.delete(n, &now).await {
-                Ok(_) => {
-                    event(
-                        s,
-                        vmi,
-                        false,
-                        events::SUCCESSFUL_DELETE_POD,
-                        format!("Deleted attachment pod {n}"),
-                    )
-                    .await;
-                }
-                Err(e) => {
-                    s.pod_exp.deletion_observed(key, k);
-                    event(
-                        s,
-                        vmi,
-                        true,
-                        events::FAILED_DELETE_POD,
-                        format!("Failed to delete attachment pod {n}"),
-                    )
-                    .await;
-                    retry_later(&s.vmi_q, key, "deleting an attachment pod", &e);
-                }
-            }
-        }
+        // KubeVirt deletes attachment pods at once: they only hold mounts.
+        let now = DeleteParams {
+            grace_period_seconds: Some(0),
+            ..DeleteParams::default()
+        };
+        let deletion = PodDeletion {
+            params: &now,
+            deleted: &|n| format!("Deleted attachment pod {n}"),
+            failed: &|n, _| format!("Failed to delete attachment pod {n}"),
+            doing: "deleting an attachment pod",
+        };
+        delete_pods(s, key, vmi, &pods_api, &plan.delete, &deletion).await;
     }
     let (status, volume_events) = hotplug::volume_status(vmi, launcher, &attachments, claim);
     for (reason, message) in volume_events {
@@ -461,34 +435,54 @@ async fn act_on_pods(
             }
         },
         PodAction::Delete(names) => {
-            let ns = vmi.namespace();
-            let keys: Vec<String> = names.iter().map(|n| key_of(ns.as_deref(), n)).collect();
-            s.pod_exp.expect_deletions(key, &keys);
-            for (n, k) in names.iter().zip(&keys) {
-                match pods_api.delete(n, &DeleteParams::default()).await {
-                    Ok(_) => {
-                        event(
-                            s,
-                            vmi,
-                            false,
-                            events::SUCCESSFUL_DELETE_POD,
-                            format!("Deleted virtual machine pod {n}"),
-                        )
-                        .await;
-                    }
-                    Err(e) => {
-                        s.pod_exp.deletion_observed(key, k);
-                        event(
-                            s,
-                            vmi,
-                            true,
-                            events::FAILED_DELETE_POD,
-                            format!("Error deleting pod {n}: {e}"),
-                        )
-                        .await;
-                        retry_later(&s.vmi_q, key, "deleting a launcher pod", &e);
-                    }
-                }
+            let deletion = PodDeletion {
+                params: &DeleteParams::default(),
+                deleted: &|n| format!("Deleted virtual machine pod {n}"),
+                failed: &|n, e| format!("Error deleting pod {n}: {e}"),
+                doing: "deleting a launcher pod",
+            };
+            delete_pods(s, key, vmi, pods_api, &names, &deletion).await;
+        }
+    }
+}
+
+/// How [`delete_pods`] deletes and what its Events and retries say.
+struct PodDeletion<'a> {
+    params: &'a DeleteParams,
+    deleted: &'a (dyn Fn(&str) -> String + Sync),
+    failed: &'a (dyn Fn(&str, &kube::Error) -> String + Sync),
+    doing: &'a str,
+}
+
+/// Deletes the VMI's pods `names` (launcher or attachment pods) under its pod expectations,
+/// with an Event per pod; a failure is retried later.
+async fn delete_pods(
+    s: &Shared,
+    key: &str,
+    vmi: &VirtualMachineInstance,
+    pods_api: &Api<Pod>,
+    names: &[String],
+    how: &PodDeletion<'_>,
+) {
+    let ns = vmi.namespace();
+    let keys: Vec<String> = names.iter().map(|n| key_of(ns.as_deref(), n)).collect();
+    s.pod_exp.expect_deletions(key, &keys);
+    for (n, k) in names.iter().zip(&keys) {
+        match pods_api.delete(n, how.params).await {
+            Ok(_) => {
+                event(
+                    s,
+                    vmi,
+                    false,
+                    events::SUCCESSFUL_DELETE_POD,
+                    (how.deleted)(n),
+                )
+                .await;
+            }
+            Err(e) => {
+                s.pod_exp.deletion_observed(key, k);
+                event(s, vmi, true, events::FAILED_DELETE_POD, (how.failed)(n, &e)).await;
+                retry_later(&s.vmi_q, key, how.doing, &e);
             }
         }
     }

@@ -25,6 +25,7 @@ use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
 use super::{KubeletError, Sandbox, Shared, now};
 use super::{deviceplugin, serviceaccount};
+use crate::controlplane::error_chain;
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 /// How long the kubelet waits for containers after SIGKILL before giving up on them.
@@ -1175,17 +1176,6 @@ fn next_backoff(current: Duration, base: Duration) -> Duration {
     } else {
         (current * 2).min(base * 30)
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -20,6 +20,9 @@ use std::time::Duration;
 
 /// How often the source asks QEMU how the migration goes.
 const POLL: Duration = Duration::from_millis(250);
+/// QEMU sets a migration `completed` a moment before it fills in `total-time` and `downtime`
+/// (another thread), so a `query-migrate` in between reads zeros: ask again, this many times.
+const FINAL_FIGURES_POLLS: u32 = 20;
 /// How long closing the disks' mirrors may take once the memory is sent.
 const MIRROR_CLOSE_WAIT: Duration = Duration::from_secs(30);
 /// KubeVirt's `bandwidthPerMigration: 0` means unlimited; QEMU's default is 32 MiB/s, so
@@ -445,6 +448,7 @@ impl Launcher {
         last_progress = Instant::now();
         let mut post_copy = false;
         let mut cancelled: Option<Ended> = None;
+        let mut final_figures_polls = 0;
         loop {
             let requested = out.cancel.borrow().clone();
             if cancelled.is_none()
@@ -464,7 +468,17 @@ impl Launcher {
                 ram["remaining"].as_u64().unwrap_or(0),
             );
             match info["status"].as_str().unwrap_or("") {
-                "completed" => return Ok(info),
+                "completed"
+                    if info["total-time"].as_u64().unwrap_or(0) > 0
+                        || final_figures_polls == FINAL_FIGURES_POLLS =>
+                {
+                    return Ok(info);
+                }
+                "completed" => {
+                    final_figures_polls += 1;
+                    tokio::time::sleep(POLL / 10).await;
+                    continue;
+                }
                 "failed" => {
                     return Err(cancelled.unwrap_or_else(|| {
                         Ended::failed(

@@ -106,10 +106,11 @@ impl std::fmt::Debug for Stack {
     }
 }
 
-/// The repository root (this crate's parent).
+/// The repository root (this crate lives in `tests/hw/`).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
+        .ancestors()
+        .nth(2)
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 

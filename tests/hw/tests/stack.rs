@@ -69,10 +69,10 @@ fn sorted_rules(listing: &str) -> String {
 }
 
 /// What each component's service account may do, as kube-apiserver lists it (`kubectl auth
-/// can-i --list`, cluster-wide and in the install namespace), against `e2e/tests/rbac/`: any
+/// can-i --list`, cluster-wide and in the install namespace), against `tests/hw/tests/rbac/`: any
 /// change to a component's permissions shows in review. `UPDATE_GOLDEN=1` rewrites the files.
 fn rbac_is_as_checked_in(stack: &Stack) {
-    let dir = repo_root().join("e2e/tests/rbac");
+    let dir = repo_root().join("tests/hw/tests/rbac");
     for account in [
         "kubevirt-operator",
         "kubevirt-apiserver",

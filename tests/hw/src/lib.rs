@@ -796,6 +796,22 @@ pub fn pod_processes(pod_uid: &str) -> Vec<(u32, String)> {
     out
 }
 
+/// SIGKILLs the processes of a pod whose `argv[0]` ends with `program`; how many.
+pub fn kill_in_pod(pod_uid: &str, program: &str) -> usize {
+    let pids: Vec<u32> = pod_processes(pod_uid)
+        .into_iter()
+        .filter(|(_, argv0)| argv0.ends_with(program))
+        .map(|(pid, _)| pid)
+        .collect();
+    for pid in &pids {
+        let _ = kill(
+            Pid::from_raw(i32::try_from(*pid).unwrap_or(i32::MAX)),
+            Signal::SIGKILL,
+        );
+    }
+    pids.len()
+}
+
 /// The pids whose command line starts with `argv0` and contains `marker`.
 pub fn processes(argv0: &str, marker: &str) -> Vec<u32> {
     let mut out = Vec::new();

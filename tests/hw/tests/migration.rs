@@ -11,9 +11,7 @@
 
 use std::time::Duration;
 
-use e2e::{Stack, pod_processes, wait_for};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use e2e::{Stack, kill_in_pod, wait_for};
 use serde_json::{Value, json};
 
 const BOOT: Duration = Duration::from_mins(7);
@@ -388,19 +386,6 @@ fn pod_uid(stack: &Stack, namespace: &str, name: &str) -> String {
             "jsonpath={.metadata.uid}",
         ])
         .unwrap()
-}
-
-/// SIGKILLs the processes of a pod whose `argv[0]` ends with `program`; how many.
-fn kill_in_pod(pod_uid: &str, program: &str) -> usize {
-    let pids: Vec<u32> = pod_processes(pod_uid)
-        .into_iter()
-        .filter(|(_, argv0)| argv0.ends_with(program))
-        .map(|(pid, _)| pid)
-        .collect();
-    for pid in &pids {
-        let _ = kill(Pid::from_raw(i32::try_from(*pid).unwrap()), Signal::SIGKILL);
-    }
-    pids.len()
 }
 
 /// Waits until the VMI's `migrationState` shows the failure, with its reason. The VMIM

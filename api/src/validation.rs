@@ -324,6 +324,21 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     }
 }
 
+/// A path naming a file on the node (hostDisk) or in an image (containerDisk, kernelBoot) must
+/// be absolute and must not climb. virt-controller mounts a hostDisk's directory into the
+/// launcher pod as a hostPath volume, which kube-apiserver refuses with `..` in it: admitted,
+/// such a VMI would wait for a pod that can never be created, with an error about a pod volume
+/// the user never wrote; a relative path would be refused only by the launcher, once its pod
+/// runs.
+fn absolute_without_backsteps(field: String, p: &str, e: &mut Errors) {
+    if !p.starts_with('/') || p.split('/').any(|c| c == "..") {
+        e.add(
+            field,
+            format!("{p:?} must be an absolute path without '..'"),
+        );
+    }
+}
+
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
@@ -696,13 +711,8 @@ fn firmware(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                     );
                 }
                 for (field, p) in [("kernelPath", kernel), ("initrdPath", initrd)] {
-                    if let Some(p) = p
-                        && (!p.starts_with('/') || p.split('/').any(|c| c == ".."))
-                    {
-                        e.add(
-                            format!("{cpath}.{field}"),
-                            format!("{p:?} must be an absolute path without '..'"),
-                        );
+                    if let Some(p) = p {
+                        absolute_without_backsteps(format!("{cpath}.{field}"), p, e);
                     }
                 }
             }
@@ -953,13 +963,8 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
                     if cd.image.is_empty() {
                         e.add(format!("{spath}.image"), "required");
                     }
-                    if let Some(p) = cd.path.as_deref()
-                        && (!p.starts_with('/') || p.split('/').any(|c| c == ".."))
-                    {
-                        e.add(
-                            format!("{spath}.path"),
-                            format!("{p:?} must be an absolute path without '..'"),
-                        );
+                    if let Some(p) = cd.path.as_deref() {
+                        absolute_without_backsteps(format!("{spath}.path"), p, e);
                     }
                     if let Some(pp) = &cd.image_pull_policy
                         && !pp.is_known()
@@ -986,6 +991,8 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
                     }
                     if h.path.is_empty() {
                         e.add(format!("{spath}.path"), "required");
+                    } else {
+                        absolute_without_backsteps(format!("{spath}.path"), &h.path, e);
                     }
                     match &h.disk_type {
                         crate::vmi::HostDiskType::Disk => {

@@ -416,6 +416,42 @@ fn mistakes() -> Vec<Mistake> {
             "allowed only with type DiskOrCreate",
         ),
         m(
+            "relative host disk path",
+            vec![(
+                "/spec/volumes/2",
+                json!({"name": "hd", "hostDisk": {"path": "disks/d.img", "type": "Disk"}}),
+            )],
+            "spec.volumes[2].hostDisk.path",
+            r#""disks/d.img" must be an absolute path without '..'"#,
+        ),
+        m(
+            "host disk path climbing out of its directory",
+            vec![(
+                "/spec/volumes/2",
+                json!({"name": "hd", "hostDisk": {"path": "/var/disks/../../etc/shadow", "type": "Disk"}}),
+            )],
+            "spec.volumes[2].hostDisk.path",
+            "must be an absolute path without '..'",
+        ),
+        m(
+            "container disk path climbing out of the image",
+            vec![(
+                "/spec/volumes/0/containerDisk/path",
+                json!("/disk/../../../etc/shadow"),
+            )],
+            "spec.volumes[0].containerDisk.path",
+            "must be an absolute path without '..'",
+        ),
+        m(
+            "kernel path climbing out of the image",
+            vec![(
+                "/spec/domain/firmware/kernelBoot",
+                json!({"container": {"image": "k:1", "kernelPath": "/boot/../../vmlinuz"}}),
+            )],
+            "spec.domain.firmware.kernelBoot.container.kernelPath",
+            "must be an absolute path without '..'",
+        ),
+        m(
             "unknown eviction strategy",
             vec![("/spec/evictionStrategy", json!("Sometimes"))],
             "spec.evictionStrategy",

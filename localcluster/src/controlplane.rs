@@ -71,6 +71,8 @@ pub enum ControlPlaneError {
         log: String,
         tail: String,
     },
+    #[error("no component {name} runs (running: {running})")]
+    NoSuchComponent { name: String, running: String },
     #[error("the control plane was not ready within {0:?}; see {1}")]
     NotReady(Duration, String),
     #[error(
@@ -174,20 +176,31 @@ pub struct Component {
     name: &'static str,
     child: Child,
     log: PathBuf,
+    /// What it was started with, to start it again the same way.
+    args: Vec<String>,
 }
 
 impl Component {
+    /// Starts it, its output in `<log_dir>/<name>.log` (appended to when `again`: a restart
+    /// keeps what the previous run said).
     fn spawn(
         binary: &Path,
         name: &'static str,
         args: &[String],
         log_dir: &Path,
+        again: bool,
     ) -> Result<Self, ControlPlaneError> {
         let log = log_dir.join(format!("{name}.log"));
-        let file = std::fs::File::create(&log).map_err(|source| ControlPlaneError::Dir {
-            path: log.display().to_string(),
-            source,
-        })?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(again)
+            .truncate(!again)
+            .open(&log)
+            .map_err(|source| ControlPlaneError::Dir {
+                path: log.display().to_string(),
+                source,
+            })?;
         let stderr = file.try_clone().map_err(|source| ControlPlaneError::Dir {
             path: log.display().to_string(),
             source,
@@ -218,7 +231,12 @@ impl Component {
             source,
         })?;
         tracing::debug!(component = name, pid = child.id(), log = %log.display(), "started");
-        Ok(Self { name, child, log })
+        Ok(Self {
+            name,
+            child,
+            log,
+            args: args.to_vec(),
+        })
     }
 
     pub fn name(&self) -> &'static str {
@@ -609,10 +627,61 @@ impl ControlPlane {
     }
 
     fn spawn(&mut self, name: &'static str, args: &[String]) -> Result<(), ControlPlaneError> {
-        let component =
-            Component::spawn(&self.config.kube, name, args, &self.config.dir.join("logs"))?;
+        let component = Component::spawn(
+            &self.config.kube,
+            name,
+            args,
+            &self.config.dir.join("logs"),
+            false,
+        )?;
         self.components.push(component);
         Ok(())
+    }
+
+    /// Kills a component (SIGKILL, as a crash or an OOM kill would) and starts it again with
+    /// the same flags, as the kubelet restarts a static pod; for kube-apiserver, returns once
+    /// it is ready again. Everything else keeps running: clients and watches meet the outage
+    /// and must recover by themselves. Answers the new pid.
+    pub async fn restart(&mut self, name: &str) -> Result<u32, ControlPlaneError> {
+        let index = self
+            .components
+            .iter()
+            .position(|c| c.name == name)
+            .ok_or_else(|| ControlPlaneError::NoSuchComponent {
+                name: name.to_owned(),
+                running: self
+                    .components
+                    .iter()
+                    .map(|c| c.name)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })?;
+        let old = &mut self.components[index];
+        let _ = old.child.kill();
+        let _ = old.child.wait();
+        let (component, args) = (old.name, old.args.clone());
+        if component == "kube-proxy" {
+            self.clean_up_proxy_tables();
+        }
+        let new = Component::spawn(
+            &self.config.kube,
+            component,
+            &args,
+            &self.config.dir.join("logs"),
+            true,
+        )?;
+        let pid = new.pid();
+        self.components[index] = new;
+        tracing::info!(component, pid, "restarted");
+        match component {
+            "kube-apiserver" => self.wait_ready().await?,
+            "kube-proxy" => {
+                self.wait_for("kube-proxy", kubernetes_service_programmed)
+                    .await?;
+            }
+            _ => {}
+        }
+        Ok(pid)
     }
 
     /// An error naming the first component that has exited.

@@ -59,6 +59,15 @@ enum Command {
     /// Runs a command in a running container (the kubelet's exec, through its streaming helper).
     #[command(hide = true)]
     Nsexec(localcluster::nsexec::Args),
+    /// Kill one control-plane component of a running cluster (SIGKILL) and start it again, as
+    /// the kubelet restarts a crashed static pod; returns once it runs (kube-apiserver: once
+    /// ready). For chaos tests: everything else keeps running through the outage.
+    Restart {
+        #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
+        dir: PathBuf,
+        /// kube-apiserver, etcd, kube-controller-manager, kube-scheduler or kube-proxy.
+        component: String,
+    },
     /// Stop a cluster started with `up` in the same state directory.
     Down {
         #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
@@ -74,6 +83,13 @@ fn default_dir() -> PathBuf {
 
 fn pid_file(dir: &Path) -> PathBuf {
     dir.join("localcluster.pid")
+}
+
+/// Where `restart` leaves `<component>.request` for the running `up`, which answers in
+/// `<component>.done` (`pid N` or `error: ...`). Components must be started by `up` itself:
+/// they die with the thread that started them.
+fn restart_dir(dir: &Path) -> PathBuf {
+    dir.join("restart")
 }
 
 fn main() -> anyhow::Result<()> {
@@ -123,6 +139,7 @@ async fn run(command: Command) -> anyhow::Result<()> {
             up(config, &nodes).await
         }
         Command::Down { dir } => down(&dir).await,
+        Command::Restart { dir, component } => restart(&dir, &component).await,
         Command::Load { dir, images } => {
             let store = localcluster::kubelet::cluster::image_store(&dir)?;
             for image in images {
@@ -206,6 +223,7 @@ async fn up(
             r = tokio::signal::ctrl_c() => { r.context("waiting for Ctrl-C")?; break None }
             _ = term.recv() => break None,
             _ = watch.tick() => {
+                serve_restarts(&dir, &mut plane).await;
                 if let Err(e) = plane.check() {
                     break Some(anyhow::Error::from(e));
                 }
@@ -231,6 +249,66 @@ async fn up(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Restarts the components asked for by `localcluster restart`.
+async fn serve_restarts(dir: &Path, plane: &mut ControlPlane) {
+    let requests = restart_dir(dir);
+    let Ok(entries) = std::fs::read_dir(&requests) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "request") {
+            continue;
+        }
+        let _ = std::fs::remove_file(&path);
+        let Some(component) = path.file_stem().and_then(|s| s.to_str()) else {
+            continue;
+        };
+        let answer = match plane.restart(component).await {
+            Ok(pid) => {
+                println!("{component} restarted (pid {pid})");
+                format!("pid {pid}")
+            }
+            Err(e) => format!("error: {:#}", anyhow::Error::from(e)),
+        };
+        if let Err(e) = std::fs::write(requests.join(format!("{component}.done")), answer) {
+            tracing::warn!(component, error = %e, "answering a restart request");
+        }
+    }
+}
+
+async fn restart(dir: &Path, component: &str) -> anyhow::Result<()> {
+    let pid_path = pid_file(dir);
+    let pid = std::fs::read_to_string(&pid_path)
+        .ok()
+        .and_then(|p| p.trim().parse::<i32>().ok())
+        .filter(|p| running(Pid::from_raw(*p)))
+        .with_context(|| format!("no running localcluster in {}", dir.display()))?;
+    let requests = restart_dir(dir);
+    std::fs::create_dir_all(&requests)
+        .with_context(|| format!("creating {}", requests.display()))?;
+    let done = requests.join(format!("{component}.done"));
+    let _ = std::fs::remove_file(&done);
+    std::fs::write(requests.join(format!("{component}.request")), "")
+        .with_context(|| format!("writing a request in {}", requests.display()))?;
+    // kube-apiserver's start on a busy machine, and one tick of `up`'s loop.
+    for _ in 0..2400 {
+        if let Ok(answer) = std::fs::read_to_string(&done) {
+            let _ = std::fs::remove_file(&done);
+            if let Some(why) = answer.strip_prefix("error: ") {
+                bail!("restarting {component}: {why}");
+            }
+            println!("{component} restarted ({answer})");
+            return Ok(());
+        }
+        if !running(Pid::from_raw(pid)) {
+            bail!("localcluster (pid {pid}) stopped before restarting {component}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("localcluster (pid {pid}) did not restart {component} within 240 s")
 }
 
 /// Whether `pid` is a live process: one that has exited but not been reaped by its parent

@@ -1,7 +1,7 @@
 //! The `localcluster` command: `up` starts the upstream control plane (from `--kube`) and the
 //! volume provisioner, and writes the kubeconfig kubectl uses; it refuses a second `up` on the
-//! same state and a start of nodes without root; `down` stops every component and removes its
-//! state files.
+//! same state and a start of nodes without root; `restart` kills one component and starts it
+//! again while the cluster runs on; `down` stops every component and removes its state files.
 
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
@@ -141,6 +141,64 @@ fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
         assert!(logs.contains(&format!("{component}.log")), "{logs:?}");
     }
     assert!(!logs.contains(&"kube-proxy.log".to_string()), "{logs:?}");
+
+    // `restart` kills a component and starts it again, the rest running on: a ConfigMap
+    // written before is read after kube-apiserver's restart, through the same kubeconfig.
+    let made = kubectl(&[
+        "create",
+        "configmap",
+        "before-restart",
+        "--from-literal=k=v",
+    ]);
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let apiserver_pid = || {
+        processes_using(dir.path())
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"kube-apiserver"))
+            })
+            .collect::<Vec<_>>()
+    };
+    let before = apiserver_pid();
+    assert_eq!(before.len(), 1, "{before:?}");
+    let restarted = localcluster(&["restart", "--dir", d, "kube-apiserver"]);
+    assert!(
+        restarted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restarted.stderr)
+    );
+    let after = apiserver_pid();
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert_ne!(before, after, "a new kube-apiserver");
+    let read = kubectl(&[
+        "get",
+        "configmap",
+        "before-restart",
+        "-o",
+        "jsonpath={.data.k}",
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&read.stdout),
+        "v",
+        "{}",
+        String::from_utf8_lossy(&read.stderr)
+    );
+    assert!(
+        up.0.try_wait().expect("up's status").is_none(),
+        "up kept running"
+    );
+    let unknown = localcluster(&["restart", "--dir", d, "kubelet"]);
+    assert!(!unknown.status.success());
+    let err = String::from_utf8_lossy(&unknown.stderr);
+    assert!(
+        err.contains("no component kubelet runs (running: etcd, kube-apiserver"),
+        "{err}"
+    );
 
     let second = localcluster(&[
         "up", "--dir", d, "--port", "0", "--nodes", "0", "--kube", kube,

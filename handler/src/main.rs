@@ -1,5 +1,5 @@
 //! virt-handler: the device plugins, the node heartbeat, the VMI node loop, the console server
-//! (mTLS) and `/metrics` + `/healthz` (docs/handler.md).
+//! (mTLS) and `/metrics` + `/healthz` (HTTPS) (docs/handler.md).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -33,7 +33,7 @@ struct Flags {
     /// Address the metrics and console servers listen on.
     #[arg(long, default_value = "0.0.0.0")]
     listen_address: IpAddr,
-    /// `/metrics` and `/healthz` (plain HTTP).
+    /// `/metrics` and `/healthz` (HTTPS with the console server's certificate, as KubeVirt).
     #[arg(long, default_value_t = 8443)]
     port: u16,
     /// The console server (mTLS).
@@ -60,7 +60,8 @@ struct Flags {
     /// A launcher that does not answer this long fails its VMI (`30s`, `1m`, ...).
     #[arg(long, default_value = "30s", value_parser = api::duration::parse_duration)]
     watchdog_timeout: Duration,
-    /// The console server's certificate (KubeVirt mounts /etc/virt-handler/servercertificates/tls.crt).
+    /// The console server's and `/metrics`' certificate (KubeVirt mounts
+    /// /etc/virt-handler/servercertificates/tls.crt).
     #[arg(long)]
     tls_cert_file: Option<PathBuf>,
     /// Its key.
@@ -72,92 +73,73 @@ struct Flags {
     client_ca_file: Option<PathBuf>,
 }
 
-/// Serves `/metrics` and `/healthz` until `stop`.
-async fn serve_metrics(
-    addr: SocketAddr,
-    slot: metrics::NodeSlot,
-    max_requests: usize,
-    stop: CancellationToken,
-) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the metrics port {addr}"))?;
-    tracing::info!(%addr, "serving /metrics and /healthz");
-    axum::serve(listener, metrics::router(slot, max_requests))
-        .with_graceful_shutdown(stop.cancelled_owned())
-        .await
-        .context("metrics server")
+/// The certificate files the flags name, if all three are given.
+fn tls_files(flags: &Flags, client_auth: tlsconfig::ClientAuth) -> Option<tlsconfig::TlsFiles> {
+    Some(tlsconfig::TlsFiles {
+        cert: flags.tls_cert_file.clone()?,
+        key: flags.tls_key_file.clone()?,
+        client_ca: flags.client_ca_file.clone()?,
+        client_auth,
+    })
 }
 
-/// The console server, if its certificate, key and client CA were given.
-async fn console_server(
-    flags: &Flags,
-    node: Arc<node::Node>,
+/// Serves `app` over HTTPS on `addr` until `stop`, with the certificate files re-read when they
+/// change. They come from an optional Secret that may appear after the pod starts (KubeVirt's
+/// file certificate manager waits for them too), so the server waits for them, then listens.
+async fn serve_tls(
+    what: &'static str,
+    addr: SocketAddr,
+    files: Option<tlsconfig::TlsFiles>,
+    app: axum::Router,
     stop: CancellationToken,
-) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
-    let files = [
-        &flags.tls_cert_file,
-        &flags.tls_key_file,
-        &flags.client_ca_file,
-    ];
-    // The certificates come from an optional Secret: absent, the rest of the handler runs.
-    let (Some(cert), Some(key), Some(client_ca)) = (
-        flags.tls_cert_file.clone().filter(|p| p.exists()),
-        flags.tls_key_file.clone().filter(|p| p.exists()),
-        flags.client_ca_file.clone().filter(|p| p.exists()),
-    ) else {
+) -> anyhow::Result<()> {
+    let Some(files) = files else {
         tracing::warn!(
-            ?files,
-            "--tls-cert-file, --tls-key-file and --client-ca-file are not all given and present: the console server (console, VNC, pause, guest info) is not started"
+            "--tls-cert-file, --tls-key-file and --client-ca-file are not all given: {what} not served"
         );
-        return Ok(None);
+        return Ok(());
     };
-    let cfg = tlsconfig::ReloadingConfig::new(tlsconfig::TlsFiles {
-        cert,
-        key,
-        client_ca,
-        client_auth: tlsconfig::ClientAuth::Required,
-    })
-    .context("console server TLS")?;
-    let addr = SocketAddr::new(flags.listen_address, flags.console_server_port);
+    let mut waiting = false;
+    let tls = loop {
+        match tlsconfig::ReloadingConfig::new(files.clone()) {
+            Ok(tls) => break tls,
+            Err(e) if !std::mem::replace(&mut waiting, true) => {
+                tracing::info!(error = %e, "{what} waits for its certificate");
+            }
+            Err(_) => {}
+        }
+        tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            () = tokio::time::sleep(CERTIFICATE_POLL) => {}
+        }
+    };
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .with_context(|| format!("binding the console server to {addr}"))?;
-    tracing::info!(%addr, "console server listening");
-    let app = server::router(
-        Arc::new(vmistore::NodeVmis::new(node)),
-        server::Limits::default(),
-    );
-    Ok(Some(tokio::spawn(server::serve(
-        listener,
-        Arc::new(cfg),
-        app,
-        stop,
-    ))))
+        .with_context(|| format!("binding {what} to {addr}"))?;
+    tracing::info!(%addr, "serving {what} over HTTPS");
+    tlsconfig::serve_https(listener, Arc::new(tls), move |_| app.clone(), stop).await;
+    Ok(())
 }
+
+/// How often a server looks for its certificate files before they first appear (a Secret
+/// created after the pod reaches it within a kubelet sync, 10 s to a minute or two).
+const CERTIFICATE_POLL: Duration = Duration::from_secs(2);
 
 /// The handlers' certificate both ways (KubeVirt's migration TLS configs): migration listeners
 /// require it of the peer, and dial other handlers with it. `None` without the files.
 fn migration_transport(flags: &Flags) -> Option<handler::migration::Transport> {
-    let (Some(cert), Some(key), Some(ca)) = (
-        flags.tls_cert_file.clone().filter(|p| p.exists()),
-        flags.tls_key_file.clone().filter(|p| p.exists()),
-        flags.client_ca_file.clone().filter(|p| p.exists()),
-    ) else {
+    let Some(files) = tls_files(flags, tlsconfig::ClientAuth::Required)
+        .filter(|f| [&f.cert, &f.key, &f.client_ca].iter().all(|p| p.exists()))
+    else {
         tracing::warn!("no certificates: migrations need migrations.disableTLS");
         return None;
     };
-    let client = tlsconfig::client_config(&cert, &key, &ca)
+    let client = tlsconfig::client_config(&files.cert, &files.key, &files.client_ca)
         .inspect_err(|e| tracing::warn!(error = %e, "migration client TLS"))
         .ok()?;
-    let server = tlsconfig::ReloadingConfig::new(tlsconfig::TlsFiles {
-        cert,
-        key,
-        client_ca: ca,
-        client_auth: tlsconfig::ClientAuth::Required,
-    })
-    .inspect_err(|e| tracing::warn!(error = %e, "migration server TLS"))
-    .ok()?;
+    let server = tlsconfig::ReloadingConfig::new(files)
+        .inspect_err(|e| tracing::warn!(error = %e, "migration server TLS"))
+        .ok()?;
     Some(handler::migration::Transport::Tls {
         server: Arc::new(server),
         client: Arc::new(client),
@@ -200,10 +182,14 @@ async fn main() -> anyhow::Result<()> {
     ));
 
     let slot: metrics::NodeSlot = Arc::new(OnceLock::new());
-    let metrics_task = tokio::spawn(serve_metrics(
+    // KubeVirt's virt-handler serves its metrics with its server certificate and verifies a
+    // client certificate only when one is offered (`SetupPromTLS`): Prometheus and the kubelet's
+    // probes come without.
+    let metrics_task = tokio::spawn(serve_tls(
+        "/metrics and /healthz",
         SocketAddr::new(flags.listen_address, flags.port),
-        Arc::clone(&slot),
-        flags.max_metric_requests,
+        tls_files(&flags, tlsconfig::ClientAuth::Optional),
+        metrics::router(Arc::clone(&slot), flags.max_metric_requests),
         stop.clone(),
     ));
     let mut cfg = node::Config::new(&flags.hostname_override);
@@ -226,12 +212,18 @@ async fn main() -> anyhow::Result<()> {
         tokio::spawn(async move {
             let (node, handle) = node::start(client, cfg, stop.clone()).await?;
             let _ = slot.set(Arc::clone(&node));
-            let console = console_server(&flags, node, stop).await?;
+            let console = tokio::spawn(serve_tls(
+                "the console server (console, VNC, pause, guest info)",
+                SocketAddr::new(flags.listen_address, flags.console_server_port),
+                tls_files(&flags, tlsconfig::ClientAuth::Required),
+                server::router(
+                    Arc::new(vmistore::NodeVmis::new(node)),
+                    server::Limits::default(),
+                ),
+                stop,
+            ));
             handle.await.context("node loop")?;
-            if let Some(c) = console {
-                c.await.context("console server")?;
-            }
-            anyhow::Ok(())
+            console.await.context("console server")?
         })
     };
     let failed = tokio::select! {

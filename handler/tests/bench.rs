@@ -18,8 +18,7 @@ use futures::StreamExt as _;
 use handler::server::{self, Limits, LookupError, Target, Vmis};
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::rt::TokioIo;
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tlsconfig::{ClientAuth, ReloadingConfig, TlsFiles};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::{TcpStream, UnixListener, UnixStream};
@@ -66,27 +65,17 @@ impl Vmis for OneVmi {
 
 async fn start(target: Target) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("params");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = CertifiedIssuer::self_signed(ca, KeyPair::generate().expect("key")).expect("CA");
-    let leaf = |names: Vec<String>| {
-        let key = KeyPair::generate().expect("key");
-        let cert = CertificateParams::new(names)
-            .expect("params")
-            .signed_by(&key, &ca)
-            .expect("signed");
-        (cert, key)
-    };
-    let (srv_cert, srv_key) = leaf(vec!["localhost".into()]);
-    let (client_cert, client_key) = leaf(Vec::new());
+    let ca = common::Ca::new("bench CA");
+    let srv = ca.leaf(&["localhost"], "virt-handler");
+    let client = ca.leaf(&[], "virt-api");
     let files = TlsFiles {
         cert: dir.path().join("tls.crt"),
         key: dir.path().join("tls.key"),
         client_ca: dir.path().join("ca.crt"),
         client_auth: ClientAuth::Required,
     };
-    std::fs::write(&files.cert, srv_cert.pem()).expect("write cert");
-    std::fs::write(&files.key, srv_key.serialize_pem()).expect("write key");
+    std::fs::write(&files.cert, &srv.cert_pem).expect("write cert");
+    std::fs::write(&files.key, &srv.key_pem).expect("write key");
     std::fs::write(&files.client_ca, ca.pem()).expect("write CA");
     let tls = Arc::new(ReloadingConfig::new(files).expect("tls config"));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -104,9 +93,9 @@ async fn start(target: Target) -> Server {
     ));
     Server {
         addr,
-        ca: ca.der().clone(),
-        client_cert: client_cert.der().clone(),
-        client_key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(client_key.serialize_der())),
+        ca: ca.der(),
+        client_cert: client.cert,
+        client_key: client.key,
         stop,
         _dir: dir,
     }

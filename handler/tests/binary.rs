@@ -1,6 +1,7 @@
 //! The virt-handler binary against localcluster's upstream control plane and a kubelet stand-in:
 //! unschedulable until its device plugins are registered, schedulable after, `/healthz` and
-//! `/metrics` once its node loop runs, unschedulable again on SIGTERM, then a clean exit.
+//! `/metrics` over HTTPS once its certificate is there and its node loop runs (never plain
+//! HTTP), unschedulable again on SIGTERM, then a clean exit.
 
 mod common;
 
@@ -43,7 +44,8 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     let stop = CancellationToken::new();
     let mut registered = common::fake_kubelet(&plugins, stop.clone());
 
-    let mut h = common::HandlerProcess::spawn(
+    // The certificate Secret is optional and may come after the pod: the handler starts without.
+    let mut h = common::HandlerProcess::spawn_before_certificates(
         "node-a",
         kubeconfig,
         dir.path(),
@@ -72,13 +74,24 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     );
     wait_label(&nodes, "true").await;
 
+    // Without its certificate the handler serves no metrics at all, in particular not in clear.
+    assert_eq!(common::http_get(port, "/healthz").await.0, 0);
+    h.write_certificates();
     h.wait_healthy(WAIT).await;
-    let (status, metrics) = common::http_get(port, "/metrics").await;
+    let (status, metrics) = h.get("/metrics").await;
     assert_eq!(status, 200, "{metrics}");
     assert!(
         metrics.contains("# TYPE kubevirt_vmi_phase_count gauge\n"),
         "{metrics}"
     );
+    // The same port refuses plain HTTP: the request is no TLS handshake, nothing answers it.
+    for path in ["/healthz", "/metrics"] {
+        assert_eq!(
+            common::http_get(port, path).await,
+            (0, String::new()),
+            "{path}"
+        );
+    }
 
     let pid = h.child.id().to_string();
     let status = Command::new("kill")

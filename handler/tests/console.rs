@@ -16,12 +16,12 @@ use std::time::Duration;
 use api::status::VirtualMachineInstanceConditionType as Cond;
 use api::{VirtualMachineInstance, VirtualMachineInstancePhase as Phase};
 use bytes::Bytes;
+use common::{Ca, Leaf, write_atomically};
 use futures::{SinkExt as _, StreamExt as _};
 use handler::server::{self, Limits, LookupError, Target, Vmis};
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::rt::TokioIo;
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, ServerName};
 use tlsconfig::{ClientAuth, ReloadingConfig, TlsFiles};
 use tokio::io::AsyncWriteExt as _;
 use tokio::net::{TcpStream, UnixListener};
@@ -31,59 +31,6 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(20);
-
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-struct Leaf {
-    cert: CertificateDer<'static>,
-    cert_pem: String,
-    key_pem: String,
-    key: PrivateKeyDer<'static>,
-}
-
-impl Ca {
-    fn new(name: &str) -> Self {
-        let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
-        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, name.to_owned());
-        let issuer =
-            CertifiedIssuer::self_signed(p, KeyPair::generate().expect("key")).expect("CA");
-        Ca { issuer }
-    }
-
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    fn der(&self) -> CertificateDer<'static> {
-        self.issuer.der().clone()
-    }
-
-    fn leaf(&self, names: &[&str], cn: &str) -> Leaf {
-        let mut p =
-            CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())
-                .expect("params");
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, cn.to_owned());
-        let key = KeyPair::generate().expect("key");
-        let cert = p.signed_by(&key, &self.issuer).expect("signed");
-        Leaf {
-            cert: cert.der().clone(),
-            cert_pem: cert.pem(),
-            key_pem: key.serialize_pem(),
-            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        }
-    }
-}
-
-fn write_atomically(path: &Path, data: &str) {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, data).expect("write");
-    std::fs::rename(&tmp, path).expect("rename");
-}
 
 #[derive(Default)]
 struct StaticVmis {

@@ -1067,7 +1067,7 @@ async fn bench_handler_rss_with_10_vmis() {
         }
         vms.extend(booting);
     }
-    let (code, text) = common::http_get(handler.port, "/metrics").await;
+    let (code, text) = handler.get("/metrics").await;
     assert_eq!(code, 200, "{text}");
     let resident = text
         .lines()

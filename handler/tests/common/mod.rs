@@ -6,6 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+
 /// Boot deadlines are generous: TCG on a loaded two-core machine.
 pub const BOOT: Duration = Duration::from_mins(4);
 
@@ -283,20 +286,81 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Status code and body of a plain HTTP/1.0 GET on loopback; 0 when nothing listens.
-pub async fn http_get(port: u16, path: &str) -> (u16, String) {
+/// A test CA (rcgen), as virt-operator's self-signed one.
+pub struct Ca {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// A certificate the CA signed, as PEM (for files) and DER (for rustls).
+pub struct Leaf {
+    pub cert: CertificateDer<'static>,
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub key: PrivateKeyDer<'static>,
+}
+
+impl Ca {
+    pub fn new(name: &str) -> Self {
+        let mut p = CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, name.to_owned());
+        let issuer =
+            CertifiedIssuer::self_signed(p, KeyPair::generate().expect("key")).expect("CA");
+        Ca { issuer }
+    }
+
+    pub fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    pub fn der(&self) -> CertificateDer<'static> {
+        self.issuer.der().clone()
+    }
+
+    pub fn leaf(&self, names: &[&str], cn: &str) -> Leaf {
+        let mut p =
+            CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>())
+                .expect("params");
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, cn.to_owned());
+        let key = KeyPair::generate().expect("key");
+        let cert = p.signed_by(&key, &self.issuer).expect("signed");
+        Leaf {
+            cert: cert.der().clone(),
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            key: PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        }
+    }
+}
+
+/// Writes `path` as a Secret volume update does: whole, by rename.
+pub fn write_atomically(path: &Path, data: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data).expect("write");
+    std::fs::rename(&tmp, path).expect("rename");
+}
+
+/// Status code and body of an HTTP/1.0 GET on `s`; 0 when no HTTP answer came.
+async fn get_over<S>(mut s: S, path: &str) -> (u16, String)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return (0, String::new());
-    };
-    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+    if s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
         .await
-        .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
+        .is_err()
+    {
+        return (0, String::new());
+    }
+    let mut out = Vec::new();
+    // What was read before an error (a TLS server hanging up on plain HTTP) is kept.
+    let _ = s.read_to_end(&mut out).await;
+    let out = String::from_utf8_lossy(&out);
     let code = out
-        .split_whitespace()
-        .nth(1)
+        .strip_prefix("HTTP/")
+        .and_then(|r| r.split_whitespace().nth(1))
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     let body = out
@@ -306,19 +370,71 @@ pub async fn http_get(port: u16, path: &str) -> (u16, String) {
     (code, body)
 }
 
+/// A plain HTTP/1.0 GET on loopback: status code and body; 0 when nothing listens or no HTTP
+/// answer came.
+pub async fn http_get(port: u16, path: &str) -> (u16, String) {
+    match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+        Ok(s) => get_over(s, path).await,
+        Err(_) => (0, String::new()),
+    }
+}
+
+/// An HTTPS GET on loopback as Prometheus scrapes, trusting `ca` for `localhost` and offering
+/// no client certificate: status code and body; 0 when nothing listens or the handshake fails.
+pub async fn https_get(port: u16, ca: &CertificateDer<'static>, path: &str) -> (u16, String) {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.clone()).expect("root");
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("versions")
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let Ok(tcp) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return (0, String::new());
+    };
+    match tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(ServerName::try_from("localhost").expect("name"), tcp)
+        .await
+    {
+        Ok(tls) => get_over(tls, path).await,
+        Err(_) => (0, String::new()),
+    }
+}
+
 /// The virt-handler binary as its own process (its log in `<dir>/handler.log`), killed on drop.
-#[derive(Debug)]
+/// It is given certificate files from its own CA, as virt-operator's Secret provides them.
 pub struct HandlerProcess {
     pub child: Child,
     /// `/metrics` and `/healthz`.
     pub port: u16,
+    pub ca: Ca,
+    /// `tls.crt`, `tls.key` and `ca.crt`, as the Secret volume holds them.
+    pub certs: PathBuf,
 }
 
 impl HandlerProcess {
     /// virt-handler for `node` against `kubeconfig`, with the kubelet root `<dir>/kubelet`,
-    /// the kubelet's pods dir `pods`, and `extra` flags.
+    /// the kubelet's pods dir `pods`, its certificate files written, and `extra` flags.
     pub fn spawn(node: &str, kubeconfig: &Path, dir: &Path, pods: &Path, extra: &[&str]) -> Self {
+        let h = Self::spawn_before_certificates(node, kubeconfig, dir, pods, extra);
+        h.write_certificates();
+        h
+    }
+
+    /// The same, with the certificate flags naming files that do not exist yet (an optional
+    /// Secret not yet created): [`Self::write_certificates`] writes them.
+    pub fn spawn_before_certificates(
+        node: &str,
+        kubeconfig: &Path,
+        dir: &Path,
+        pods: &Path,
+        extra: &[&str],
+    ) -> Self {
         let port = free_port();
+        let certs = dir.join("handler-certs");
+        std::fs::create_dir_all(&certs).expect("mkdir");
         let child = Command::new(env!("CARGO_BIN_EXE_virt-handler"))
             .args(["--hostname-override", node, "--kubelet-root"])
             .arg(dir.join("kubelet"))
@@ -326,6 +442,12 @@ impl HandlerProcess {
             .args(["--console-server-port", &free_port().to_string()])
             .arg("--kubelet-pods-dir")
             .arg(pods)
+            .arg("--tls-cert-file")
+            .arg(certs.join("tls.crt"))
+            .arg("--tls-key-file")
+            .arg(certs.join("tls.key"))
+            .arg("--client-ca-file")
+            .arg(certs.join("ca.crt"))
             .args(extra)
             .env("KUBECONFIG", kubeconfig)
             .stdin(Stdio::null())
@@ -333,12 +455,30 @@ impl HandlerProcess {
             .stderr(std::fs::File::create(dir.join("handler.log")).expect("handler log"))
             .spawn()
             .expect("spawn virt-handler");
-        HandlerProcess { child, port }
+        HandlerProcess {
+            child,
+            port,
+            ca: Ca::new("virt-handler test CA"),
+            certs,
+        }
+    }
+
+    /// The handler's serving certificate for `localhost` and the CA bundle.
+    pub fn write_certificates(&self) {
+        let leaf = self.ca.leaf(&["localhost"], "virt-handler");
+        write_atomically(&self.certs.join("tls.key"), &leaf.key_pem);
+        write_atomically(&self.certs.join("tls.crt"), &leaf.cert_pem);
+        write_atomically(&self.certs.join("ca.crt"), &self.ca.pem());
+    }
+
+    /// `GET path` on the metrics port over HTTPS.
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        https_get(self.port, &self.ca.der(), path).await
     }
 
     pub async fn wait_healthy(&self, within: Duration) {
         let deadline = Instant::now() + within;
-        while http_get(self.port, "/healthz").await.0 != 200 {
+        while self.get("/healthz").await.0 != 200 {
             assert!(Instant::now() < deadline, "/healthz never 200");
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

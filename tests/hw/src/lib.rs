@@ -530,6 +530,19 @@ impl Stack {
         )
     }
 
+    /// `localcluster restart`: SIGKILLs a control-plane component (`kube-apiserver`, ...) and
+    /// starts it again; returns once it runs (kube-apiserver: once ready).
+    pub fn restart_control_plane(&self, component: &str) -> Result<String, StackError> {
+        run(
+            Command::new(self.bins.join("localcluster"))
+                .arg("restart")
+                .arg("--dir")
+                .arg(self.dir.path())
+                .arg(component),
+            None,
+        )
+    }
+
     /// `manifests/examples/vm-demo.yaml` as JSON (kubectl reads the YAML), for a test to adapt.
     pub fn demo_vm(&self) -> Result<serde_json::Value, StackError> {
         let manifest = repo_root().join("manifests/examples/vm-demo.yaml");

@@ -2,8 +2,8 @@
 //! round makes one change a user makes (update, pause or unpause, migrate, restart a VM; create
 //! or delete a second VM; scale a VMIRS between 0 and 1) and, at a random moment right after
 //! it, SIGKILLs one of: the virt-controller leader or its follower, a virt-handler, a
-//! virt-launcher, a QEMU, a virt-api replica or the virt-operator leader. Then it waits for the
-//! invariants to hold:
+//! virt-launcher, a QEMU, a virt-api replica or the virt-operator leader, or kills and restarts
+//! kube-apiserver (`localcluster restart`). Then it waits for the invariants to hold:
 //! - every VM with `runStrategy: Always` has exactly one VMI, `Running`; the VMIRS has as many
 //!   Running VMIs as replicas;
 //! - every migration has ended (Succeeded or Failed);
@@ -105,9 +105,11 @@ enum Victim {
     Qemu,
     VirtApi,
     Operator,
+    /// Not a SIGKILL of ours: `localcluster restart kube-apiserver` kills and restarts it.
+    KubeApiserver,
 }
 
-const VICTIMS: [Victim; 7] = [
+const VICTIMS: [Victim; 8] = [
     Victim::ControllerLeader,
     Victim::ControllerFollower,
     Victim::Handler,
@@ -115,6 +117,7 @@ const VICTIMS: [Victim; 7] = [
     Victim::Qemu,
     Victim::VirtApi,
     Victim::Operator,
+    Victim::KubeApiserver,
 ];
 
 /// Which second guest runs besides the pinned VM, if any.
@@ -266,6 +269,13 @@ impl Chaos {
 
     /// SIGKILLs the victim's process; what was killed (or why nothing was).
     fn kill(&mut self, victim: Victim) -> String {
+        if victim == Victim::KubeApiserver {
+            *self.kills.entry(format!("{victim:?}")).or_default() += 1;
+            return match self.stack.restart_control_plane("kube-apiserver") {
+                Ok(out) => out.trim().to_owned(),
+                Err(e) => panic!("restarting kube-apiserver: {e}"),
+            };
+        }
         let pods = |label: &str, namespace: &str| {
             list(&self.stack, namespace, "pods").map(|pods| {
                 pods.into_iter()
@@ -294,6 +304,7 @@ impl Chaos {
             Victim::Qemu => ("default", "virt-launcher", QEMU),
             Victim::VirtApi => ("kubevirt", "virt-api", "virt-api"),
             Victim::Operator => ("kubevirt", "virt-operator", "virt-operator"),
+            Victim::KubeApiserver => unreachable!("restarted above"),
         };
         let candidates = match pods(label, namespace) {
             Ok(p) => p,

@@ -10,6 +10,7 @@ use api::VirtualMachineInstancePhase as Phase;
 use api::vm::RunStrategy;
 use common::{Cluster, NS, subresources, vm_path, vmi_path};
 use futures::{SinkExt as _, StreamExt as _};
+use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -262,6 +263,98 @@ async fn authorization_by_kube_apiserver_and_by_virt_api() {
         .await
         .expect("healthz");
     assert_eq!((r.status, r.text().as_str()), (200, "ok"));
+}
+
+/// 401, or 403 for kube-apiserver's anonymous user (anonymous authentication is on by default
+/// and RBAC grants `system:anonymous` nothing here).
+fn unauthenticated(status: u16, body: &str) -> bool {
+    status == 401 || (status == 403 && body.contains("system:anonymous"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_without_valid_credentials_are_refused() {
+    let c = Cluster::start().await;
+    c.vmi("demo", Phase::Running).await;
+    let _serial = UnixListener::bind(c.serial_socket("demo")).expect("bind the serial socket");
+    let (console, pause) = (vmi_path("demo", "console"), vmi_path("demo", "pause"));
+
+    // Through kube-apiserver with no credentials at all.
+    let nobody = c.without_certificate();
+    let refused = nobody.websocket(&console, &[]).await.expect_err("refused");
+    assert!(unauthenticated(refused.0, &refused.1), "{refused:?}");
+    let r = nobody
+        .request("PUT", &pause, &[], Some(json!({})))
+        .await
+        .expect("request");
+    assert!(unauthenticated(r.status, &r.text()), "{}", r.text());
+
+    // A bearer token kube-apiserver never issued.
+    let forged = [("Authorization", "Bearer not-a-token")];
+    let refused = nobody
+        .websocket(&console, &forged)
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.0, 401, "{}", refused.1);
+    let r = nobody
+        .request("PUT", &pause, &forged, Some(json!({})))
+        .await
+        .expect("request");
+    assert_eq!(r.status, 401, "{}", r.text());
+
+    // A real service account token, without `virtualmachineinstances/console`: authenticated
+    // (the refusal names the account), then refused.
+    let sa: ServiceAccount =
+        serde_json::from_value(json!({"metadata": {"name": "viewer"}})).expect("service account");
+    Api::<ServiceAccount>::namespaced(c.client.clone(), NS)
+        .create(&PostParams::default(), &sa)
+        .await
+        .expect("service account");
+    let r = c
+        .admin()
+        .request(
+            "POST",
+            &format!("/api/v1/namespaces/{NS}/serviceaccounts/viewer/token"),
+            &[],
+            Some(json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}})),
+        )
+        .await
+        .expect("token request");
+    assert_eq!(r.status, 201, "{}", r.text());
+    let bearer = format!(
+        "Bearer {}",
+        r.json()["status"]["token"].as_str().expect("a token")
+    );
+    let as_viewer = [("Authorization", bearer.as_str())];
+    let refused = nobody
+        .websocket(&console, &as_viewer)
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.0, 403, "{}", refused.1);
+    for want in [
+        &format!("system:serviceaccount:{NS}:viewer"),
+        "virtualmachineinstances/console",
+    ] {
+        assert!(refused.1.contains(want), "{want}: {}", refused.1);
+    }
+
+    // Straight to virt-api with a certificate kube-apiserver trusts for an administrator, but
+    // not the front proxy's: the request-header CA refuses it, whatever headers come with it.
+    let impostor = c.virt_api_direct_as_user("test-admin", &["system:masters"]);
+    let as_admin = [
+        ("X-Remote-User", "test-admin"),
+        ("X-Remote-Group", "system:masters"),
+    ];
+    match impostor
+        .request("PUT", &pause, &as_admin, Some(json!({})))
+        .await
+    {
+        Err(_) => {}
+        Ok(r) => assert_eq!(r.status, 401, "{}", r.text()),
+    }
+    match impostor.websocket(&console, &as_admin).await {
+        Ok(_) => panic!("the console opened for an impostor"),
+        Err(refused) => assert!(matches!(refused.0, 0 | 401), "{refused:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

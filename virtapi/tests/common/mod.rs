@@ -312,10 +312,9 @@ impl Cluster {
             .expect("https://<ip>:<port>")
     }
 
-    /// kube-apiserver as a user whose client certificate the cluster CA signed.
-    pub fn user(&self, name: &str, groups: &[&str]) -> Endpoint {
-        let cred = self
-            .plane
+    /// A client certificate of the cluster CA: kube-apiserver's user `name` in `groups`.
+    fn user_credential(&self, name: &str, groups: &[&str]) -> localcluster::pki::Credential {
+        self.plane
             .pki()
             .client(
                 &format!("user-{name}"),
@@ -324,13 +323,27 @@ impl Cluster {
                     organizations: groups,
                 },
             )
-            .expect("a client certificate");
+            .expect("a client certificate")
+    }
+
+    /// kube-apiserver as a user whose client certificate the cluster CA signed.
+    pub fn user(&self, name: &str, groups: &[&str]) -> Endpoint {
+        let cred = self.user_credential(name, groups);
+        self.apiserver_endpoint(Some((&cred.cert_pem, &cred.key_pem)))
+    }
+
+    /// kube-apiserver with no client certificate: anonymous, or whoever a bearer token names.
+    pub fn without_certificate(&self) -> Endpoint {
+        self.apiserver_endpoint(None)
+    }
+
+    fn apiserver_endpoint(&self, identity: Option<(&str, &str)>) -> Endpoint {
         let addr = self.apiserver();
         Endpoint::new(
             addr,
             ServerName::IpAddress(addr.ip().into()),
             &self.plane.pki().ca().cert_pem,
-            Some((&cred.cert_pem, &cred.key_pem)),
+            identity,
         )
     }
 
@@ -348,6 +361,18 @@ impl Cluster {
             ServerName::try_from(VIRT_API_NAME).expect("a DNS name"),
             &self.certs.ca_pem,
             as_front_proxy.then_some((fp.cert_pem.as_str(), fp.key_pem.as_str())),
+        )
+    }
+
+    /// virt-api itself, presenting the client certificate kube-apiserver knows as user `name`
+    /// in `groups` (the cluster CA's, not the front proxy's).
+    pub fn virt_api_direct_as_user(&self, name: &str, groups: &[&str]) -> Endpoint {
+        let cred = self.user_credential(name, groups);
+        Endpoint::new(
+            self.virt_api,
+            ServerName::try_from(VIRT_API_NAME).expect("a DNS name"),
+            &self.certs.ca_pem,
+            Some((&cred.cert_pem, &cred.key_pem)),
         )
     }
 

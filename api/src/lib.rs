@@ -45,6 +45,7 @@ pub mod quantity;
 pub mod replicaset;
 pub mod status;
 pub mod subresources;
+pub mod support;
 pub mod validation;
 pub mod vm;
 pub mod vmi;

@@ -82,6 +82,12 @@ impl Errors {
         }
     }
 
+    fn unsupported_false(&mut self, path: impl Into<String>, value: Option<bool>) {
+        if value == Some(false) {
+            self.add(path, format!("false: {UNSUPPORTED}"));
+        }
+    }
+
     fn quantity(&mut self, path: impl Into<String>, q: &Quantity) -> Option<ParsedQuantity> {
         match ParsedQuantity::from_quantity(q) {
             Ok(p) if p.is_negative() => {
@@ -266,8 +272,20 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         }
     }
     if let Some(cpu) = &d.cpu {
-        e.unsupported(format!("{base}.domain.cpu.numa"), cpu.numa.as_ref());
-        e.unsupported(format!("{base}.domain.cpu.realtime"), cpu.realtime.as_ref());
+        let path = format!("{base}.domain.cpu");
+        e.unsupported(format!("{path}.numa"), cpu.numa.as_ref());
+        e.unsupported(format!("{path}.realtime"), cpu.realtime.as_ref());
+        if !cpu.features.is_empty() {
+            e.add(format!("{path}.features"), UNSUPPORTED);
+        }
+        e.unsupported_true(
+            format!("{path}.dedicatedCpuPlacement"),
+            cpu.dedicated_cpu_placement,
+        );
+        e.unsupported_true(
+            format!("{path}.isolateEmulatorThread"),
+            cpu.isolate_emulator_thread,
+        );
     }
     if let Some(m) = &d.memory {
         e.unsupported(
@@ -276,24 +294,44 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         );
     }
     if let Some(f) = &d.firmware {
-        e.unsupported(format!("{base}.domain.firmware.acpi"), f.acpi.as_ref());
-    }
-    if let Some(f) = &d.features {
-        e.unsupported(format!("{base}.domain.features.hyperv"), f.hyperv.as_ref());
-        e.unsupported(
-            format!("{base}.domain.features.hypervPassthrough"),
-            f.hyperv_passthrough.as_ref(),
+        let path = format!("{base}.domain.firmware");
+        e.unsupported(format!("{path}.acpi"), f.acpi.as_ref());
+        let bootloader = f.bootloader.as_ref();
+        e.unsupported_true(
+            format!("{path}.bootloader.bios.useSerial"),
+            bootloader.and_then(|b| b.bios.as_ref()?.use_serial),
+        );
+        e.unsupported_true(
+            format!("{path}.bootloader.efi.persistent"),
+            bootloader.and_then(|b| b.efi.as_ref()?.persistent),
         );
     }
-    if let Some(clock) = &d.clock
-        && clock
-            .timer
-            .as_ref()
-            .and_then(|t| t.hyperv.as_ref())
-            .is_some()
-    {
-        e.add(format!("{base}.domain.clock.timer.hyperv"), UNSUPPORTED);
+    if let Some(f) = &d.features {
+        let path = format!("{base}.domain.features");
+        e.unsupported(format!("{path}.hyperv"), f.hyperv.as_ref());
+        e.unsupported(
+            format!("{path}.hypervPassthrough"),
+            f.hyperv_passthrough.as_ref(),
+        );
+        // QEMU's machines have ACPI and the APIC on, which is what KubeVirt's defaults ask
+        // for; only turning them off is not honoured.
+        e.unsupported_false(
+            format!("{path}.acpi.enabled"),
+            f.acpi.as_ref().and_then(|a| a.enabled),
+        );
+        let apic = f.apic.as_ref();
+        e.unsupported_false(format!("{path}.apic.enabled"), apic.and_then(|a| a.enabled));
+        e.unsupported_true(
+            format!("{path}.apic.endOfInterrupt"),
+            apic.and_then(|a| a.end_of_interrupt),
+        );
+        e.unsupported_true(
+            format!("{path}.kvm.hidden"),
+            f.kvm.as_ref().and_then(|k| k.hidden),
+        );
+        e.unsupported(format!("{path}.pvspinlock"), f.pvspinlock.as_ref());
     }
+    e.unsupported(format!("{base}.domain.clock"), d.clock.as_ref());
     let devices = format!("{base}.domain.devices");
     e.unsupported(format!("{devices}.gpus"), list(dev.gpus.as_ref()));
     e.unsupported(
@@ -319,9 +357,31 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     e.unsupported(format!("{devices}.sound"), dev.sound.as_ref());
     e.unsupported(format!("{devices}.tpm"), dev.tpm.as_ref());
     e.unsupported_true(format!("{devices}.autoattachVSOCK"), dev.autoattach_vsock);
-    if let Some(w) = &dev.watchdog {
-        e.unsupported(format!("{devices}.watchdog.diag288"), w.diag288.as_ref());
+    for (field, value) in [
+        ("autoattachInputDevice", dev.autoattach_input_device),
+        ("blockMultiQueue", dev.block_multi_queue),
+        ("logSerialConsole", dev.log_serial_console),
+        (
+            "networkInterfaceMultiqueue",
+            dev.network_interface_multiqueue,
+        ),
+        ("useVirtioTransitional", dev.use_virtio_transitional),
+    ] {
+        e.unsupported_true(format!("{devices}.{field}"), value);
     }
+    if !dev.inputs.is_empty() {
+        e.add(format!("{devices}.inputs"), UNSUPPORTED);
+    }
+    e.unsupported(format!("{devices}.video"), dev.video.as_ref());
+    e.unsupported(format!("{devices}.watchdog"), dev.watchdog.as_ref());
+    e.unsupported(
+        format!("{base}.livenessProbe"),
+        spec.liveness_probe.as_ref(),
+    );
+    e.unsupported(
+        format!("{base}.readinessProbe"),
+        spec.readiness_probe.as_ref(),
+    );
 }
 
 /// A path naming a file on the node (hostDisk) or in an image (containerDisk, kernelBoot) must
@@ -366,15 +426,21 @@ fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         );
     }
     if let Some(s) = spec.start_strategy.as_deref() {
-        if s != "Paused" {
+        if s == "Paused" {
+            e.add(
+                format!("{base}.startStrategy"),
+                format!("Paused: {UNSUPPORTED}"),
+            );
+            if spec.liveness_probe.is_some() {
+                e.add(
+                    format!("{base}.startStrategy"),
+                    "a VMI started paused cannot have a livenessProbe",
+                );
+            }
+        } else {
             e.add(
                 format!("{base}.startStrategy"),
                 format!("unknown start strategy {s:?} (only Paused)"),
-            );
-        } else if spec.liveness_probe.is_some() {
-            e.add(
-                format!("{base}.startStrategy"),
-                "a VMI started paused cannot have a livenessProbe",
             );
         }
     }
@@ -787,29 +853,47 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                 ),
             );
         }
-        if let Some(io) = &disk.io
-            && !io.is_known()
-        {
-            e.add(
-                format!("{dpath}.io"),
+        if let Some(io) = &disk.io {
+            let message = if io.is_known() {
+                format!("{}: {UNSUPPORTED}", io.as_str())
+            } else {
                 format!(
                     "unknown io mode {:?} (native, threads, default)",
                     io.as_str()
-                ),
-            );
+                )
+            };
+            e.add(format!("{dpath}.io"), message);
         }
         e.unsupported(format!("{dpath}.blockSize"), disk.block_size.as_ref());
         e.unsupported_true(
             format!("{dpath}.changedBlockTracking"),
             disk.changed_block_tracking,
         );
-        if let Some(p) = disk.error_policy.as_deref()
-            && !["stop", "ignore", "report", "enospace"].contains(&p)
+        e.unsupported_true(
+            format!("{dpath}.dedicatedIOThread"),
+            disk.dedicated_io_thread,
+        );
+        e.unsupported_true(format!("{dpath}.shareable"), disk.shareable);
+        e.unsupported(format!("{dpath}.tag"), disk.tag.as_ref());
+        e.unsupported(
+            format!("{dpath}.disk.pciAddress"),
+            disk.disk.as_ref().and_then(|t| t.pci_address.as_ref()),
+        );
+        if let Some(tray) = disk.cdrom.as_ref().and_then(|c| c.tray.as_deref())
+            && tray != "closed"
         {
             e.add(
-                format!("{dpath}.errorPolicy"),
-                format!("unknown error policy {p:?}"),
+                format!("{dpath}.cdrom.tray"),
+                format!("{tray}: {UNSUPPORTED}"),
             );
+        }
+        if let Some(p) = disk.error_policy.as_deref() {
+            let message = if ["stop", "ignore", "report", "enospace"].contains(&p) {
+                format!("{p}: {UNSUPPORTED}")
+            } else {
+                format!("unknown error policy {p:?}")
+            };
+            e.add(format!("{dpath}.errorPolicy"), message);
         }
     }
     for (i, input) in dev.inputs.iter().enumerate() {
@@ -861,6 +945,14 @@ fn cloud_init(src: &CloudInitNoCloudSource, path: &str, e: &mut Errors) {
         src.network_data_base64.is_some(),
         src.network_data_secret_ref.is_some(),
     ];
+    e.unsupported(
+        format!("{path}.secretRef"),
+        src.user_data_secret_ref.as_ref(),
+    );
+    e.unsupported(
+        format!("{path}.networkDataSecretRef"),
+        src.network_data_secret_ref.as_ref(),
+    );
     let count = |s: &[bool]| s.iter().filter(|b| **b).count();
     if count(&user) > 1 {
         e.add(
@@ -923,7 +1015,6 @@ fn is_base64(s: &str) -> bool {
 
 fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e: &mut Errors) {
     let mut seen = BTreeSet::new();
-    let mut service_accounts = 0;
     for (i, v) in spec.volumes.iter().enumerate() {
         let vpath = format!("{base}.volumes[{i}]");
         if !seen.insert(v.name.as_str()) {
@@ -956,7 +1047,12 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
         for source in sources {
             let spath = format!("{vpath}.{}", source.field());
             match source {
-                VolumeSource::Unsupported(..) | VolumeSource::DataVolume(_) => {
+                VolumeSource::Unsupported(..)
+                | VolumeSource::DataVolume(_)
+                | VolumeSource::Ephemeral(_)
+                | VolumeSource::ConfigMap(_)
+                | VolumeSource::Secret(_)
+                | VolumeSource::ServiceAccount(_) => {
                     e.add(spath, UNSUPPORTED);
                 }
                 VolumeSource::ContainerDisk(cd) => {
@@ -994,6 +1090,7 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
                     } else {
                         absolute_without_backsteps(format!("{spath}.path"), &h.path, e);
                     }
+                    e.unsupported_true(format!("{spath}.shared"), h.shared);
                     match &h.disk_type {
                         crate::vmi::HostDiskType::Disk => {
                             if h.capacity.is_some() {
@@ -1020,35 +1117,8 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
                         e.add(format!("{spath}.claimName"), "required");
                     }
                 }
-                VolumeSource::Ephemeral(p) => {
-                    if p.persistent_volume_claim.is_none() {
-                        e.add(format!("{spath}.persistentVolumeClaim"), "required");
-                    }
-                }
-                VolumeSource::ConfigMap(c) => {
-                    if c.name.as_deref().is_none_or(str::is_empty) {
-                        e.add(format!("{spath}.name"), "required");
-                    }
-                }
-                VolumeSource::Secret(s) => {
-                    if s.secret_name.as_deref().is_none_or(str::is_empty) {
-                        e.add(format!("{spath}.secretName"), "required");
-                    }
-                }
-                VolumeSource::ServiceAccount(s) => {
-                    service_accounts += 1;
-                    if s.service_account_name.as_deref().is_none_or(str::is_empty) {
-                        e.add(format!("{spath}.serviceAccountName"), "required");
-                    }
-                }
             }
         }
-    }
-    if service_accounts > 1 {
-        e.add(
-            format!("{base}.volumes"),
-            "must have at most one serviceAccount volume",
-        );
     }
 }
 
@@ -1288,19 +1358,25 @@ fn interface<'a>(
     }
     e.unsupported(format!("{ipath}.portRanges"), iface.port_ranges.as_ref());
     e.unsupported(format!("{ipath}.dhcpOptions"), iface.dhcp_options.as_ref());
-    if let Some(s) = iface.state.as_deref()
-        && !["up", "down", "absent", ""].contains(&s)
-    {
-        e.add(
+    e.unsupported(format!("{ipath}.pciAddress"), iface.pci_address.as_ref());
+    e.unsupported(format!("{ipath}.tag"), iface.tag.as_ref());
+    match iface.state.as_deref() {
+        None | Some("up" | "") => {}
+        Some(s @ ("down" | "absent")) => {
+            e.add(format!("{ipath}.state"), format!("{s}: {UNSUPPORTED}"));
+        }
+        Some(s) => e.add(
             format!("{ipath}.state"),
             format!("interface state {s:?} is unsupported (up, down, absent)"),
-        );
+        ),
     }
-    if iface
-        .acpi_index
-        .is_some_and(|a| !(1..16 * 1024).contains(&a))
-    {
-        e.add(format!("{ipath}.acpiIndex"), "must be between 1 and 16383");
+    if let Some(a) = iface.acpi_index {
+        let message = if (1..16 * 1024).contains(&a) {
+            UNSUPPORTED
+        } else {
+            "must be between 1 and 16383"
+        };
+        e.add(format!("{ipath}.acpiIndex"), message);
     }
 }
 

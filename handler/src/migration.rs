@@ -126,7 +126,13 @@ pub async fn listen(transport: &Transport, ip: IpAddr, share: &Path) -> Result<P
                 let socket = socket.clone();
                 let transport = transport.clone();
                 tokio::spawn(async move {
-                    let local = match UnixStream::connect(&socket).await {
+                    // The name is the target pod's: a link it planted there is not followed
+                    // to another process's socket.
+                    let local = match isolation::open_socket(&socket) {
+                        Ok(resolved) => UnixStream::connect(resolved.proc_fd_path()).await,
+                        Err(e) => Err(std::io::Error::other(e)),
+                    };
+                    let local = match local {
                         Ok(s) => s,
                         Err(e) => {
                             tracing::warn!(socket = %socket.display(), error = %e, "the target launcher's migration socket");
@@ -296,5 +302,43 @@ mod tests {
         )
         .expect_err("no stream 7");
         assert!(e.to_string().contains("stream 7"), "{e}");
+    }
+
+    /// A target pod that replaced its migration socket with a link to a socket of the node gets
+    /// its stream hung up rather than spliced there.
+    #[tokio::test]
+    async fn a_target_socket_planted_as_a_link_out_of_the_pod_is_not_followed() {
+        let node = tempfile::tempdir().unwrap();
+        let node_socket = node.path().join("runtime.sock");
+        let listener = UnixListener::bind(&node_socket).unwrap();
+        let target_dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(target_dir.path().join("sockets")).unwrap();
+        std::os::unix::fs::symlink(&node_socket, target_dir.path().join(STREAMS[1].1)).unwrap();
+        let t = listen(
+            &Transport::Plain,
+            IpAddr::from([127, 0, 0, 1]),
+            target_dir.path(),
+        )
+        .await
+        .unwrap();
+        let port = t
+            .ports
+            .iter()
+            .find(|(_, key)| **key == 49153)
+            .map(|(p, _)| p.parse::<u16>().unwrap())
+            .unwrap();
+        let mut tcp = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        tcp.write_all(b"nbd hello").await.unwrap();
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(10), tcp.read(&mut buf))
+            .await
+            .expect("hung up, not spliced");
+        assert_eq!(read.unwrap_or(0), 0);
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(200), listener.accept())
+                .await
+                .is_err(),
+            "the node's socket was reached"
+        );
     }
 }

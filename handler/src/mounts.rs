@@ -267,9 +267,9 @@ fn socket_peer(
             socket: socket.to_owned(),
         });
     }
-    // Connecting through the descriptor's /proc/self/fd name reaches exactly the resolved
-    // socket inode; the path itself could be swapped for a symlink to a host socket.
-    match isolation::detect_from_socket(&sock.proc_fd_path()) {
+    // Connecting through the descriptor reaches exactly the resolved socket inode; the path
+    // itself could be swapped for a symlink to a host socket.
+    match isolation::detect_from_resolved_socket(&sock) {
         Ok(p) => Ok(Ok(p)),
         Err(IsolationError::NoPeer { .. }) => {
             Ok(Err(format!("nobody listens on {} yet", socket.display())))

@@ -16,7 +16,7 @@ use nix::sys::stat::Mode;
 use tracing::debug;
 
 use crate::error::{IsolationError, Result};
-use crate::safepath::MountRoot;
+use crate::safepath::{MountRoot, SafePath};
 
 /// A kind of Linux namespace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -374,9 +374,18 @@ pub fn detect_from_pid(pid: i32) -> Result<PodIsolation> {
 
 /// Detects the process listening on the unix socket `socket` (the launcher's command
 /// socket): the kernel records the listener's credentials, so SO_PEERCRED names the
-/// process, translated into our pid namespace.
+/// process, translated into our pid namespace. The socket's name is the pod's: it is resolved
+/// as [`crate::open_socket`] does, so a pod cannot pass another process off as its own.
 pub fn detect_from_socket(socket: &Path) -> Result<PodIsolation> {
-    let stream = UnixStream::connect(socket).map_err(|source| {
+    detect_from_resolved_socket(&crate::open_socket(socket)?)
+}
+
+/// The same for a socket already resolved (inside a pod's root, say), reached through its
+/// descriptor's `/proc/self/fd` name: exactly the socket resolved, whatever its path holds now.
+pub fn detect_from_resolved_socket(resolved: &SafePath) -> Result<PodIsolation> {
+    let path = resolved.path();
+    let socket = &resolved.root().join(path.strip_prefix("/").unwrap_or(path));
+    let stream = UnixStream::connect(resolved.proc_fd_path()).map_err(|source| {
         if source.raw_os_error() == Some(libc::ECONNREFUSED) {
             IsolationError::NoPeer {
                 socket: socket.to_owned(),

@@ -14,7 +14,8 @@ mod error;
 mod safepath;
 
 pub use detect::{
-    Namespace, Namespaces, NsKind, PodIsolation, Process, detect_from_pid, detect_from_socket,
+    Namespace, Namespaces, NsKind, PodIsolation, Process, detect_from_pid,
+    detect_from_resolved_socket, detect_from_socket,
 };
 pub use error::{IsolationError, Result};
-pub use safepath::{DetachedMount, MountRoot, Resolve, SafePath};
+pub use safepath::{DetachedMount, MountRoot, Resolve, SafePath, open_socket};

@@ -189,6 +189,29 @@ impl MountRoot {
     }
 }
 
+/// Resolves the unix socket `path` for connecting, when its directory is trusted but the name
+/// in it is not: a pod's emptyDir as the kubelet made it, seen from the node, holds whatever the
+/// pod put there. A pod that replaced its socket with a symlink to a socket of the node (the
+/// container runtime's, another pod's launcher) would have a plain `connect` by virt-handler,
+/// root in the node's mount namespace, talk to that one instead. The name is resolved beneath
+/// the directory, so an absolute or climbing link fails with
+/// [`IsolationError::PathEscapesRoot`]; connect to the handle's [`SafePath::proc_fd_path`],
+/// which reaches exactly the socket resolved. Other failures are [`IsolationError::Connect`].
+pub fn open_socket(path: &Path) -> Result<SafePath> {
+    let connect_err = |source| IsolationError::Connect {
+        socket: path.to_owned(),
+        source,
+    };
+    let (dir, name) = split_last(path)
+        .ok_or_else(|| connect_err(std::io::Error::from(std::io::ErrorKind::InvalidInput)))?;
+    let resolved =
+        MountRoot::open(dir).and_then(|root| root.resolve(Path::new(name), Resolve::Beneath));
+    resolved.map_err(|e| match e {
+        IsolationError::Path { source, .. } => connect_err(source),
+        e => e,
+    })
+}
+
 /// `/a/b` and `a/b` both mean "a/b under the root"; the empty path means the root.
 fn relative(path: &Path) -> &Path {
     let rel = path.strip_prefix("/").unwrap_or(path);

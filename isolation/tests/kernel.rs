@@ -269,6 +269,41 @@ fn a_socket_nobody_listens_on_has_no_peer() {
 }
 
 #[test]
+fn a_pods_socket_planted_as_a_symlink_cannot_name_another_process() {
+    // The node's socket, served by this process (as the container runtime's would be).
+    let node = tempfile::tempdir().unwrap();
+    let node_socket = node.path().join("runtime.sock");
+    let _node_listener = std::os::unix::net::UnixListener::bind(&node_socket).unwrap();
+    // The pod's emptyDir: the directory is the node's, the names in it the pod's.
+    let sockets = node
+        .path()
+        .join("pods/uid/volumes/kubernetes.io~empty-dir/sockets");
+    std::fs::create_dir_all(&sockets).unwrap();
+    let launcher = sockets.join("launcher-sock");
+    for target in [
+        node_socket.clone(),
+        PathBuf::from("../../../../../runtime.sock"),
+    ] {
+        let _ = std::fs::remove_file(&launcher);
+        symlink(&target, &launcher).unwrap();
+        let err = detect_from_socket(&launcher).unwrap_err();
+        assert!(
+            matches!(err, IsolationError::PathEscapesRoot { .. }),
+            "{} -> {}: {err}",
+            launcher.display(),
+            target.display()
+        );
+    }
+    // A link within the directory stays the pod's business.
+    std::fs::remove_file(&launcher).unwrap();
+    let own = sockets.join("own.sock");
+    let _own_listener = std::os::unix::net::UnixListener::bind(&own).unwrap();
+    symlink("own.sock", &launcher).unwrap();
+    let found = detect_from_socket(&launcher).unwrap();
+    assert_eq!(found.pid, i32::try_from(std::process::id()).unwrap());
+}
+
+#[test]
 fn a_socket_whose_listener_exited_names_a_gone_process() {
     let orphan = OrphanedSocket::spawn();
     let err = detect_from_socket(&orphan.socket).unwrap_err();

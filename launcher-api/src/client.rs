@@ -113,13 +113,19 @@ impl LauncherClient {
         path: &str,
         body: Option<Vec<u8>>,
     ) -> Result<http::Response<hyper::body::Incoming>, ClientError> {
-        let stream =
-            UnixStream::connect(&self.socket)
-                .await
-                .map_err(|source| ClientError::Connect {
-                    socket: self.socket.clone(),
-                    source,
-                })?;
+        let connect_err = |source| ClientError::Connect {
+            socket: self.socket.clone(),
+            source,
+        };
+        // The socket's name is the launcher pod's: a link it planted there must not lead
+        // virt-handler to another process's socket.
+        let resolved = isolation::open_socket(&self.socket).map_err(|e| match e {
+            isolation::IsolationError::Connect { source, .. } => connect_err(source),
+            e => connect_err(std::io::Error::other(e)),
+        })?;
+        let stream = UnixStream::connect(resolved.proc_fd_path())
+            .await
+            .map_err(connect_err)?;
         let http_err = |source| ClientError::Http {
             socket: self.socket.clone(),
             path: path.to_owned(),
@@ -428,6 +434,25 @@ mod tests {
             }
             other => panic!("expected an API error, got {other}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_socket_replaced_by_a_link_out_of_its_directory_is_not_followed() {
+        // Another process's socket, which answers.
+        let (_elsewhere, other) = answering(
+            "HTTP/1.1 500 Internal Server Error\r\ncontent-length: 5\r\nconnection: close\r\n\r\nother",
+        );
+        let reached = other.pause().await.expect_err("a 500");
+        assert!(matches!(&reached, ClientError::Api { .. }), "{reached}");
+        let pod = tempfile::tempdir().expect("tempdir");
+        let planted = pod.path().join("launcher-sock");
+        std::os::unix::fs::symlink(&other.socket, &planted).expect("symlink");
+        let e = LauncherClient::new(&planted, Duration::from_secs(5))
+            .pause()
+            .await
+            .expect_err("the link is not followed");
+        assert!(matches!(&e, ClientError::Connect { .. }), "{e}");
+        assert!(e.is_unreachable(), "{e}");
     }
 
     #[tokio::test]

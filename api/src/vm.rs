@@ -226,3 +226,13 @@ pub struct VirtualMachineStatus {
     /// Changed block tracking state.
     pub changed_block_tracking: Option<Preserved>,
 }
+
+/// The namespace of the firmware UUIDs KubeVirt's VM controller derives from a VM's name.
+const FIRMWARE_UUID_NAMESPACE: uuid::Uuid = uuid::uuid!("6a1a24a1-4061-4607-8bf4-a3963d0c5895");
+
+/// The firmware (SMBIOS) UUID of a VM's instances when its template sets none: a SHA-1 UUID of
+/// the VM's name (KubeVirt's `CalculateLegacyUUID`), so the guest sees the same machine on every
+/// start.
+pub fn stable_firmware_uuid(vm_name: &str) -> String {
+    uuid::Uuid::new_v5(&FIRMWARE_UUID_NAMESPACE, vm_name.as_bytes()).to_string()
+}

@@ -206,8 +206,9 @@ pub fn start_backoff(fail_count: i32, jitter: f64) -> Duration {
 }
 
 /// The VMI this VM starts: template metadata and spec, the VM's name and namespace, a
-/// controller owner reference to the VM, the VM controller's finalizer and the generation
-/// annotation (KubeVirt's `SetupVMIFromVM`).
+/// controller owner reference to the VM, the VM controller's finalizer, the generation
+/// annotation and, unless the template sets one, the firmware UUID derived from the VM's name
+/// (KubeVirt's `SetupVMIFromVM` and `setupStableFirmwareUUID`).
 pub fn vmi_from_vm(vm: &VirtualMachine) -> VirtualMachineInstance {
     let template_meta = vm.spec.template.metadata.clone().unwrap_or_default();
     let mut annotations = template_meta.annotations.unwrap_or_default();
@@ -223,9 +224,16 @@ pub fn vmi_from_vm(vm: &VirtualMachine) -> VirtualMachineInstance {
         finalizers: Some(vec![api::labels::VM_CONTROLLER_FINALIZER.to_owned()]),
         ..ObjectMeta::default()
     };
+    let mut spec = vm.spec.template.spec.clone().unwrap_or_default();
+    let firmware = spec.domain.firmware.get_or_insert_default();
+    if firmware.uuid.is_none() {
+        firmware.uuid = Some(api::vm::stable_firmware_uuid(
+            vm.metadata.name.as_deref().unwrap_or_default(),
+        ));
+    }
     VirtualMachineInstance {
         metadata,
-        spec: vm.spec.template.spec.clone().unwrap_or_default(),
+        spec,
         status: None,
     }
 }
@@ -1112,6 +1120,32 @@ mod tests {
         assert_eq!(
             (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
             ("VirtualMachine", "vm-uid", Some(true))
+        );
+    }
+
+    #[test]
+    fn vmi_from_vm_keeps_the_firmware_uuid_stable_across_starts() {
+        let mut v = vm(Some("Always"), None);
+        v.metadata.name = Some("testvmi".into());
+        let uuid = |v: &VirtualMachine| vmi_from_vm(v).spec.domain.firmware.unwrap().uuid;
+        // KubeVirt's CalculateLegacyUUID("testvmi"): a SHA-1 UUID in its namespace.
+        assert_eq!(
+            uuid(&v).as_deref(),
+            Some("f8918e71-270a-598e-a2a4-1afac39e1394")
+        );
+        assert_eq!(uuid(&v), uuid(&v));
+        v.spec
+            .template
+            .spec
+            .get_or_insert_default()
+            .domain
+            .firmware
+            .get_or_insert_default()
+            .uuid = Some("0f8fad5b-d9cb-469f-a165-70867728950e".into());
+        assert_eq!(
+            uuid(&v).as_deref(),
+            Some("0f8fad5b-d9cb-469f-a165-70867728950e"),
+            "the template's own UUID wins"
         );
     }
 

@@ -15,7 +15,7 @@
 //! It also checks at once that no guest was restarted under the same VMI: a VMI that stayed on its
 //! node keeps the QEMU process it had at the end of the previous round.
 //!
-//! At the end everything is deleted and nothing may be left. `CHAOS_ROUNDS` (default 3) and
+//! At the end everything is deleted and nothing may be left. `CHAOS_ROUNDS` (default 6) and
 //! `CHAOS_SEED` (default: from the clock) set the run; the seed is printed first, so a failure
 //! replays with `CHAOS_SEED=<seed>`. Guests boot under TCG on two cores: at most two run at once
 //! (the pinned VM plus either the second VM or the VMIRS replica).
@@ -39,7 +39,7 @@ const REPLICA_SET: &str = "chaos-rs";
 const SETTLE: Duration = Duration::from_mins(6);
 /// The kill lands this long after the change, at most.
 const MAX_KILL_DELAY_MS: u64 = 5_000;
-const DEFAULT_ROUNDS: usize = 3;
+const DEFAULT_ROUNDS: usize = 6;
 /// QEMU's command line names its guest `guest=<namespace>_<vmi>`; every VMI here starts so.
 const QEMU_MARKER: &str = "guest=default_chaos-";
 const QEMU: &str = "qemu-system-x86_64";

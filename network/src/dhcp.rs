@@ -3,7 +3,8 @@
 //! resolv.conf (DNS servers, search domains). Leases are effectively infinite (999 days, as in
 //! KubeVirt): the address is the guest's for the life of the pod.
 //!
-//! Packets are parsed and built by `dhcproto`; [`respond`] is pure, [`serve`] is the socket.
+//! Packets are parsed and built by `dhcproto`; [`respond`] and [`answer`] (bytes in, bytes
+//! out) are pure, [`serve`] is the socket.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::str::FromStr;
@@ -90,7 +91,12 @@ fn prefix_mask(prefix: u8) -> Ipv4Addr {
 /// The answer to one client packet, or `None` when it is not for us (another MAC, not a
 /// request, a release or decline).
 pub fn respond(cfg: &DhcpConfig, req: &Message) -> Option<Message> {
-    if req.opcode() != Opcode::BootRequest || req.chaddr().get(..6) != Some(&cfg.mac[..]) {
+    // `chaddr()` slices dhcproto's 16-byte field by the packet's own hlen and panics when a
+    // packet claims more (found by fuzzing, `fuzz/`); no Ethernet client does.
+    if req.opcode() != Opcode::BootRequest
+        || req.hlen() > 16
+        || req.chaddr().get(..6) != Some(&cfg.mac[..])
+    {
         return None;
     }
     let ours = cfg.address.address;
@@ -182,21 +188,27 @@ pub fn serve(cfg: DhcpConfig) -> Result<impl Future<Output = ()>> {
         interface,
         sock,
         move |packet, _| {
-            let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
-                debug!(interface = %cfg.interface, "undecodable DHCP packet ignored");
-                return None;
-            };
-            let reply = respond(&cfg, &req)?;
-            let mut out = Vec::new();
-            if reply.encode(&mut Encoder::new(&mut out)).is_err() {
-                warn!(interface = %cfg.interface, "DHCP reply could not be encoded");
-                return None;
-            }
-            debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply");
             // The client has no address yet: broadcast on the bridge (the socket is bound to it).
-            Some((out, SocketAddrV4::new(Ipv4Addr::BROADCAST, 68).into()))
+            answer(&cfg, packet).map(|out| (out, SocketAddrV4::new(Ipv4Addr::BROADCAST, 68).into()))
         },
     ))
+}
+
+/// The encoded answer to one received packet, or `None` for a packet that does not decode, is
+/// not for us, or whose answer cannot be encoded.
+pub fn answer(cfg: &DhcpConfig, packet: &[u8]) -> Option<Vec<u8>> {
+    let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
+        debug!(interface = %cfg.interface, "undecodable DHCP packet ignored");
+        return None;
+    };
+    let reply = respond(cfg, &req)?;
+    let mut out = Vec::new();
+    if reply.encode(&mut Encoder::new(&mut out)).is_err() {
+        warn!(interface = %cfg.interface, "DHCP reply could not be encoded");
+        return None;
+    }
+    debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply");
+    Some(out)
 }
 
 #[cfg(test)]
@@ -257,6 +269,25 @@ mod tests {
         let mut b = Vec::new();
         m.encode(&mut Encoder::new(&mut b)).unwrap();
         Message::decode(&mut Decoder::new(&b)).unwrap()
+    }
+
+    /// The fuzzer's input (less its first byte, which picks DHCPv4 and the pod): a
+    /// BOOTREQUEST claiming an 81-byte hardware address, which panicked inside dhcproto.
+    #[test]
+    fn oversized_hardware_address_length_is_ignored() {
+        let hex = "01015151515106003903f326000080000000000000000000000000000000000000000000000000000000\
+            00000000000000000000000000000000000000000000000000000000000000003903f326000080000000\
+            000000000000000000000000000000000000000000000000000000000000000000000000000000000000\
+            000000000000000000000000000000000000000000000000000000000000000000000000000000000000\
+            00000000000000000000000000000000000000e40a00000000000000ffffffffffffffffffffffffffff\
+            ffffffffffffffffffff0000000000260000800000000000000000000000000000000000000000000000\
+            00000077791aff";
+        let packet: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        assert_eq!(packet.len(), 259);
+        assert_eq!(answer(&cfg(), &packet), None);
     }
 
     #[test]

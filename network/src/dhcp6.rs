@@ -9,7 +9,8 @@
 //! MAC's EUI-64 link-local address. A client with neither (a DUID-UUID and a stable-privacy
 //! link-local address) is not answered.
 //!
-//! Packets are parsed and built by `dhcproto`; [`respond`] is pure, [`serve`] is the socket.
+//! Packets are parsed and built by `dhcproto`; [`respond`] and [`answer`] (bytes in, bytes
+//! out) are pure, [`serve`] is the socket.
 
 use std::net::{Ipv6Addr, SocketAddrV6};
 use std::str::FromStr as _;
@@ -228,21 +229,27 @@ pub fn serve(cfg: Dhcp6Config) -> Result<impl Future<Output = ()>> {
             let std::net::SocketAddr::V6(from) = from else {
                 return None;
             };
-            let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
-                debug!(interface = %cfg.interface, "undecodable DHCPv6 packet ignored");
-                return None;
-            };
-            let reply = respond(&cfg, *from.ip(), &req)?;
-            let mut out = Vec::new();
-            if reply.encode(&mut Encoder::new(&mut out)).is_err() {
-                warn!(interface = %cfg.interface, "DHCPv6 reply could not be encoded");
-                return None;
-            }
-            debug!(interface = %cfg.interface, kind = ?reply.msg_type(), "DHCPv6 reply");
             // Back to the client's link-local address and port, on the bridge.
-            Some((out, from.into()))
+            answer(&cfg, *from.ip(), packet).map(|out| (out, from.into()))
         },
     ))
+}
+
+/// The encoded answer to one packet received from `source`, or `None` for a packet that does
+/// not decode, is not for us, or whose answer cannot be encoded.
+pub fn answer(cfg: &Dhcp6Config, source: Ipv6Addr, packet: &[u8]) -> Option<Vec<u8>> {
+    let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
+        debug!(interface = %cfg.interface, "undecodable DHCPv6 packet ignored");
+        return None;
+    };
+    let reply = respond(cfg, source, &req)?;
+    let mut out = Vec::new();
+    if reply.encode(&mut Encoder::new(&mut out)).is_err() {
+        warn!(interface = %cfg.interface, "DHCPv6 reply could not be encoded");
+        return None;
+    }
+    debug!(interface = %cfg.interface, kind = ?reply.msg_type(), "DHCPv6 reply");
+    Some(out)
 }
 
 #[cfg(test)]

@@ -567,6 +567,23 @@ impl Args for Vnc {
     }
 }
 
+/// An Intel 6300ESB watchdog and what QEMU does when the guest stops feeding it
+/// (`-watchdog-action`: KubeVirt's `poweroff`, `reset` or `shutdown`, the last an ACPI power
+/// button press, as libvirt maps them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Watchdog {
+    pub name: String,
+    pub action: String,
+}
+
+impl Args for Watchdog {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        let p = Props::new().set("id", device_id(&self.name));
+        push(argv, "-device", p.keyval_with("i6300esb"));
+        push(argv, "-watchdog-action", self.action.clone());
+    }
+}
+
 /// Where QEMU serves QMP.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Monitor {
@@ -650,6 +667,7 @@ pub struct QemuConfig {
     pub vnc: Option<Vnc>,
     pub rng: bool,
     pub balloon: bool,
+    pub watchdog: Option<Watchdog>,
     /// A migration target: QEMU waits for the guest's state (`-incoming defer`, then
     /// `migrate-incoming` over QMP) instead of booting it.
     pub incoming: bool,
@@ -725,6 +743,9 @@ impl QemuConfig {
                 "-device",
                 "virtio-balloon-pci,id=balloon0".to_owned(),
             );
+        }
+        if let Some(w) = &self.watchdog {
+            w.push_args(&mut a);
         }
         // A panicking guest kernel reports it (GUEST_PANICKED) instead of hanging silently.
         push(&mut a, "-device", "pvpanic".to_owned());

@@ -247,11 +247,14 @@ pub struct Cpu {
 }
 
 impl Cpu {
-    /// sockets x cores x threads, each defaulting to 1.
+    /// sockets x cores x threads, each defaulting to 1; `u32::MAX` when the product does not
+    /// fit (validation refuses more than 512, so the exact figure does not matter).
     pub fn vcpus(&self) -> u32 {
-        self.sockets.unwrap_or(1).max(1)
-            * self.cores.unwrap_or(1).max(1)
-            * self.threads.unwrap_or(1).max(1)
+        self.sockets
+            .unwrap_or(1)
+            .max(1)
+            .saturating_mul(self.cores.unwrap_or(1).max(1))
+            .saturating_mul(self.threads.unwrap_or(1).max(1))
     }
 }
 
@@ -1459,5 +1462,31 @@ impl VirtualMachineInstanceSpec {
             .firmware
             .as_ref()
             .and_then(|f| f.kernel_boot.as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by fuzzing (`fuzz/`, target api_vmi): a topology whose product does not fit a
+    /// u32 made validation (and defaults) panic on the multiplication.
+    #[test]
+    fn vcpus_of_an_oversized_topology_saturate() {
+        let cpu = Cpu {
+            sockets: Some(65536),
+            cores: Some(65536),
+            threads: Some(2),
+            ..Cpu::default()
+        };
+        assert_eq!(cpu.vcpus(), u32::MAX);
+        let mut spec = VirtualMachineInstanceSpec::default();
+        spec.domain.cpu = Some(cpu);
+        let errors =
+            crate::validation::validate_spec(&spec, &crate::ClusterConfig::default(), "spec");
+        assert!(
+            errors.iter().any(|e| e.path == "spec.domain.cpu"),
+            "{errors:?}"
+        );
     }
 }

@@ -92,8 +92,11 @@ pub struct Cpu {
 }
 
 impl Cpu {
+    /// Saturating: QEMU refuses `u32::MAX` vCPUs itself, where an overflow would panic.
     pub fn vcpus(&self) -> u32 {
-        self.sockets * self.cores * self.threads
+        self.sockets
+            .saturating_mul(self.cores)
+            .saturating_mul(self.threads)
     }
 }
 
@@ -759,6 +762,19 @@ impl QemuConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The topology the fuzzer found overflowing the api crate's product (`fuzz/`): the
+    /// launcher's own product saturates too, and QEMU refuses the figure itself.
+    #[test]
+    fn vcpus_of_an_oversized_topology_saturate() {
+        let cpu = Cpu {
+            model: "host".into(),
+            sockets: 65536,
+            cores: 65536,
+            threads: 2,
+        };
+        assert_eq!(cpu.vcpus(), u32::MAX);
+    }
 
     fn disk(name: &str, frontend: Frontend) -> Disk {
         Disk {

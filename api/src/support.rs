@@ -217,6 +217,22 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/tests/guest.rs::guest_every_device_kind_is_accepted_by_qemu",
     ),
     field(
+        "spec.domain.devices.watchdog",
+        "launcher/src/convert/tests.rs::a_watchdog_is_an_i6300esb_with_its_action",
+    ),
+    field(
+        "spec.domain.devices.watchdog.name",
+        "launcher/src/convert/tests.rs::a_watchdog_is_an_i6300esb_with_its_action",
+    ),
+    field(
+        "spec.domain.devices.watchdog.i6300esb",
+        "launcher/tests/guest.rs::guest_every_device_kind_is_accepted_by_qemu",
+    ),
+    field(
+        "spec.domain.devices.watchdog.i6300esb.action",
+        "launcher/src/convert/tests.rs::a_watchdog_is_an_i6300esb_with_its_action",
+    ),
+    field(
         "spec.domain.firmware.bootloader.efi",
         "launcher/src/convert/tests.rs::efi_secure_boot_uses_secboot_code_and_smm",
     ),
@@ -550,7 +566,7 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.tpm"),
     refused("spec.domain.devices.useVirtioTransitional"),
     refused("spec.domain.devices.video"),
-    refused("spec.domain.devices.watchdog"),
+    refused("spec.domain.devices.watchdog.diag288"),
     refused_value("spec.domain.features.acpi.enabled", "false"),
     refused_value("spec.domain.features.apic.enabled", "false"),
     refused("spec.domain.features.apic.endOfInterrupt"),

@@ -373,7 +373,10 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         e.add(format!("{devices}.inputs"), UNSUPPORTED);
     }
     e.unsupported(format!("{devices}.video"), dev.video.as_ref());
-    e.unsupported(format!("{devices}.watchdog"), dev.watchdog.as_ref());
+    e.unsupported(
+        format!("{devices}.watchdog.diag288"),
+        dev.watchdog.as_ref().and_then(|w| w.diag288.as_ref()),
+    );
     e.unsupported(
         format!("{base}.livenessProbe"),
         spec.liveness_probe.as_ref(),

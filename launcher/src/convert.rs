@@ -24,7 +24,7 @@ use crate::prepare::{Prep, Seed};
 use crate::qemu::{
     Accel, AgentChannel, CacheMode, Controllers, Cpu, Disk, DiskSource, Firmware, Frontend,
     ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic, NicModel, QemuConfig,
-    SATA_PORTS, SerialPort, Smbios, Vnc,
+    SATA_PORTS, SerialPort, Smbios, Vnc, Watchdog,
 };
 
 /// A VMI the launcher cannot run, with the field that says why.
@@ -142,6 +142,7 @@ pub fn convert(
             }),
         rng: devices.rng.is_some(),
         balloon: devices.autoattach_mem_balloon.unwrap_or(true),
+        watchdog: watchdog(vmi)?,
         incoming: false,
     };
     Ok(Plan {
@@ -177,6 +178,26 @@ pub fn machine_kind(vmi: &VirtualMachineInstance) -> Result<MachineKind, Convert
 
 /// SMM: on for secure boot (OVMF's secure build needs it), otherwise as `features.smm` says
 /// (enabled unless it says `false`), and QEMU's default when the VMI says nothing.
+/// The i6300esb watchdog, with KubeVirt's default action (`reset`) when defaulting did not run.
+fn watchdog(vmi: &VirtualMachineInstance) -> Result<Option<Watchdog>, ConvertError> {
+    let Some(w) = &vmi.spec.domain.devices.watchdog else {
+        return Ok(None);
+    };
+    let Some(i6300esb) = &w.i6300esb else {
+        return Err(err(
+            "spec.domain.devices.watchdog",
+            "only the i6300esb watchdog is supported",
+        ));
+    };
+    Ok(Some(Watchdog {
+        name: w.name.clone(),
+        action: i6300esb
+            .action
+            .clone()
+            .unwrap_or_else(|| "reset".to_owned()),
+    }))
+}
+
 fn smm(vmi: &VirtualMachineInstance, firmware: &Firmware) -> Option<bool> {
     let feature = vmi
         .spec

@@ -405,6 +405,7 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
                 "firmware": {"bootloader": {"efi": {}}, "serial": "SER-1,2", "uuid": uid()},
                 "devices": {
                     "rng": {},
+                    "watchdog": {"name": "wd", "i6300esb": {"action": "poweroff"}},
                     "disks": [
                         {"name": "root", "disk": {"bus": "sata"}, "bootOrder": 1, "cache": "writethrough"},
                         {"name": "data", "disk": {"bus": "scsi", "readonly": true}, "serial": "D,1", "cache": "none"},

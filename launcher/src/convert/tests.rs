@@ -181,6 +181,37 @@ fn kernel_boot_paths_come_from_the_container_disk_dir() {
 }
 
 #[test]
+fn a_watchdog_is_an_i6300esb_with_its_action() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["watchdog"] =
+        serde_json::json!({"name": "wd", "i6300esb": {"action": "poweroff"}});
+    let argv = conv(s.clone()).unwrap().config.argv();
+    for pair in [
+        ["-device", "i6300esb,id=ua-wd"],
+        ["-watchdog-action", "poweroff"],
+    ] {
+        assert!(argv.windows(2).any(|w| w == pair), "{pair:?} in {argv:?}");
+    }
+    s["domain"]["devices"]["watchdog"] = serde_json::json!({"name": "wd", "i6300esb": {}});
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert!(
+        argv.windows(2).any(|w| w == ["-watchdog-action", "reset"]),
+        "KubeVirt's default action: {argv:?}"
+    );
+    s["domain"]["devices"]["watchdog"] = serde_json::json!({"name": "wd", "diag288": {}});
+    let e = conv(s).unwrap_err();
+    assert_eq!(e.field, "spec.domain.devices.watchdog");
+    assert!(
+        !conv(base_spec())
+            .unwrap()
+            .config
+            .argv()
+            .iter()
+            .any(|a| a.contains("i6300esb") || a == "-watchdog-action")
+    );
+}
+
+#[test]
 fn hugepages_need_whole_pages() {
     let mut s = base_spec();
     s["domain"]["memory"] = serde_json::json!({"guest": "129Mi", "hugepages": {"pageSize": "2Mi"}});

@@ -217,6 +217,30 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/tests/guest.rs::guest_every_device_kind_is_accepted_by_qemu",
     ),
     field(
+        "spec.domain.devices.inputs",
+        "launcher/src/convert/tests.rs::inputs_are_tablets_on_usb_or_virtio",
+    ),
+    field(
+        "spec.domain.devices.inputs[].name",
+        "launcher/src/convert/tests.rs::inputs_are_tablets_on_usb_or_virtio",
+    ),
+    field(
+        "spec.domain.devices.inputs[].bus",
+        "launcher/src/convert/tests.rs::inputs_are_tablets_on_usb_or_virtio",
+    ),
+    field(
+        "spec.domain.devices.inputs[].type",
+        "launcher/tests/guest.rs::guest_every_device_kind_is_accepted_by_qemu",
+    ),
+    field(
+        "spec.domain.devices.video",
+        "launcher/tests/guest.rs::guest_every_device_kind_is_accepted_by_qemu",
+    ),
+    field(
+        "spec.domain.devices.video.type",
+        "launcher/src/convert/tests.rs::video_types_map_to_qemus_display_devices",
+    ),
+    field(
         "spec.domain.devices.watchdog",
         "launcher/src/convert/tests.rs::a_watchdog_is_an_i6300esb_with_its_action",
     ),
@@ -546,7 +570,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.filesystems"),
     refused("spec.domain.devices.gpus"),
     refused("spec.domain.devices.hostDevices"),
-    refused("spec.domain.devices.inputs"),
     refused("spec.domain.devices.interfaces[].acpiIndex"),
     refused("spec.domain.devices.interfaces[].binding"),
     refused("spec.domain.devices.interfaces[].dhcpOptions"),
@@ -565,7 +588,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.sound"),
     refused("spec.domain.devices.tpm"),
     refused("spec.domain.devices.useVirtioTransitional"),
-    refused("spec.domain.devices.video"),
     refused("spec.domain.devices.watchdog.diag288"),
     refused_value("spec.domain.features.acpi.enabled", "false"),
     refused_value("spec.domain.features.apic.enabled", "false"),

@@ -369,10 +369,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     ] {
         e.unsupported_true(format!("{devices}.{field}"), value);
     }
-    if !dev.inputs.is_empty() {
-        e.add(format!("{devices}.inputs"), UNSUPPORTED);
-    }
-    e.unsupported(format!("{devices}.video"), dev.video.as_ref());
     e.unsupported(
         format!("{devices}.watchdog.diag288"),
         dev.watchdog.as_ref().and_then(|w| w.diag288.as_ref()),
@@ -928,6 +924,18 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             format!("{path}.watchdog.i6300esb.action"),
             format!("unknown action {a:?} (poweroff, reset, shutdown)"),
         );
+    }
+    if let Some(video) = &dev.video {
+        let ty = video.video_type.as_deref().unwrap_or_default();
+        if !crate::vmi::VIDEO_TYPES.contains(&ty) {
+            e.add(
+                format!("{path}.video.type"),
+                format!(
+                    "unknown video type {ty:?} ({})",
+                    crate::vmi::VIDEO_TYPES.join(", ")
+                ),
+            );
+        }
     }
     if dev.video.is_some() && dev.autoattach_graphics_device == Some(false) {
         e.add(

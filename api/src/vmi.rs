@@ -647,6 +647,10 @@ pub struct Video {
     pub video_type: Option<String>,
 }
 
+/// The `video.type`s kubevirt-rs runs: libvirt's model names, which KubeVirt passes through
+/// (`vga` is its amd64 default).
+pub const VIDEO_TYPES: [&str; 6] = ["vga", "cirrus", "vmvga", "virtio", "bochs", "ramfb"];
+
 /// A named watchdog device.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

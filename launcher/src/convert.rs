@@ -24,7 +24,7 @@ use crate::prepare::{Prep, Seed};
 use crate::qemu::{
     Accel, AgentChannel, CacheMode, Controllers, Cpu, Disk, DiskSource, Firmware, Frontend,
     ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic, NicModel, QemuConfig,
-    SATA_PORTS, SerialPort, Smbios, Vnc, Watchdog,
+    SATA_PORTS, SerialPort, Smbios, Tablet, Vnc, Watchdog, video_device,
 };
 
 /// A VMI the launcher cannot run, with the field that says why.
@@ -103,10 +103,12 @@ pub fn convert(
     let smbios = smbios(vmi, &uid)?;
     let kernel_boot = kernel_boot(vmi, dirs, &mut preps)?;
     let Storage {
-        controllers,
+        mut controllers,
         disks,
         hotpluggable,
     } = disks(vmi, kind, dirs, host, &namespace, &name, &mut preps)?;
+    let tablets = tablets(vmi)?;
+    controllers.usb = tablets.iter().any(|t| t.usb);
     let mut nics = Vec::new();
     for (i, iface) in vmi.spec.domain.devices.interfaces.iter().enumerate() {
         nics.push(nic(vmi, i, iface, &uid, host, &mut preps)?);
@@ -134,15 +136,18 @@ pub fn convert(
         agent: Some(AgentChannel {
             socket: dirs.agent_socket(&uid),
         }),
-        vnc: devices
-            .autoattach_graphics_device
-            .unwrap_or(true)
-            .then(|| Vnc {
+        vnc: if devices.autoattach_graphics_device.unwrap_or(true) {
+            Some(Vnc {
                 socket: dirs.vnc_socket(&uid),
-            }),
+                video: video(vmi)?,
+            })
+        } else {
+            None
+        },
         rng: devices.rng.is_some(),
         balloon: devices.autoattach_mem_balloon.unwrap_or(true),
         watchdog: watchdog(vmi)?,
+        tablets,
         incoming: false,
     };
     Ok(Plan {
@@ -178,6 +183,53 @@ pub fn machine_kind(vmi: &VirtualMachineInstance) -> Result<MachineKind, Convert
 
 /// SMM: on for secure boot (OVMF's secure build needs it), otherwise as `features.smm` says
 /// (enabled unless it says `false`), and QEMU's default when the VMI says nothing.
+/// The display adapter: `video.type`, KubeVirt's `vga` when unset.
+fn video(vmi: &VirtualMachineInstance) -> Result<&'static str, ConvertError> {
+    let Some(video) = &vmi.spec.domain.devices.video else {
+        return Ok(video_device("vga").unwrap_or("VGA"));
+    };
+    let ty = video.video_type.as_deref().unwrap_or_default();
+    video_device(ty).ok_or_else(|| {
+        err(
+            "spec.domain.devices.video.type",
+            format!("unknown video type {ty:?}"),
+        )
+    })
+}
+
+/// The tablets of `inputs`, on USB (KubeVirt's default bus) or virtio.
+fn tablets(vmi: &VirtualMachineInstance) -> Result<Vec<Tablet>, ConvertError> {
+    vmi.spec
+        .domain
+        .devices
+        .inputs
+        .iter()
+        .enumerate()
+        .map(|(i, input)| {
+            if input.input_type.as_deref().is_some_and(|t| t != "tablet") {
+                return Err(err(
+                    format!("spec.domain.devices.inputs[{i}].type"),
+                    "only tablets are supported",
+                ));
+            }
+            let usb = match input.bus.as_deref() {
+                None | Some("usb") => true,
+                Some("virtio") => false,
+                Some(other) => {
+                    return Err(err(
+                        format!("spec.domain.devices.inputs[{i}].bus"),
+                        format!("unknown input bus {other:?} (usb, virtio)"),
+                    ));
+                }
+            };
+            Ok(Tablet {
+                name: input.name.clone(),
+                usb,
+            })
+        })
+        .collect()
+}
+
 /// The i6300esb watchdog, with KubeVirt's default action (`reset`) when defaulting did not run.
 fn watchdog(vmi: &VirtualMachineInstance) -> Result<Option<Watchdog>, ConvertError> {
     let Some(w) = &vmi.spec.domain.devices.watchdog else {

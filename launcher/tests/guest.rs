@@ -406,6 +406,11 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
                 "devices": {
                     "rng": {},
                     "watchdog": {"name": "wd", "i6300esb": {"action": "poweroff"}},
+                    "inputs": [
+                        {"name": "tablet-usb", "type": "tablet", "bus": "usb"},
+                        {"name": "tablet-virtio", "type": "tablet", "bus": "virtio"},
+                    ],
+                    "video": {"type": "bochs"},
                     "disks": [
                         {"name": "root", "disk": {"bus": "sata"}, "bootOrder": 1, "cache": "writethrough"},
                         {"name": "data", "disk": {"bus": "scsi", "readonly": true}, "serial": "D,1", "cache": "none"},

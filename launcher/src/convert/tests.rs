@@ -212,6 +212,72 @@ fn a_watchdog_is_an_i6300esb_with_its_action() {
 }
 
 #[test]
+fn inputs_are_tablets_on_usb_or_virtio() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["inputs"] = serde_json::json!([
+        {"name": "t1", "type": "tablet", "bus": "usb"},
+        {"name": "t2", "type": "tablet", "bus": "virtio"},
+    ]);
+    let argv = conv(s.clone()).unwrap().config.argv();
+    for pair in [
+        ["-device", "qemu-xhci,id=usb0"],
+        ["-device", "usb-tablet,id=ua-t1,bus=usb0.0"],
+        ["-device", "virtio-tablet-pci,id=ua-t2"],
+    ] {
+        assert!(argv.windows(2).any(|w| w == pair), "{pair:?} in {argv:?}");
+    }
+    s["domain"]["devices"]["inputs"] =
+        serde_json::json!([{"name": "t2", "type": "tablet", "bus": "virtio"}]);
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert!(
+        !argv.iter().any(|a| a.contains("xhci")),
+        "no USB controller without a USB device: {argv:?}"
+    );
+    s["domain"]["devices"]["inputs"] = serde_json::json!([{"name": "k", "type": "keyboard"}]);
+    assert_eq!(
+        conv(s).unwrap_err().field,
+        "spec.domain.devices.inputs[0].type"
+    );
+}
+
+#[test]
+fn video_types_map_to_qemus_display_devices() {
+    let device = |video: Option<serde_json::Value>| {
+        let mut s = base_spec();
+        if let Some(v) = video {
+            s["domain"]["devices"]["video"] = v;
+        }
+        conv(s).map(|p| {
+            let argv = p.config.argv();
+            argv.iter()
+                .find(|a| a.ends_with(",id=video0"))
+                .cloned()
+                .unwrap_or_default()
+        })
+    };
+    assert_eq!(device(None).unwrap(), "VGA,id=video0", "KubeVirt's default");
+    for (ty, qemu) in [
+        ("vga", "VGA"),
+        ("cirrus", "cirrus-vga"),
+        ("vmvga", "vmware-svga"),
+        ("virtio", "virtio-vga"),
+        ("bochs", "bochs-display"),
+        ("ramfb", "ramfb"),
+    ] {
+        assert_eq!(
+            device(Some(serde_json::json!({"type": ty}))).unwrap(),
+            format!("{qemu},id=video0")
+        );
+    }
+    assert_eq!(
+        device(Some(serde_json::json!({"type": "qxl"})))
+            .unwrap_err()
+            .field,
+        "spec.domain.devices.video.type"
+    );
+}
+
+#[test]
 fn hugepages_need_whole_pages() {
     let mut s = base_spec();
     s["domain"]["memory"] = serde_json::json!({"guest": "129Mi", "hugepages": {"pageSize": "2Mi"}});

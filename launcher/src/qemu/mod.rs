@@ -312,6 +312,8 @@ impl Frontend {
 
 pub const SATA_CONTROLLER: &str = "sata0";
 pub const SCSI_CONTROLLER: &str = "scsi0";
+/// The xHCI controller USB input devices sit on (its bus is `usb0.0`).
+pub const USB_CONTROLLER: &str = "usb0";
 /// AHCI has six ports.
 pub const SATA_PORTS: u32 = 6;
 
@@ -553,10 +555,12 @@ impl Args for AgentChannel {
     }
 }
 
-/// VNC on a unix socket plus a standard VGA adapter to show.
+/// VNC on a unix socket plus the display adapter it shows.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Vnc {
     pub socket: PathBuf,
+    /// QEMU's device for KubeVirt's `video.type` ([`video_device`]).
+    pub video: &'static str,
 }
 
 impl Args for Vnc {
@@ -566,7 +570,42 @@ impl Args for Vnc {
             "-vnc",
             format!("unix:{}", escape(&path_str(&self.socket))),
         );
-        push(argv, "-device", "VGA,id=video0".to_owned());
+        push(argv, "-device", format!("{},id=video0", self.video));
+    }
+}
+
+/// QEMU's display device for a KubeVirt `video.type` (libvirt's model names, which KubeVirt
+/// passes through), `None` for a type we do not know; KubeVirt's amd64 default is `vga`.
+pub fn video_device(video_type: &str) -> Option<&'static str> {
+    Some(match video_type {
+        "vga" => "VGA",
+        "cirrus" => "cirrus-vga",
+        "vmvga" => "vmware-svga",
+        "virtio" => "virtio-vga",
+        "bochs" => "bochs-display",
+        "ramfb" => "ramfb",
+        _ => return None,
+    })
+}
+
+/// A tablet (absolute pointer, so the VNC cursor and the guest's agree): on the USB
+/// controller or virtio.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tablet {
+    pub name: String,
+    pub usb: bool,
+}
+
+impl Args for Tablet {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        let p = Props::new().set("id", device_id(&self.name));
+        let p = if self.usb {
+            p.set("bus", format!("{USB_CONTROLLER}.0"))
+                .keyval_with("usb-tablet")
+        } else {
+            p.keyval_with("virtio-tablet-pci")
+        };
+        push(argv, "-device", p);
     }
 }
 
@@ -623,6 +662,7 @@ impl Args for Monitor {
 pub struct Controllers {
     pub sata: bool,
     pub scsi: bool,
+    pub usb: bool,
     /// Empty PCIe root ports kept free for hotplugging virtio disks (q35 only: on pc the root
     /// bus itself takes hotplugged devices).
     pub hotplug_ports: Vec<String>,
@@ -639,6 +679,9 @@ impl Args for Controllers {
                 "-device",
                 format!("virtio-scsi-pci,id={SCSI_CONTROLLER}"),
             );
+        }
+        if self.usb {
+            push(argv, "-device", format!("qemu-xhci,id={USB_CONTROLLER}"));
         }
         for (i, port) in self.hotplug_ports.iter().enumerate() {
             let p = Props::new()
@@ -671,6 +714,7 @@ pub struct QemuConfig {
     pub rng: bool,
     pub balloon: bool,
     pub watchdog: Option<Watchdog>,
+    pub tablets: Vec<Tablet>,
     /// A migration target: QEMU waits for the guest's state (`-incoming defer`, then
     /// `migrate-incoming` over QMP) instead of booting it.
     pub incoming: bool,
@@ -749,6 +793,9 @@ impl QemuConfig {
         }
         if let Some(w) = &self.watchdog {
             w.push_args(&mut a);
+        }
+        for t in &self.tablets {
+            t.push_args(&mut a);
         }
         // A panicking guest kernel reports it (GUEST_PANICKED) instead of hanging silently.
         push(&mut a, "-device", "pvpanic".to_owned());

@@ -62,6 +62,30 @@ fn m(
 fn mistakes() -> Vec<Mistake> {
     vec![
         m(
+            "unknown video type",
+            vec![("/spec/domain/devices/video", json!({"type": "qxl"}))],
+            "spec.domain.devices.video.type",
+            r#"unknown video type "qxl" (vga, cirrus, vmvga, virtio, bochs, ramfb)"#,
+        ),
+        m(
+            "keyboard input",
+            vec![(
+                "/spec/domain/devices/inputs",
+                json!([{"name": "k", "type": "keyboard", "bus": "usb"}]),
+            )],
+            "spec.domain.devices.inputs[0].type",
+            "input device can have only tablet type",
+        ),
+        m(
+            "diag288 watchdog",
+            vec![(
+                "/spec/domain/devices/watchdog",
+                json!({"name": "w", "diag288": {}}),
+            )],
+            "spec.domain.devices.watchdog.diag288",
+            "not supported",
+        ),
+        m(
             "disk without a volume",
             vec![("/spec/domain/devices/disks/1/name", json!("x"))],
             "spec.domain.devices.disks[1].name",

@@ -316,7 +316,16 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
         },
     )
     .unwrap();
-    let v = vmi(&stack).unwrap();
+    // The VMIM can go first: its target pod going down fails it, while the source's
+    // virt-handler reports the abort on the VMI a moment later.
+    let v = wait_for("the abort on the VMI", MIGRATE, || {
+        let v = vmi(&stack)?;
+        let ms = &v["status"]["migrationState"];
+        (ms["abortStatus"] == "Succeeded" && ms["failed"] == true)
+            .then_some(Some(v.clone()))
+            .ok_or_else(|| format!("migrationState {ms}"))
+    })
+    .unwrap();
     assert_eq!(v["status"]["nodeName"], target.as_str(), "the VM stayed");
     assert_eq!(v["status"]["phase"], "Running");
     let ms = &v["status"]["migrationState"];

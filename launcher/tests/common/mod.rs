@@ -377,9 +377,11 @@ impl Console {
         let begin = format!("BEGIN-{}-MARK", self.seq);
         let end = format!("END-{}-MARK", self.seq);
         // The markers are built by the shell (`echo BEGIN-1-''MARK`) so the echoed command line
-        // itself never matches them.
+        // itself never matches them. Ctrl-C first: a line sent while the getty was still
+        // starting can reach the shell cut, e.g. only its tail `'MARK`, an open quote that
+        // swallows every later line (the shell's `> `); Ctrl-C drops it for a fresh prompt.
         let line = format!(
-            "echo BEGIN-{n}-''MARK; {cmd}; echo END-{n}-''MARK\n",
+            "\x03echo BEGIN-{n}-''MARK; {cmd}; echo END-{n}-''MARK\n",
             n = self.seq
         );
         let deadline = Instant::now() + limit;

@@ -357,6 +357,15 @@ fn dechunk_partial(mut b: &[u8]) -> Vec<u8> {
     out
 }
 
+/// Whether the console's last line is the shell's continuation prompt (`> `, perhaps followed
+/// by the line editor's cursor query).
+fn at_continuation_prompt(out: &[u8]) -> bool {
+    String::from_utf8_lossy(out)
+        .rsplit('\n')
+        .next()
+        .is_some_and(|last| last.starts_with("> "))
+}
+
 /// The serial console: run a shell command and return what it printed between two markers.
 #[derive(Debug)]
 pub struct Console {
@@ -377,11 +386,9 @@ impl Console {
         let begin = format!("BEGIN-{}-MARK", self.seq);
         let end = format!("END-{}-MARK", self.seq);
         // The markers are built by the shell (`echo BEGIN-1-''MARK`) so the echoed command line
-        // itself never matches them. Ctrl-C first: a line sent while the getty was still
-        // starting can reach the shell cut, e.g. only its tail `'MARK`, an open quote that
-        // swallows every later line (the shell's `> `); Ctrl-C drops it for a fresh prompt.
+        // itself never matches them.
         let line = format!(
-            "\x03echo BEGIN-{n}-''MARK; {cmd}; echo END-{n}-''MARK\n",
+            "echo BEGIN-{n}-''MARK; {cmd}; echo END-{n}-''MARK\n",
             n = self.seq
         );
         let deadline = Instant::now() + limit;
@@ -394,6 +401,13 @@ impl Console {
             if last_send.is_none_or(|t| t.elapsed() > Duration::from_secs(20))
                 && !String::from_utf8_lossy(&out).contains(&begin)
             {
+                // A line sent while the getty was still starting can reach the shell cut, e.g.
+                // only its tail `'MARK`: an open quote that swallows every later line at the
+                // shell's continuation prompt `> `. Ctrl-C drops it for a fresh prompt; sent
+                // only then, since before the shell runs it would interrupt login instead.
+                if at_continuation_prompt(&out) {
+                    self.s.write_all(b"\x03").unwrap();
+                }
                 self.s.write_all(line.as_bytes()).unwrap();
                 last_send = Some(Instant::now());
             }

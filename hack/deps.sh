@@ -21,7 +21,6 @@ packages=(
   openssh-client    # ssh, scp, ssh-keygen: `virtctl ssh`/`virtctl scp` against the test guest's dropbear
   busybox-static    # the test-tools image's shell and tools (one static binary)
   skopeo            # tests read the release's OCI archives as users' tools do
-  libfuse3-dev      # fuzz/: the cdfs crate, which reads seed ISO images back, builds a FUSE tool too
 )
 
 missing=()
@@ -42,19 +41,6 @@ fi
 for comp in rustfmt clippy; do
   rustup component list --installed 2>/dev/null | grep -q "^$comp" || rustup component add "$comp"
 done
-# Fuzzing (hack/fuzz.sh): libFuzzer's coverage instrumentation needs a nightly compiler.
-if ! rustup run nightly rustc --version >/dev/null 2>&1; then
-  echo "deps: installing the nightly toolchain"
-  rustup toolchain install nightly --profile minimal --component rustfmt,clippy
-fi
-for comp in rustfmt clippy; do
-  rustup component list --toolchain nightly --installed 2>/dev/null | grep -q "^$comp" \
-    || rustup component add --toolchain nightly "$comp"
-done
-if ! command -v cargo-fuzz >/dev/null 2>&1; then
-  echo "deps: installing cargo-fuzz"
-  cargo install --locked cargo-fuzz
-fi
 
 # Go builds the upstream control plane (localcluster/upstream): k8s.io/kubernetes v1.37 needs
 # Go 1.26. The machine's Go is used as it is; GOTOOLCHAIN lets the go command fetch a newer
@@ -69,8 +55,7 @@ fi
 # install can remove a tool another package provided.
 missing_tools=()
 for tool in qemu-system-x86_64 qemu-img nft ip cpio xz zstd mcopy mkfs.fat \
-  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux ssh ssh-keygen scp busybox skopeo go cargo-nextest \
-  cargo-fuzz; do
+  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux ssh ssh-keygen scp busybox skopeo go cargo-nextest; do
   command -v "$tool" >/dev/null 2>&1 || missing_tools+=("$tool")
 done
 if ((${#missing_tools[@]})); then
@@ -78,4 +63,3 @@ if ((${#missing_tools[@]})); then
   exit 1
 fi
 qemu-img --version >/dev/null || { echo "deps: qemu-img does not run" >&2; exit 1; }
-rustup run nightly cargo fuzz --version >/dev/null || { echo "deps: cargo +nightly fuzz does not run" >&2; exit 1; }

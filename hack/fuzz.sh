@@ -11,6 +11,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 
+# What fuzzing needs beyond hack/deps.sh (not part of the suite: see docs/fuzzing.md).
+# The cdfs crate, which reads seed ISO images back, builds a FUSE tool too.
+if ! dpkg-query -W -f='${Status}' libfuse3-dev 2>/dev/null | grep -q "ok installed"; then
+  apt-get install -y --no-install-recommends libfuse3-dev
+fi
+# Fuzzing (hack/fuzz.sh): libFuzzer's coverage instrumentation needs a nightly compiler.
+if ! rustup run nightly rustc --version >/dev/null 2>&1; then
+  echo "deps: installing the nightly toolchain"
+  rustup toolchain install nightly --profile minimal --component rustfmt,clippy
+fi
+for comp in rustfmt clippy; do
+  rustup component list --toolchain nightly --installed 2>/dev/null | grep -q "^$comp" \
+    || rustup component add --toolchain nightly "$comp"
+done
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  echo "deps: installing cargo-fuzz"
+  cargo install --locked cargo-fuzz
+fi
+rustup run nightly cargo fuzz --version >/dev/null || { echo "fuzz: cargo +nightly fuzz does not run" >&2; exit 1; }
+
 # 20 s, not the issue's minute: the cold build already takes most of the step's budget (docs/fuzzing.md).
 seconds="${FUZZ_SECONDS:-20}"
 # Its own target dir, so a fuzz build never waits on (or evicts) the main workspace's.

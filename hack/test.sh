@@ -27,7 +27,6 @@ unformatted=$(cd localcluster/upstream && gofmt -l .)
 (cd localcluster/upstream && CGO_ENABLED=0 go vet -trimpath ./...)
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-hack/fuzz.sh
 echo "== static container-disk (it runs in container-disk images, which have no C library)"
 hack/build-static.sh
 echo "== tests"

@@ -181,14 +181,15 @@ pub fn machine_kind(vmi: &VirtualMachineInstance) -> Result<MachineKind, Convert
     }
 }
 
-/// SMM: on for secure boot (OVMF's secure build needs it), otherwise as `features.smm` says
-/// (enabled unless it says `false`), and QEMU's default when the VMI says nothing.
 /// The display adapter: `video.type`, KubeVirt's `vga` when unset.
 fn video(vmi: &VirtualMachineInstance) -> Result<&'static str, ConvertError> {
-    let Some(video) = &vmi.spec.domain.devices.video else {
-        return Ok(video_device("vga").unwrap_or("VGA"));
-    };
-    let ty = video.video_type.as_deref().unwrap_or_default();
+    let ty = vmi
+        .spec
+        .domain
+        .devices
+        .video
+        .as_ref()
+        .map_or("vga", |v| v.video_type.as_deref().unwrap_or_default());
     video_device(ty).ok_or_else(|| {
         err(
             "spec.domain.devices.video.type",
@@ -250,6 +251,8 @@ fn watchdog(vmi: &VirtualMachineInstance) -> Result<Option<Watchdog>, ConvertErr
     }))
 }
 
+/// SMM: on for secure boot (OVMF's secure build needs it), otherwise as `features.smm` says
+/// (enabled unless it says `false`), and QEMU's default when the VMI says nothing.
 fn smm(vmi: &VirtualMachineInstance, firmware: &Firmware) -> Option<bool> {
     let feature = vmi
         .spec

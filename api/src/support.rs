@@ -10,7 +10,7 @@
 //! - [`REFUSED`]: validation (and so virt-api's admission webhook) refuses it with
 //!   `<path>: ... not supported by kubevirt-rs yet`. A field refused this way may still take
 //!   KubeVirt's default value, which is what kubevirt-rs does anyway (`autoattachVSOCK: false`,
-//!   `features.acpi.enabled: true`, `cdrom.tray: closed`, `interfaces[].state: up`).
+//!   `cdrom.tray: closed`, `interfaces[].state: up`).
 //! - [`ACCEPTED_BUT_IGNORED`]: known gaps that cannot be refused yet, each with the reason
 //!   (KubeVirt's defaults write them into every VMI, so refusing them would refuse every VMI).
 //!   Open work of issue 19; no field may be added here to silence the test.
@@ -115,6 +115,58 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.architecture",
         "api/tests/validation.rs::each_mistake_is_reported_at_its_path",
+    ),
+    field(
+        "spec.domain.clock",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.clock.timer.hpet",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.clock.timer.hpet.present",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.clock.timer.hyperv",
+        "launcher/src/convert/tests.rs::timers_only_kvm_has_are_refused_under_tcg",
+    ),
+    field(
+        "spec.domain.clock.timer.kvm",
+        "launcher/src/convert/tests.rs::timers_only_kvm_has_are_refused_under_tcg",
+    ),
+    field(
+        "spec.domain.clock.timer.kvm.present",
+        "launcher/src/convert/tests.rs::timers_only_kvm_has_are_refused_under_tcg",
+    ),
+    field(
+        "spec.domain.clock.timer.pit",
+        "launcher/src/convert/tests.rs::timers_only_kvm_has_are_refused_under_tcg",
+    ),
+    field(
+        "spec.domain.clock.timer.pit.tickPolicy",
+        "launcher/src/convert/tests.rs::timers_only_kvm_has_are_refused_under_tcg",
+    ),
+    field(
+        "spec.domain.clock.timer.rtc",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.clock.timer.rtc.tickPolicy",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.clock.timer.rtc.track",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.clock.utc",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.clock.utc.offsetSeconds",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
     ),
     field(
         "spec.domain.cpu.cores",
@@ -255,6 +307,22 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.devices.watchdog.i6300esb.action",
         "launcher/src/convert/tests.rs::a_watchdog_is_an_i6300esb_with_its_action",
+    ),
+    field(
+        "spec.domain.features.acpi.enabled",
+        "launcher/src/convert/tests.rs::features_render_on_the_machine_and_the_cpu",
+    ),
+    field(
+        "spec.domain.features.kvm.hidden",
+        "launcher/src/convert/tests.rs::features_render_on_the_machine_and_the_cpu",
+    ),
+    field(
+        "spec.domain.features.pvspinlock",
+        "launcher/src/convert/tests.rs::features_render_on_the_machine_and_the_cpu",
+    ),
+    field(
+        "spec.domain.features.pvspinlock.enabled",
+        "launcher/src/convert/tests.rs::features_render_on_the_machine_and_the_cpu",
     ),
     field(
         "spec.domain.firmware.bootloader.efi",
@@ -546,7 +614,11 @@ pub const IMPLEMENTED_WITHOUT_TEST: &[Implemented] = &[
 pub const REFUSED: &[Refused] = &[
     refused("spec.accessCredentials"),
     refused("spec.domain.chassis"),
-    refused("spec.domain.clock"),
+    refused("spec.domain.clock.timer.hpet.tickPolicy"),
+    refused("spec.domain.clock.timer.hyperv.present"),
+    refused_value("spec.domain.clock.timer.pit.present", "false"),
+    refused_value("spec.domain.clock.timer.rtc.present", "false"),
+    refused("spec.domain.clock.timezone"),
     refused("spec.domain.cpu.dedicatedCpuPlacement"),
     refused("spec.domain.cpu.features"),
     refused("spec.domain.cpu.isolateEmulatorThread"),
@@ -589,13 +661,10 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.tpm"),
     refused("spec.domain.devices.useVirtioTransitional"),
     refused("spec.domain.devices.watchdog.diag288"),
-    refused_value("spec.domain.features.acpi.enabled", "false"),
     refused_value("spec.domain.features.apic.enabled", "false"),
     refused("spec.domain.features.apic.endOfInterrupt"),
     refused("spec.domain.features.hyperv"),
     refused("spec.domain.features.hypervPassthrough"),
-    refused("spec.domain.features.kvm.hidden"),
-    refused("spec.domain.features.pvspinlock"),
     refused("spec.domain.firmware.acpi"),
     refused("spec.domain.firmware.bootloader.bios.useSerial"),
     refused("spec.domain.firmware.bootloader.efi.persistent"),
@@ -645,6 +714,7 @@ pub const ACCEPTED_BUT_IGNORED: &[Gap] = &[
 /// Objects with no effect of their own; each of their fields is listed.
 pub const CONTAINERS: &[&str] = &[
     "spec.domain",
+    "spec.domain.clock.timer",
     "spec.domain.cpu",
     "spec.domain.devices",
     "spec.domain.features",

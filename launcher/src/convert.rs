@@ -15,14 +15,14 @@ use api::VirtualMachineInstance;
 use api::quantity;
 use api::vmi::{
     BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskTargetKind,
-    EmptyDiskSource, HostDisk, HostDiskType, Interface, InterfaceBinding, InterfaceModel,
-    VolumeSource,
+    EmptyDiskSource, FeatureState, Features, HostDisk, HostDiskType, Interface, InterfaceBinding,
+    InterfaceModel, VolumeSource,
 };
 
 use crate::paths::Dirs;
 use crate::prepare::{Prep, Seed};
 use crate::qemu::{
-    Accel, AgentChannel, CacheMode, Controllers, Cpu, Disk, DiskSource, Firmware, Frontend,
+    Accel, AgentChannel, CacheMode, Clock, Controllers, Cpu, Disk, DiskSource, Firmware, Frontend,
     ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic, NicModel, QemuConfig,
     SATA_PORTS, SerialPort, Smbios, Tablet, Vnc, Watchdog, video_device,
 };
@@ -40,6 +40,23 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> ConvertError {
         field: field.into(),
         message: message.into(),
     }
+}
+
+/// A device name that can become QEMU's device id `ua-<name>`. Admission refuses the others
+/// (api validation), but the launcher takes VMIs from virt-handler, and a name with a comma
+/// would inject options, a NUL could not be passed in the argv at all.
+fn qemu_id_name(field: String, name: &str) -> Result<(), ConvertError> {
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        return Err(err(
+            field,
+            format!("{name:?} is not a valid device name (letters, digits, '-', '_', '.')"),
+        ));
+    }
+    Ok(())
 }
 
 /// What the converter needs to know about the host.
@@ -93,12 +110,19 @@ pub fn convert(
     let kind = machine_kind(vmi)?;
     let mut preps = Vec::new();
     let firmware = firmware(vmi, kind, &uid, dirs, host, &mut preps)?;
+    let timers = timers(vmi, host.accel)?;
+    let mut cpu = cpu(vmi, host.accel);
+    cpu.kvmclock = timers.kvmclock;
+    let features = vmi.spec.domain.features.clone().unwrap_or_default();
+    cpu.kvm_hidden = features.kvm.as_ref().and_then(|k| k.hidden) == Some(true);
+    cpu.pv_unhalt = pv_unhalt(&features, host.accel)?;
     let machine = Machine {
         kind,
         accel: host.accel,
         smm: smm(vmi, &firmware),
+        acpi: features.acpi_enabled(),
+        hpet: timers.hpet,
     };
-    let cpu = cpu(vmi, host.accel);
     let memory = memory(vmi, host, &mut preps)?;
     let smbios = smbios(vmi, &uid)?;
     let kernel_boot = kernel_boot(vmi, dirs, &mut preps)?;
@@ -120,6 +144,7 @@ pub fn convert(
         machine,
         cpu,
         memory,
+        clock: timers.clock,
         smbios,
         firmware,
         kernel_boot,
@@ -207,6 +232,7 @@ fn tablets(vmi: &VirtualMachineInstance) -> Result<Vec<Tablet>, ConvertError> {
         .iter()
         .enumerate()
         .map(|(i, input)| {
+            qemu_id_name(format!("spec.domain.devices.inputs[{i}].name"), &input.name)?;
             if input.input_type.as_deref().is_some_and(|t| t != "tablet") {
                 return Err(err(
                     format!("spec.domain.devices.inputs[{i}].type"),
@@ -242,6 +268,7 @@ fn watchdog(vmi: &VirtualMachineInstance) -> Result<Option<Watchdog>, ConvertErr
             "only the i6300esb watchdog is supported",
         ));
     };
+    qemu_id_name("spec.domain.devices.watchdog.name".to_owned(), &w.name)?;
     Ok(Some(Watchdog {
         name: w.name.clone(),
         action: i6300esb
@@ -283,10 +310,143 @@ fn cpu(vmi: &VirtualMachineInstance, accel: Accel) -> Cpu {
     };
     Cpu {
         model,
+        kvm_hidden: false,
+        kvmclock: None,
+        pv_unhalt: None,
         sockets: c.sockets.unwrap_or(1).max(1),
         cores: c.cores.unwrap_or(1).max(1),
         threads: c.threads.unwrap_or(1).max(1),
     }
+}
+
+/// Paravirtual spinlocks as libvirt renders KubeVirt's `<pvspinlock>`: `kvm-pv-unhalt` on or
+/// off. Under TCG the guest sees none of KVM's paravirtual features, so asking for them is
+/// refused rather than dropped by QEMU with a warning.
+fn pv_unhalt(features: &Features, accel: Accel) -> Result<Option<bool>, ConvertError> {
+    let wanted = features.pvspinlock.as_ref().map(FeatureState::is_enabled);
+    if wanted == Some(true) && accel == Accel::Tcg {
+        return Err(err(
+            "spec.domain.features.pvspinlock",
+            "paravirtual spinlocks need KVM, and this node runs guests under TCG",
+        ));
+    }
+    Ok(wanted)
+}
+
+/// What `clock` makes of the machine, the CPU and `-rtc`.
+#[derive(Debug, Default)]
+struct Timers {
+    clock: Clock,
+    hpet: Option<bool>,
+    kvmclock: Option<bool>,
+}
+
+/// `clock` as libvirt renders KubeVirt's `<clock>` for QEMU: UTC with an optional offset on
+/// `-rtc`, the RTC's track and catch-up there too, the PIT's lost tick policy on KVM's
+/// in-kernel PIT, the HPET on the machine, kvmclock on the CPU. What QEMU cannot do on this node
+/// is refused by name, and so is the Hyper-V clock, an enlightenment like those of
+/// `features.hyperv`, which this launcher does not give.
+fn timers(vmi: &VirtualMachineInstance, accel: Accel) -> Result<Timers, ConvertError> {
+    let Some(c) = &vmi.spec.domain.clock else {
+        return Ok(Timers::default());
+    };
+    let field = "spec.domain.clock";
+    if c.timezone.is_some() {
+        return Err(err(
+            format!("{field}.timezone"),
+            "a guest clock in a time zone is not supported by this launcher: use utc",
+        ));
+    }
+    let t = c.timer.clone().unwrap_or_default();
+    let present = |p: Option<bool>| p.unwrap_or(true);
+    let mut clock = Clock {
+        utc_offset: c.utc.as_ref().and_then(|u| u.offset_seconds).map(i64::from),
+        ..Clock::default()
+    };
+    if let Some(rtc) = &t.rtc {
+        let rfield = format!("{field}.timer.rtc");
+        if !present(rtc.present) {
+            return Err(err(
+                format!("{rfield}.present"),
+                "a PC's RTC cannot be removed",
+            ));
+        }
+        clock.rtc_clock = match rtc.track.as_deref() {
+            None => None,
+            Some("guest") => Some("vm"),
+            Some("wall") => Some("host"),
+            Some(other) => {
+                return Err(err(
+                    format!("{rfield}.track"),
+                    format!("unknown track {other:?} (guest, wall)"),
+                ));
+            }
+        };
+        clock.rtc_catchup = match rtc.tick_policy.as_deref() {
+            None | Some("delay") => false,
+            Some("catchup") => true,
+            Some(other) => {
+                return Err(err(
+                    format!("{rfield}.tickPolicy"),
+                    format!("QEMU's RTC has no {other:?} tick policy (delay, catchup)"),
+                ));
+            }
+        };
+    }
+    if let Some(pit) = &t.pit {
+        let pfield = format!("{field}.timer.pit");
+        if !present(pit.present) {
+            return Err(err(
+                format!("{pfield}.present"),
+                "removing the PIT is not supported by this launcher",
+            ));
+        }
+        clock.pit_lost_tick_policy = match (accel, pit.tick_policy.as_deref()) {
+            // Re-injecting missed ticks (catchup) is what KVM's PIT does by default.
+            (Accel::Tcg, None) | (Accel::Kvm, Some("catchup")) => None,
+            (Accel::Tcg, Some(_)) => {
+                return Err(err(
+                    format!("{pfield}.tickPolicy"),
+                    "needs KVM's in-kernel PIT; this node runs guests under TCG, whose PIT has \
+                     no lost tick policy",
+                ));
+            }
+            (Accel::Kvm, None | Some("delay")) => Some("delay"),
+            (Accel::Kvm, Some("discard")) => Some("discard"),
+            (Accel::Kvm, Some(other)) => {
+                return Err(err(
+                    format!("{pfield}.tickPolicy"),
+                    format!("QEMU's PIT has no {other:?} tick policy (delay, catchup, discard)"),
+                ));
+            }
+        };
+    }
+    if let Some(hpet) = &t.hpet
+        && hpet.tick_policy.is_some()
+    {
+        return Err(err(
+            format!("{field}.timer.hpet.tickPolicy"),
+            "QEMU's HPET has no tick policy",
+        ));
+    }
+    if t.hyperv.as_ref().is_some_and(|h| present(h.present)) {
+        return Err(err(
+            format!("{field}.timer.hyperv.present"),
+            "Hyper-V enlightenments are not supported by this launcher",
+        ));
+    }
+    let kvmclock = t.kvm.as_ref().map(|k| present(k.present));
+    if kvmclock == Some(true) && accel == Accel::Tcg {
+        return Err(err(
+            format!("{field}.timer.kvm.present"),
+            "kvmclock needs KVM, and this node runs guests under TCG",
+        ));
+    }
+    Ok(Timers {
+        clock,
+        hpet: t.hpet.as_ref().map(|h| present(h.present)),
+        kvmclock,
+    })
 }
 
 /// Guest memory, and for hugepages the check that the host's mount can back them.
@@ -573,20 +733,7 @@ pub fn disk_for(
     namespace: &str,
     name: &str,
 ) -> Result<(Disk, bool, Vec<Prep>), ConvertError> {
-    if d.name.is_empty()
-        || !d
-            .name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
-    {
-        return Err(err(
-            format!("{field}.name"),
-            format!(
-                "{:?} is not a valid disk name (letters, digits, '-', '_', '.')",
-                d.name
-            ),
-        ));
-    }
+    qemu_id_name(format!("{field}.name"), &d.name)?;
     let (vol_index, volume) = vmi
         .spec
         .volumes
@@ -939,6 +1086,7 @@ fn nic(
     preps: &mut Vec<Prep>,
 ) -> Result<Nic, ConvertError> {
     let field = format!("spec.domain.devices.interfaces[{i}]");
+    qemu_id_name(format!("{field}.name"), &iface.name)?;
     if vmi.spec.network(&iface.name).is_none() {
         return Err(err(
             format!("{field}.name"),

@@ -211,6 +211,24 @@ fn a_watchdog_is_an_i6300esb_with_its_action() {
     );
 }
 
+/// Found by fuzzing (fuzz/, qemu_argv): a NUL in a watchdog's name reached QEMU's argv.
+/// Admission refuses such names; the launcher does too, whatever reaches it.
+#[test]
+fn device_names_that_cannot_be_qemu_ids_are_refused() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["watchdog"] = serde_json::json!({"name": "w\u{0}", "i6300esb": {}});
+    assert_eq!(
+        conv(s).unwrap_err().field,
+        "spec.domain.devices.watchdog.name"
+    );
+    let mut s = base_spec();
+    s["domain"]["devices"]["inputs"] = serde_json::json!([{"name": "t,x", "type": "tablet"}]);
+    assert_eq!(
+        conv(s).unwrap_err().field,
+        "spec.domain.devices.inputs[0].name"
+    );
+}
+
 #[test]
 fn inputs_are_tablets_on_usb_or_virtio() {
     let mut s = base_spec();
@@ -532,4 +550,214 @@ fn interfaces_take_mac_and_mtu_from_phase_one() {
         convert(&vmi(s), &dirs(), &h).unwrap().config.nics[1].mac,
         Some(mac)
     );
+}
+
+/// The `-rtc`, `-global` and `-machine` arguments of a spec.
+fn clock_args(s: serde_json::Value, accel: Accel) -> Result<Vec<[String; 2]>, ConvertError> {
+    let mut h = host();
+    h.accel = accel;
+    let argv = convert(&vmi(s), &dirs(), &h)?.config.argv();
+    Ok(argv
+        .windows(2)
+        .filter(|w| ["-rtc", "-global", "-machine", "-cpu"].contains(&w[0].as_str()))
+        .map(|w| [w[0].clone(), w[1].clone()])
+        .collect())
+}
+
+fn arg(flag: &str, value: &str) -> [String; 2] {
+    [flag.to_owned(), value.to_owned()]
+}
+
+#[test]
+fn clock_and_timers_render_as_libvirt_renders_them() {
+    let with_clock = |clock: serde_json::Value| {
+        let mut s = base_spec();
+        s["domain"]["clock"] = clock;
+        s
+    };
+    let args = clock_args(base_spec(), Accel::Tcg).unwrap();
+    assert!(args.contains(&arg("-rtc", "base=utc")), "{args:?}");
+    assert!(args.contains(&arg("-machine", "q35")), "{args:?}");
+
+    let args = clock_args(
+        with_clock(serde_json::json!({"utc": {}, "timer": {
+            "hpet": {"present": false},
+            "rtc": {"present": true, "tickPolicy": "catchup", "track": "guest"},
+        }})),
+        Accel::Tcg,
+    )
+    .unwrap();
+    assert!(
+        args.contains(&arg("-rtc", "base=utc,clock=vm,driftfix=slew")),
+        "{args:?}"
+    );
+    assert!(args.contains(&arg("-machine", "q35,hpet=off")), "{args:?}");
+    let args = clock_args(
+        with_clock(serde_json::json!({"timer": {
+            "hpet": {"present": true}, "rtc": {"tickPolicy": "delay", "track": "wall"},
+        }})),
+        Accel::Tcg,
+    )
+    .unwrap();
+    assert!(
+        args.contains(&arg("-rtc", "base=utc,clock=host")),
+        "{args:?}"
+    );
+    assert!(args.contains(&arg("-machine", "q35,hpet=on")), "{args:?}");
+
+    // An offset clock starts at the UTC time that far from now, which the argv carries as a
+    // date: an hour ahead of the time around the conversion.
+    let fmt = |t: std::time::SystemTime| {
+        crate::qemu::Clock {
+            utc_offset: Some(3600),
+            ..crate::qemu::Clock::default()
+        }
+        .rtc(t)
+    };
+    let before = fmt(std::time::SystemTime::now());
+    let args = clock_args(
+        with_clock(serde_json::json!({"utc": {"offsetSeconds": 3600}})),
+        Accel::Tcg,
+    )
+    .unwrap();
+    let after = fmt(std::time::SystemTime::now());
+    let rtc = &args.iter().find(|a| a[0] == "-rtc").unwrap()[1];
+    assert!(
+        before.as_str() <= rtc.as_str() && rtc.as_str() <= after.as_str(),
+        "{before} <= {rtc} <= {after}"
+    );
+
+    for (clock, field) in [
+        (
+            serde_json::json!({"timezone": "Europe/Paris"}),
+            "spec.domain.clock.timezone",
+        ),
+        (
+            serde_json::json!({"timer": {"rtc": {"present": false}}}),
+            "spec.domain.clock.timer.rtc.present",
+        ),
+        (
+            serde_json::json!({"timer": {"rtc": {"tickPolicy": "merge"}}}),
+            "spec.domain.clock.timer.rtc.tickPolicy",
+        ),
+        (
+            serde_json::json!({"timer": {"pit": {"present": false}}}),
+            "spec.domain.clock.timer.pit.present",
+        ),
+        (
+            serde_json::json!({"timer": {"hpet": {"tickPolicy": "merge"}}}),
+            "spec.domain.clock.timer.hpet.tickPolicy",
+        ),
+    ] {
+        assert_eq!(
+            clock_args(with_clock(clock), Accel::Kvm).unwrap_err().field,
+            field
+        );
+    }
+}
+
+#[test]
+fn timers_only_kvm_has_are_refused_under_tcg() {
+    let with_timer = |timer: serde_json::Value| {
+        let mut s = base_spec();
+        s["domain"]["clock"] = serde_json::json!({"timer": timer});
+        s
+    };
+    // The PIT's lost tick policy is a property of KVM's in-kernel PIT; libvirt sets `delay`
+    // when none is given, and catch-up is that PIT's own behaviour.
+    for (pit, global) in [
+        (
+            serde_json::json!({}),
+            Some("kvm-pit.lost_tick_policy=delay"),
+        ),
+        (
+            serde_json::json!({"tickPolicy": "delay"}),
+            Some("kvm-pit.lost_tick_policy=delay"),
+        ),
+        (
+            serde_json::json!({"tickPolicy": "discard"}),
+            Some("kvm-pit.lost_tick_policy=discard"),
+        ),
+        (serde_json::json!({"tickPolicy": "catchup"}), None),
+    ] {
+        let args = clock_args(with_timer(serde_json::json!({"pit": pit})), Accel::Kvm).unwrap();
+        let globals: Vec<_> = args.iter().filter(|a| a[0] == "-global").collect();
+        assert_eq!(
+            globals,
+            global.map(|g| arg("-global", g)).iter().collect::<Vec<_>>(),
+            "{pit}"
+        );
+    }
+    let args = clock_args(with_timer(serde_json::json!({"pit": {}})), Accel::Tcg).unwrap();
+    assert!(!args.iter().any(|a| a[0] == "-global"), "{args:?}");
+    let args = clock_args(with_timer(serde_json::json!({"kvm": {}})), Accel::Kvm).unwrap();
+    assert!(args.contains(&arg("-cpu", "host,kvmclock=on")), "{args:?}");
+    let args = clock_args(
+        with_timer(serde_json::json!({"kvm": {"present": false}, "hyperv": {"present": false}})),
+        Accel::Tcg,
+    )
+    .unwrap();
+    assert!(args.contains(&arg("-cpu", "max,kvmclock=off")), "{args:?}");
+    for (timer, field) in [
+        (
+            serde_json::json!({"pit": {"tickPolicy": "delay"}}),
+            "spec.domain.clock.timer.pit.tickPolicy",
+        ),
+        (
+            serde_json::json!({"kvm": {"present": true}}),
+            "spec.domain.clock.timer.kvm.present",
+        ),
+    ] {
+        let e = clock_args(with_timer(timer), Accel::Tcg).unwrap_err();
+        assert_eq!(e.field, field);
+        assert!(e.message.contains("TCG"), "{e}");
+    }
+    // The Hyper-V clock is a Hyper-V enlightenment, as unsupported as `features.hyperv`.
+    let e = clock_args(with_timer(serde_json::json!({"hyperv": {}})), Accel::Kvm).unwrap_err();
+    assert_eq!(e.field, "spec.domain.clock.timer.hyperv.present");
+}
+
+#[test]
+fn features_render_on_the_machine_and_the_cpu() {
+    let with_features = |features: serde_json::Value| {
+        let mut s = base_spec();
+        s["domain"]["features"] = features;
+        s
+    };
+    let args = clock_args(
+        with_features(serde_json::json!({
+            "acpi": {"enabled": false}, "kvm": {"hidden": true}, "pvspinlock": {"enabled": true},
+        })),
+        Accel::Kvm,
+    )
+    .unwrap();
+    assert!(args.contains(&arg("-machine", "q35,acpi=off")), "{args:?}");
+    assert!(
+        args.contains(&arg("-cpu", "host,kvm=off,kvm-pv-unhalt=on")),
+        "{args:?}"
+    );
+    let args = clock_args(
+        with_features(serde_json::json!({
+            "acpi": {"enabled": true}, "kvm": {"hidden": false}, "pvspinlock": {"enabled": false},
+        })),
+        Accel::Tcg,
+    )
+    .unwrap();
+    assert!(args.contains(&arg("-machine", "q35")), "{args:?}");
+    assert!(
+        args.contains(&arg("-cpu", "max,kvm-pv-unhalt=off")),
+        "{args:?}"
+    );
+    let args = clock_args(
+        with_features(serde_json::json!({"kvm": {"hidden": true}})),
+        Accel::Tcg,
+    )
+    .unwrap();
+    assert!(args.contains(&arg("-cpu", "max,kvm=off")), "{args:?}");
+    let e = clock_args(
+        with_features(serde_json::json!({"pvspinlock": {}})),
+        Accel::Tcg,
+    )
+    .unwrap_err();
+    assert_eq!(e.field, "spec.domain.features.pvspinlock");
 }

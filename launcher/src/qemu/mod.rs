@@ -1,6 +1,8 @@
 //! A typed QEMU configuration: one struct per device, each rendering its own arguments.
 //!
-//! [`QemuConfig::argv`] is a pure function; nothing here touches the file system. Disks also
+//! [`QemuConfig::argv`] is a pure function but for the start time of a clock with a UTC offset,
+//! which (as libvirt's) is taken when the command line is built; nothing here touches the file
+//! system. Disks also
 //! render the QMP form of their properties so that hotplug uses exactly what a cold boot would.
 
 pub mod opts;
@@ -65,11 +67,19 @@ pub struct Machine {
     pub accel: Accel,
     /// `None` leaves QEMU's default (on where the machine supports it).
     pub smm: Option<bool>,
+    /// `false` gives the guest no ACPI tables (`acpi=off`, as libvirt renders a domain without
+    /// `<acpi/>`).
+    pub acpi: bool,
+    /// The HPET: `None` leaves QEMU's default (on).
+    pub hpet: Option<bool>,
 }
 
 impl Machine {
     fn props(&self, memory: &Memory, firmware: &Firmware) -> Props {
-        let mut p = Props::new().set_opt("smm", self.smm);
+        let mut p = Props::new()
+            .set_opt("smm", self.smm)
+            .set_opt("acpi", (!self.acpi).then_some(false))
+            .set_opt("hpet", self.hpet);
         if memory.hugepages.is_some() {
             p = p.set("memory-backend", Memory::BACKEND_ID);
         }
@@ -82,10 +92,16 @@ impl Machine {
     }
 }
 
-/// vCPU model and topology.
+/// vCPU model, the paravirtual features set on it, and the topology.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Cpu {
     pub model: String,
+    /// Hide KVM's signature from the guest (`kvm=off`).
+    pub kvm_hidden: bool,
+    /// The kvmclock source (`kvmclock=`); `None` leaves the model's default.
+    pub kvmclock: Option<bool>,
+    /// Paravirtual spinlocks (`kvm-pv-unhalt=`); `None` leaves the model's default.
+    pub pv_unhalt: Option<bool>,
     pub sockets: u32,
     pub cores: u32,
     pub threads: u32,
@@ -102,7 +118,11 @@ impl Cpu {
 
 impl Args for Cpu {
     fn push_args(&self, argv: &mut Vec<String>) {
-        push(argv, "-cpu", escape(&self.model));
+        let features = Props::new()
+            .set_opt("kvm", self.kvm_hidden.then_some(false))
+            .set_opt("kvmclock", self.kvmclock)
+            .set_opt("kvm-pv-unhalt", self.pv_unhalt);
+        push(argv, "-cpu", features.keyval_with(&self.model));
         let smp = Props::new()
             .set("sockets", self.sockets)
             .set("cores", self.cores)
@@ -134,6 +154,77 @@ impl Args for Memory {
             push(argv, "-object", backend.keyval_with("memory-backend-file"));
         }
     }
+}
+
+/// Where the guest's real time clock starts, and how it keeps time (`-rtc`), plus the PIT's
+/// lost tick policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Clock {
+    /// Seconds ahead of UTC (negative: behind) the RTC starts; `None` is UTC.
+    pub utc_offset: Option<i64>,
+    /// `clock=`: `vm` (guest time, stops with the guest) or `host` (wall time).
+    pub rtc_clock: Option<&'static str>,
+    /// Missed RTC ticks are delivered faster until the guest catches up (`driftfix=slew`).
+    pub rtc_catchup: bool,
+    /// `kvm-pit.lost_tick_policy`: `delay` or `discard` (the in-kernel PIT exists under KVM
+    /// only).
+    pub pit_lost_tick_policy: Option<&'static str>,
+}
+
+impl Clock {
+    /// The `-rtc` argument at `now`: an offset clock starts at the UTC time that far from now,
+    /// as libvirt computes it when it builds the command line.
+    pub fn rtc(&self, now: std::time::SystemTime) -> String {
+        let base = match self.utc_offset {
+            None => "utc".to_owned(),
+            Some(offset) => {
+                let now = now
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+                utc_datetime(now.saturating_add(offset))
+            }
+        };
+        Props::new()
+            .set("base", base)
+            .set_opt("clock", self.rtc_clock)
+            .set_opt("driftfix", self.rtc_catchup.then_some("slew"))
+            .keyval()
+    }
+}
+
+impl Args for Clock {
+    fn push_args(&self, argv: &mut Vec<String>) {
+        push(argv, "-rtc", self.rtc(std::time::SystemTime::now()));
+        if let Some(policy) = self.pit_lost_tick_policy {
+            push(
+                argv,
+                "-global",
+                format!("kvm-pit.lost_tick_policy={policy}"),
+            );
+        }
+    }
+}
+
+/// `YYYY-MM-DDTHH:MM:SS` in UTC, the form `-rtc base=` takes (the proleptic Gregorian calendar,
+/// from the days since 1970-01-01 as in Howard Hinnant's `civil_from_days`).
+fn utc_datetime(unix_seconds: i64) -> String {
+    let days = unix_seconds.div_euclid(86_400);
+    let secs = unix_seconds.rem_euclid(86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60
+    )
 }
 
 /// SMBIOS type 1 (system information), which is where guests read their serial and UUID.
@@ -701,6 +792,7 @@ pub struct QemuConfig {
     pub machine: Machine,
     pub cpu: Cpu,
     pub memory: Memory,
+    pub clock: Clock,
     pub smbios: Smbios,
     pub firmware: Firmware,
     pub kernel_boot: Option<KernelBoot>,
@@ -745,6 +837,7 @@ impl QemuConfig {
         );
         self.cpu.push_args(&mut a);
         self.memory.push_args(&mut a);
+        self.clock.push_args(&mut a);
         self.smbios.push_args(&mut a);
         self.firmware.push_args(&mut a);
         if let Some(k) = &self.kernel_boot {
@@ -816,6 +909,9 @@ mod tests {
     fn vcpus_of_an_oversized_topology_saturate() {
         let cpu = Cpu {
             model: "host".into(),
+            kvm_hidden: false,
+            kvmclock: None,
+            pv_unhalt: None,
             sockets: 65536,
             cores: 65536,
             threads: 2,
@@ -913,6 +1009,30 @@ mod tests {
                 "socket,id=charmonitor,path=/run/a,,b/qmp.sock,server=on,wait=off"
             ]
         );
+    }
+
+    #[test]
+    fn an_offset_clock_starts_that_far_from_now_in_utc() {
+        let at = |secs| std::time::UNIX_EPOCH + std::time::Duration::from_secs(secs);
+        let clock = |utc_offset| Clock {
+            utc_offset,
+            rtc_clock: None,
+            rtc_catchup: false,
+            pit_lost_tick_policy: None,
+        };
+        assert_eq!(clock(None).rtc(at(0)), "base=utc");
+        assert_eq!(clock(Some(0)).rtc(at(0)), "base=1970-01-01T00:00:00");
+        // 2024-02-29T23:59:59 UTC, a leap day, and an hour later.
+        assert_eq!(
+            clock(Some(3600)).rtc(at(1_709_251_199)),
+            "base=2024-03-01T00:59:59"
+        );
+        assert_eq!(
+            clock(Some(-86_400 * 366)).rtc(at(1_709_251_199)),
+            "base=2023-02-28T23:59:59"
+        );
+        assert_eq!(utc_datetime(-1), "1969-12-31T23:59:59");
+        assert_eq!(utc_datetime(951_782_400), "2000-02-29T00:00:00");
     }
 
     #[test]

@@ -458,6 +458,26 @@ fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+/// A name the launcher can give QEMU: a device is `ua-<name>` there (KubeVirt's libvirt user
+/// alias), libvirt refuses a user alias with other characters than these, QEMU an id with most
+/// of them, and a NUL cannot even be passed in an argv. KubeVirt checks this for interfaces
+/// (disks and volumes are DNS labels); for inputs and the watchdog it is ours, where KubeVirt's
+/// VMI would be admitted and then fail in libvirt.
+fn device_name(field: String, name: &str, e: &mut Errors) {
+    if name.is_empty()
+        || !name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        e.add(
+            field,
+            format!(
+                "{name:?}: may only contain alphabetical characters, numbers, dashes (-) or underscores (_)"
+            ),
+        );
+    }
+}
+
 fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
     if let Some(a) = spec.architecture.as_deref().filter(|a| !a.is_empty())
         && a != "amd64"
@@ -848,6 +868,13 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                 format!("duplicate disk name {:?}", disk.name),
             );
         }
+        // KubeVirt's validateDiskNameAsContainerName: a disk may become a container's name.
+        if !is_dns_label(&disk.name) {
+            e.add(
+                format!("{dpath}.name"),
+                format!("{:?} is not a DNS label", disk.name),
+            );
+        }
         match spec.volume(&disk.name) {
             None => e.add(
                 format!("{dpath}.name"),
@@ -947,6 +974,7 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         }
     }
     for (i, input) in dev.inputs.iter().enumerate() {
+        device_name(format!("{path}.inputs[{i}].name"), &input.name, e);
         if input
             .bus
             .as_deref()
@@ -963,6 +991,9 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                 "input device can have only tablet type",
             );
         }
+    }
+    if let Some(w) = &dev.watchdog {
+        device_name(format!("{path}.watchdog.name"), &w.name, e);
     }
     if let Some(a) = dev
         .watchdog
@@ -1310,17 +1341,7 @@ fn interface<'a>(
             ),
         );
     }
-    if iface.name.is_empty()
-        || !iface
-            .name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-    {
-        e.add(
-            format!("{ipath}.name"),
-            "may only contain alphabetical characters, numbers, dashes (-) or underscores (_)",
-        );
-    }
+    device_name(format!("{ipath}.name"), &iface.name, e);
     let network = spec.network(&iface.name);
     if network.is_none() {
         e.add(

@@ -85,6 +85,31 @@ fn mistakes() -> Vec<Mistake> {
             "spec.domain.devices.watchdog.diag288",
             "not supported",
         ),
+        // Found by fuzzing (fuzz/, qemu_argv): the launcher put a NUL in QEMU's argv.
+        m(
+            "watchdog name with a NUL",
+            vec![(
+                "/spec/domain/devices/watchdog",
+                json!({"name": "w\u{0}", "i6300esb": {}}),
+            )],
+            "spec.domain.devices.watchdog.name",
+            "may only contain alphabetical characters, numbers, dashes (-) or underscores (_)",
+        ),
+        m(
+            "input name with a comma",
+            vec![(
+                "/spec/domain/devices/inputs",
+                json!([{"name": "t,help", "type": "tablet", "bus": "usb"}]),
+            )],
+            "spec.domain.devices.inputs[0].name",
+            r#""t,help": may only contain"#,
+        ),
+        m(
+            "disk name not a DNS label",
+            vec![("/spec/domain/devices/disks/1/name", json!("Seed.1"))],
+            "spec.domain.devices.disks[1].name",
+            r#""Seed.1" is not a DNS label"#,
+        ),
         m(
             "disk without a volume",
             vec![("/spec/domain/devices/disks/1/name", json!("x"))],

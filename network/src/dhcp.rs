@@ -197,6 +197,10 @@ pub fn serve(cfg: DhcpConfig) -> Result<impl Future<Output = ()>> {
 /// The encoded answer to one received packet, or `None` for a packet that does not decode, is
 /// not for us, or whose answer cannot be encoded.
 pub fn answer(cfg: &DhcpConfig, packet: &[u8]) -> Option<Vec<u8>> {
+    if let Some(code) = option_dhcproto_asserts_on(packet) {
+        debug!(interface = %cfg.interface, code, "DHCP packet with a malformed option ignored");
+        return None;
+    }
     let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
         debug!(interface = %cfg.interface, "undecodable DHCP packet ignored");
         return None;
@@ -209,6 +213,62 @@ pub fn answer(cfg: &DhcpConfig, packet: &[u8]) -> Option<Vec<u8>> {
     }
     debug!(interface = %cfg.interface, kind = ?reply.opts().msg_type(), "DHCP reply");
     Some(out)
+}
+
+/// Where the options start: the fixed BOOTP header (236 bytes) and the magic cookie.
+const OPTIONS_OFFSET: usize = 240;
+
+/// The code of an option whose length dhcproto 0.15 only checks with a `debug_assert!`, when
+/// the packet carries one of another length: decoding it panics in a debug build (the tests and
+/// the fuzzer's build) and reads on in a release one. A guest must not be able to stop its own
+/// DHCP server in any build, and the server uses none of these options, so such packets are
+/// ignored before dhcproto decodes them (found by fuzzing, `fuzz/`). No real client is turned
+/// away: the options are well formed in every packet that follows their RFCs, and PXE clients'
+/// 94 and Windows' 81 are answered as before.
+///
+/// The walk follows dhcproto's: options from byte 240 to the first End, Pad skipped, adjacent
+/// options of one code concatenated (RFC 3396) and checked as one; a truncated option ends it,
+/// with what came before checked, as dhcproto decodes that too.
+fn option_dhcproto_asserts_on(packet: &[u8]) -> Option<u8> {
+    fn asserts_on(code: u8, len: usize) -> bool {
+        match code {
+            80 => len != 0,        // Rapid Commit
+            81 => len < 3,         // Client FQDN
+            94 => len != 3,        // Client Network Interface Identifier
+            152..=155 => len != 4, // bulk leasequery times
+            _ => false,
+        }
+    }
+    let bad = |run: Option<(u8, usize)>| {
+        run.filter(|&(code, len)| asserts_on(code, len))
+            .map(|(code, _)| code)
+    };
+    let mut rest = packet.get(OPTIONS_OFFSET..)?;
+    let mut run = None;
+    loop {
+        match rest {
+            [0, tail @ ..] => {
+                if let Some(code) = bad(run.take()) {
+                    return Some(code);
+                }
+                rest = tail;
+            }
+            [code, len, tail @ ..] if *code != 255 && usize::from(*len) <= tail.len() => {
+                let len = usize::from(*len);
+                run = match run {
+                    Some((c, total)) if c == *code => Some((c, total + len)),
+                    other => {
+                        if let Some(code) = bad(other) {
+                            return Some(code);
+                        }
+                        Some((*code, len))
+                    }
+                };
+                rest = &tail[len..];
+            }
+            _ => return bad(run),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -271,6 +331,13 @@ mod tests {
         Message::decode(&mut Decoder::new(&b)).unwrap()
     }
 
+    fn unhex(hex: &str) -> Vec<u8> {
+        (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
     /// The fuzzer's input (less its first byte, which picks DHCPv4 and the pod): a
     /// BOOTREQUEST claiming an 81-byte hardware address, which panicked inside dhcproto.
     #[test]
@@ -282,12 +349,74 @@ mod tests {
             00000000000000000000000000000000000000e40a00000000000000ffffffffffffffffffffffffffff\
             ffffffffffffffffffff0000000000260000800000000000000000000000000000000000000000000000\
             00000077791aff";
-        let packet: Vec<u8> = (0..hex.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-            .collect();
+        let packet = unhex(hex);
         assert_eq!(packet.len(), 259);
         assert_eq!(answer(&cfg(), &packet), None);
+    }
+
+    /// The fuzzer's input (less its first byte): a DHCPv4 packet whose options hold a
+    /// bulk-leasequery time (154) of length 0, on which dhcproto's `debug_assert!(len == 4)`
+    /// panicked.
+    #[test]
+    fn bulk_leasequery_option_of_wrong_length_is_ignored() {
+        let hex = "010106003903f32600008000000000000000000000000000000000005254001234560000000000000000\
+            000000000000000000000000000000000000000000000000000000000000000000000000000000000000\
+            000000002300000000000000000000000000000000000000000000000000000000000000000000000000\
+            000000000000000000000000000000000000000000000000000000000000000000000000000000000000\
+            000000000000000000000000000000000000009a00000000000000000000000000000000000000000000\
+            000000000000000000000000000000000000000000000000000000000000000000000000000000000000\
+            00000000000000009a00001aff";
+        let packet = unhex(hex);
+        assert_eq!(packet.len(), 265);
+        assert_eq!(answer(&cfg(), &packet), None);
+    }
+
+    /// A DISCOVER from the guest with `raw` (options, code and length first) before its End.
+    fn discover_with(raw: &[u8]) -> Vec<u8> {
+        let mut m = Message::default();
+        m.set_chaddr(&MAC).set_xid(0x1234);
+        m.opts_mut()
+            .insert(DhcpOption::MessageType(MessageType::Discover));
+        let mut b = Vec::new();
+        m.encode(&mut Encoder::new(&mut b)).unwrap();
+        assert_eq!(b.pop(), Some(255));
+        b.extend_from_slice(raw);
+        b.push(255);
+        b
+    }
+
+    /// Every option dhcproto only checks with a `debug_assert!` turns the packet away when
+    /// malformed, alone, split in two (RFC 3396) or last without an End; well formed, the
+    /// guest gets its offer.
+    #[test]
+    fn options_dhcproto_asserts_on_are_checked() {
+        let c = cfg();
+        for raw in [
+            &[80, 1, 0][..],
+            &[81, 2, 0, 0],
+            &[94, 2, 1, 2],
+            &[94, 2, 1, 2, 94, 2, 0, 0],
+            &[152, 0],
+            &[153, 3, 0, 0, 0],
+            &[154, 5, 0, 0, 0, 0, 0],
+            &[155, 2, 0, 0, 155, 1, 0],
+        ] {
+            assert_eq!(answer(&c, &discover_with(raw)), None, "{raw:?}");
+            let mut unterminated = discover_with(raw);
+            unterminated.pop();
+            assert_eq!(answer(&c, &unterminated), None, "{raw:?} without End");
+        }
+        for raw in [
+            &[80, 0][..],
+            &[81, 8, 0, 0, 0, 3, b'v', b'm', b'1', 0],
+            &[94, 3, 1, 2, 0],
+            &[94, 2, 1, 2, 94, 1, 0],
+            &[152, 4, 0, 0, 0, 1, 0, 155, 4, 0, 0, 0, 2],
+        ] {
+            let out = answer(&c, &discover_with(raw)).expect("an offer");
+            let offer = Message::decode(&mut Decoder::new(&out)).unwrap();
+            assert_eq!(offer.opts().msg_type(), Some(MessageType::Offer), "{raw:?}");
+        }
     }
 
     #[test]

@@ -238,6 +238,10 @@ pub fn serve(cfg: Dhcp6Config) -> Result<impl Future<Output = ()>> {
 /// The encoded answer to one packet received from `source`, or `None` for a packet that does
 /// not decode, is not for us, or whose answer cannot be encoded.
 pub fn answer(cfg: &Dhcp6Config, source: Ipv6Addr, packet: &[u8]) -> Option<Vec<u8>> {
+    if let Some(code) = packet.get(4..).and_then(option_dhcproto_overflows_on) {
+        debug!(interface = %cfg.interface, code, "DHCPv6 packet with a malformed option ignored");
+        return None;
+    }
     let Ok(req) = Message::decode(&mut Decoder::new(packet)) else {
         debug!(interface = %cfg.interface, "undecodable DHCPv6 packet ignored");
         return None;
@@ -250,6 +254,50 @@ pub fn answer(cfg: &Dhcp6Config, source: Ipv6Addr, packet: &[u8]) -> Option<Vec<
     }
     debug!(interface = %cfg.interface, kind = ?reply.msg_type(), "DHCPv6 reply");
     Some(out)
+}
+
+/// The code of an option that dhcproto 0.15 decodes by reading a fixed part past the option
+/// when it is shorter, then subtracting that part's size from the option's length: Status Code
+/// (13) shorter than 2 bytes, Vendor Class (16) or Vendor-specific Information (17) shorter
+/// than 4. The subtraction overflows, which panics in a debug build (the tests and the fuzzer's
+/// build) and fails the decoding in a release one. A guest must not be able to stop its own
+/// DHCPv6 server in any build, and no client sends these options malformed, so such packets
+/// are ignored before dhcproto decodes them (found by fuzzing, `fuzz/`).
+///
+/// `options` is what follows a message's type and transaction id; the walk goes into the
+/// options that hold options (IA_NA, IA_TA, IA Address, Relay Message, Vendor-specific
+/// Information, IA_PD, IA Prefix) past their fixed fields, as dhcproto does. The nesting is
+/// bounded by the 1500-byte receive buffer.
+fn option_dhcproto_overflows_on(options: &[u8]) -> Option<u16> {
+    let mut rest = options;
+    while let [c0, c1, l0, l1, tail @ ..] = rest {
+        let code = u16::from_be_bytes([*c0, *c1]);
+        let len = usize::from(u16::from_be_bytes([*l0, *l1]));
+        let (min, nested_after) = match code {
+            13 => (2, None),
+            16 => (4, None),
+            17 => (4, Some(4)),
+            3 | 25 => (0, Some(12)),
+            4 => (0, Some(4)),
+            5 => (0, Some(24)),
+            // A relay message: type, hop count, link and peer addresses.
+            9 => (0, Some(34)),
+            26 => (0, Some(25)),
+            _ => (0, None),
+        };
+        if len < min {
+            return Some(code);
+        }
+        let body = tail.get(..len)?;
+        if let Some(bad) = nested_after
+            .and_then(|fixed| body.get(fixed..))
+            .and_then(option_dhcproto_overflows_on)
+        {
+            return Some(bad);
+        }
+        rest = &tail[len..];
+    }
+    None
 }
 
 #[cfg(test)]
@@ -336,6 +384,52 @@ mod tests {
             Some(DhcpOption::DomainNameServers(d)) if d == &cfg().dns
         ));
         assert!(r.opts().get(OptionCode::DomainSearchList).is_some());
+    }
+
+    /// A SOLICIT from the guest with `raw` (options, code and length first) after its own.
+    fn solicit_with(raw: &[u8]) -> Vec<u8> {
+        let mut b = Vec::new();
+        msg(MessageType::Solicit, llt(MAC), vec![ia(7)])
+            .encode(&mut Encoder::new(&mut b))
+            .unwrap();
+        b.extend_from_slice(raw);
+        b
+    }
+
+    /// dhcproto reads a Status Code's 2-byte code, or a vendor option's 4-byte enterprise
+    /// number, past an option too short to hold it, then subtracts: an overflow, a panic in a
+    /// debug build. Such packets are ignored, at the top level or inside an IA_NA; well formed,
+    /// the same options are answered.
+    #[test]
+    fn options_dhcproto_overflows_on_are_checked() {
+        let c = cfg();
+        // Elapsed Time after each, so that dhcproto finds bytes to read past the short option.
+        let elapsed = [0, 8, 0, 2, 0, 0];
+        let ia_na = |inner: &[u8]| {
+            let len = u8::try_from(12 + inner.len()).unwrap();
+            [&[0, 3, 0, len, 0, 0, 0, 9][..], &[0; 8], inner].concat()
+        };
+        for short in [
+            vec![0, 13, 0, 0],
+            vec![0, 13, 0, 1, 0],
+            vec![0, 16, 0, 3, 0, 0, 0],
+            vec![0, 17, 0, 0],
+            ia_na(&[&[0, 13, 0, 1, 0][..], &elapsed].concat()),
+        ] {
+            let packet = solicit_with(&[&short[..], &elapsed].concat());
+            assert_eq!(answer(&c, STRANGER, &packet), None, "{short:?}");
+        }
+        for fine in [
+            vec![0, 13, 0, 2, 0, 0],
+            vec![0, 16, 0, 4, 0, 0, 0, 1],
+            vec![0, 17, 0, 4, 0, 0, 0, 1],
+            ia_na(&[0, 13, 0, 3, 0, 0, b'x']),
+        ] {
+            let packet = solicit_with(&[&fine[..], &elapsed].concat());
+            let out = answer(&c, STRANGER, &packet).expect("an advertise");
+            let reply = Message::decode(&mut Decoder::new(&out)).unwrap();
+            assert_eq!(reply.msg_type(), MessageType::Advertise, "{fine:?}");
+        }
     }
 
     #[test]

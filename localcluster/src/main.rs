@@ -61,11 +61,14 @@ enum Command {
     Nsexec(localcluster::nsexec::Args),
     /// Kill one control-plane component of a running cluster (SIGKILL) and start it again, as
     /// the kubelet restarts a crashed static pod; returns once it runs (kube-apiserver: once
-    /// ready). For chaos tests: everything else keeps running through the outage.
+    /// ready). Or restart a node's kubelet, whose pods keep running and are adopted by the new
+    /// one, as under a container runtime. For chaos tests: everything else keeps running
+    /// through the outage.
     Restart {
         #[arg(long, env = "LOCALCLUSTER_DIR", default_value_os_t = default_dir())]
         dir: PathBuf,
-        /// kube-apiserver, etcd, kube-controller-manager, kube-scheduler or kube-proxy.
+        /// kube-apiserver, etcd, kube-controller-manager, kube-scheduler, kube-proxy, or
+        /// kubelet/<node> (`kubelet/node-1`).
         component: String,
     },
     /// Stop a cluster started with `up` in the same state directory.
@@ -86,8 +89,9 @@ fn pid_file(dir: &Path) -> PathBuf {
 }
 
 /// Where `restart` leaves `<component>.request` for the running `up`, which answers in
-/// `<component>.done` (`pid N` or `error: ...`). Components must be started by `up` itself:
-/// they die with the thread that started them.
+/// `<component>.done` (`pid N` or `error: ...`); a `/` in the component's name is `@` in the
+/// file's. Components must be started by `up` itself: they die with the thread that started
+/// them.
 fn restart_dir(dir: &Path) -> PathBuf {
     dir.join("restart")
 }
@@ -192,7 +196,8 @@ async fn up(
         localcluster::storage::STORAGE_CLASS,
         localcluster::storage::volumes_dir(&dir).display()
     );
-    let nodes = localcluster::kubelet::cluster::LocalNodes::start(&plane, node_args, &dir).await?;
+    let mut nodes =
+        localcluster::kubelet::cluster::LocalNodes::start(&plane, node_args, &dir).await?;
     for (name, root) in nodes.nodes() {
         println!("node {name} ready, host paths under {}", root.display());
     }
@@ -223,7 +228,7 @@ async fn up(
             r = tokio::signal::ctrl_c() => { r.context("waiting for Ctrl-C")?; break None }
             _ = term.recv() => break None,
             _ = watch.tick() => {
-                serve_restarts(&dir, &mut plane).await;
+                serve_restarts(&dir, &mut plane, &mut nodes).await;
                 if let Err(e) = plane.check() {
                     break Some(anyhow::Error::from(e));
                 }
@@ -252,7 +257,11 @@ async fn up(
 }
 
 /// Restarts the components asked for by `localcluster restart`.
-async fn serve_restarts(dir: &Path, plane: &mut ControlPlane) {
+async fn serve_restarts(
+    dir: &Path,
+    plane: &mut ControlPlane,
+    nodes: &mut localcluster::kubelet::cluster::LocalNodes,
+) {
     let requests = restart_dir(dir);
     let Ok(entries) = std::fs::read_dir(&requests) else {
         return;
@@ -263,17 +272,28 @@ async fn serve_restarts(dir: &Path, plane: &mut ControlPlane) {
             continue;
         }
         let _ = std::fs::remove_file(&path);
-        let Some(component) = path.file_stem().and_then(|s| s.to_str()) else {
+        let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else {
             continue;
         };
-        let answer = match plane.restart(component).await {
-            Ok(pid) => {
-                println!("{component} restarted (pid {pid})");
-                format!("pid {pid}")
+        let component = stem.replace('@', "/");
+        let answer = if let Some(node) = component.strip_prefix("kubelet/") {
+            match nodes.restart_kubelet(node).await {
+                Ok(()) => {
+                    println!("{component} restarted; its pods kept running");
+                    "its pods kept running".to_owned()
+                }
+                Err(e) => format!("error: {:#}", anyhow::Error::from(e)),
             }
-            Err(e) => format!("error: {:#}", anyhow::Error::from(e)),
+        } else {
+            match plane.restart(&component).await {
+                Ok(pid) => {
+                    println!("{component} restarted (pid {pid})");
+                    format!("pid {pid}")
+                }
+                Err(e) => format!("error: {:#}", anyhow::Error::from(e)),
+            }
         };
-        if let Err(e) = std::fs::write(requests.join(format!("{component}.done")), answer) {
+        if let Err(e) = std::fs::write(requests.join(format!("{stem}.done")), answer) {
             tracing::warn!(component, error = %e, "answering a restart request");
         }
     }
@@ -289,9 +309,10 @@ async fn restart(dir: &Path, component: &str) -> anyhow::Result<()> {
     let requests = restart_dir(dir);
     std::fs::create_dir_all(&requests)
         .with_context(|| format!("creating {}", requests.display()))?;
-    let done = requests.join(format!("{component}.done"));
+    let stem = component.replace('/', "@");
+    let done = requests.join(format!("{stem}.done"));
     let _ = std::fs::remove_file(&done);
-    std::fs::write(requests.join(format!("{component}.request")), "")
+    std::fs::write(requests.join(format!("{stem}.request")), "")
         .with_context(|| format!("writing a request in {}", requests.display()))?;
     // kube-apiserver's start on a busy machine, and one tick of `up`'s loop.
     for _ in 0..2400 {

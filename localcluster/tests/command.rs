@@ -199,6 +199,10 @@ fn up_serves_kubectl_refuses_a_second_up_and_down_cleans_up() {
         err.contains("no component kubelet runs (running: etcd, kube-apiserver"),
         "{err}"
     );
+    let no_node = localcluster(&["restart", "--dir", d, "kubelet/node-1"]);
+    assert!(!no_node.status.success());
+    let err = String::from_utf8_lossy(&no_node.stderr);
+    assert!(err.contains("no node node-1 (nodes: none)"), "{err}");
 
     let second = localcluster(&[
         "up", "--dir", d, "--port", "0", "--nodes", "0", "--kube", kube,

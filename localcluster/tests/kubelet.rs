@@ -1556,3 +1556,145 @@ async fn kubectl_exec_runs_in_the_container_with_streams_and_exit_code() {
     assert_eq!(String::from_utf8_lossy(&out.stdout), "HELLO\n");
     node.stop().await;
 }
+
+/// The pids in container `ctr`'s cgroup of pod `uid`.
+fn container_pids(node: &str, uid: &str, ctr: &str) -> Vec<i32> {
+    let mut pids: Vec<i32> = cgroup_dirs(node, uid)
+        .iter()
+        .flat_map(|d| pids_in(&d.join(ctr)))
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+/// A restarted kubelet adopts its pods as the real one finds them under its container
+/// runtime: a container that ran through the restart keeps its process, address and restart
+/// count; one that died while no kubelet ran is restarted (its exit recorded); a pod deleted
+/// meanwhile is terminated and its object removed; one whose object went meanwhile is released.
+#[tokio::test]
+async fn a_restarted_kubelet_adopts_the_pods_of_the_one_before() {
+    let cluster = Cluster::start().await;
+    let mut node = TestNode::start(&cluster).await;
+    let node_name = node.name();
+    let pods: Api<Pod> = cluster.api();
+    // One process per container, so its pid tells whether it was restarted.
+    let forever = "exec sleep 100000";
+    for name in ["keep", "crash", "deleted", "forgotten"] {
+        pods.create(
+            &PostParams::default(),
+            &pod(
+                name,
+                &node_name,
+                &json!({"terminationGracePeriodSeconds": 2, "containers": [sh("main", forever)]}),
+            ),
+        )
+        .await
+        .expect("creating the pod");
+    }
+    let mut before = std::collections::BTreeMap::new();
+    for name in ["keep", "crash", "deleted", "forgotten"] {
+        let p = wait_pod(&pods, name, "Running", |p| {
+            p["status"]["phase"] == "Running"
+        })
+        .await;
+        let uid = p["metadata"]["uid"].as_str().unwrap().to_string();
+        let pids = eventually(30, "the container's process", || async {
+            let pids = container_pids(&node_name, &uid, "main");
+            (!pids.is_empty()).then_some(pids)
+        })
+        .await;
+        before.insert(name, (uid, pids, p["status"]["podIP"].clone()));
+    }
+
+    let abandoned = node.abandon().await;
+    // While no kubelet runs: a container dies, a pod is deleted (it waits for its kubelet),
+    // another's object is removed outright.
+    for pid in &before["crash"].1 {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    pods.delete("deleted", &DeleteParams::default())
+        .await
+        .expect("deleting");
+    pods.delete("forgotten", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("deleting outright");
+    let (uid, pids, _) = &before["keep"];
+    assert_eq!(
+        &container_pids(&node_name, uid, "main"),
+        pids,
+        "pods run on"
+    );
+    node.adopt(abandoned).await;
+
+    let crash = wait_pod(&pods, "crash", "the crashed container restarted", |p| {
+        p["status"]["containerStatuses"][0]["restartCount"] == 1
+            && p["status"]["containerStatuses"][0]["state"]["running"].is_object()
+    })
+    .await;
+    let last = &crash["status"]["containerStatuses"][0]["lastState"]["terminated"];
+    assert_eq!(last["exitCode"], 137, "{last}");
+    assert_eq!(last["signal"], 9, "{last}");
+    eventually(
+        60,
+        "the deleted pod terminated and its object removed",
+        || async { pods.get_opt("deleted").await.ok()?.is_none().then_some(()) },
+    )
+    .await;
+    for gone in ["deleted", "forgotten"] {
+        let uid = &before[gone].0;
+        eventually(30, "what the pod held released", || async {
+            (cgroup_dirs(&node_name, uid).is_empty() && !node.pods_dir().join(uid).exists())
+                .then_some(())
+        })
+        .await;
+    }
+    let keep = pods.get("keep").await.expect("keep");
+    let keep = serde_json::to_value(&keep).unwrap();
+    let (uid, pids, ip) = &before["keep"];
+    assert_eq!(
+        &container_pids(&node_name, uid, "main"),
+        pids,
+        "the same process"
+    );
+    assert_eq!(&keep["status"]["podIP"], ip);
+    assert_eq!(keep["status"]["phase"], "Running");
+    assert_eq!(keep["status"]["containerStatuses"][0]["restartCount"], 0);
+    // A new pod gets an address no adopted pod holds.
+    pods.create(
+        &PostParams::default(),
+        &pod(
+            "after",
+            &node_name,
+            &json!({"containers": [sh("main", forever)]}),
+        ),
+    )
+    .await
+    .expect("creating the pod");
+    let after = wait_pod(&pods, "after", "Running", |p| {
+        p["status"]["phase"] == "Running"
+    })
+    .await;
+    for (uid, _, ip) in [&before["keep"], &before["crash"]] {
+        assert_ne!(&after["status"]["podIP"], ip, "{uid}'s address given again");
+    }
+    // Adopted pods are the kubelet's own: deleting one ends it.
+    pods.delete("keep", &DeleteParams::default())
+        .await
+        .expect("deleting");
+    eventually(60, "the adopted pod deleted", || async {
+        pods.get_opt("keep").await.ok()?.is_none().then_some(())
+    })
+    .await;
+    assert!(cgroup_dirs(&node_name, uid).is_empty());
+    for pid in pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "the adopted container's process {pid} ended"
+        );
+    }
+    node.stop().await;
+}

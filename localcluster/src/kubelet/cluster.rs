@@ -56,6 +56,8 @@ pub enum NodesError {
     Node { node: String, source: KubeletError },
     #[error("the machine's address {0:?} is not an IP address")]
     Address(String),
+    #[error("no node {name} (nodes: {nodes})")]
+    NoSuchNode { name: String, nodes: String },
     #[error("node {node}: its credentials")]
     Credentials {
         node: String,
@@ -195,6 +197,34 @@ impl LocalNodes {
             .iter()
             .map(|k| (k.node_name().to_string(), k.config().root.clone()))
             .collect()
+    }
+
+    /// Restarts node `name`'s kubelet: its pods keep running and the new kubelet adopts them
+    /// ([`Kubelet::restart`]). Returns once it has registered its Node again.
+    pub async fn restart_kubelet(&mut self, name: &str) -> Result<(), NodesError> {
+        let index = self
+            .kubelets
+            .iter()
+            .position(|k| k.node_name() == name)
+            .ok_or_else(|| NodesError::NoSuchNode {
+                name: name.to_owned(),
+                nodes: if self.kubelets.is_empty() {
+                    "none".to_owned()
+                } else {
+                    self.kubelets
+                        .iter()
+                        .map(Kubelet::node_name)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+            })?;
+        let restarted = self.kubelets.remove(index).restart().await;
+        let kubelet = restarted.map_err(|source| NodesError::Node {
+            node: name.to_owned(),
+            source,
+        })?;
+        self.kubelets.insert(index, kubelet);
+        Ok(())
     }
 
     /// Stops every kubelet (killing their pods and removing what they held).

@@ -8,7 +8,9 @@
 //! Like the real kubelet, a plugin whose stream ends keeps its resource with every device
 //! unhealthy (allocatable 0) until it registers again; a new registration for a resource
 //! replaces the old plugin. Allocations are per container, kept across its restarts and freed
-//! with its pod.
+//! with its pod; they are checkpointed (as the kubelet's `kubelet_internal_checkpoint`), so a
+//! restarted kubelet, whose plugins must register again, still knows which devices its running
+//! containers hold.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -126,18 +128,45 @@ pub(crate) struct DeviceManager {
     tasks: Mutex<JoinSet<()>>,
 }
 
+/// The allocations' checkpoint in the device-plugins directory (the real kubelet's name).
+const CHECKPOINT: &str = "kubelet_internal_checkpoint";
+
+/// Resource -> device id -> the container holding it.
+type Allocations = BTreeMap<String, BTreeMap<String, String>>;
+
 impl DeviceManager {
-    /// Serves `Registration` on `<dir>/kubelet.sock` (replacing a stale socket).
-    pub fn start(dir: &Path) -> Result<Arc<Self>, KubeletError> {
+    /// Serves `Registration` on `<dir>/kubelet.sock` (replacing a stale socket). `restarted`:
+    /// the allocations of the previous kubelet's containers stand; otherwise they are dropped.
+    pub fn start(dir: &Path, restarted: bool) -> Result<Arc<Self>, KubeletError> {
         let socket = dir.join(kubelet_api::KUBELET_SOCKET);
         let _ = std::fs::remove_file(&socket);
+        let checkpoint = dir.join(CHECKPOINT);
+        let kept: Allocations = if restarted {
+            std::fs::read(&checkpoint)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default()
+        } else {
+            let _ = std::fs::remove_file(&checkpoint);
+            Allocations::new()
+        };
+        let resources = kept
+            .into_iter()
+            .map(|(name, allocations)| {
+                let r = Resource {
+                    allocations,
+                    ..Resource::default()
+                };
+                (name, r)
+            })
+            .collect();
         let listener = UnixListener::bind(&socket).map_err(|source| KubeletError::Io {
             path: socket.display().to_string(),
             source,
         })?;
         let manager = Arc::new(Self {
             dir: dir.to_path_buf(),
-            resources: Mutex::new(BTreeMap::new()),
+            resources: Mutex::new(resources),
             changed: Notify::new(),
             tasks: Mutex::new(JoinSet::new()),
         });
@@ -175,12 +204,36 @@ impl DeviceManager {
         let _ = std::fs::remove_file(self.dir.join(kubelet_api::KUBELET_SOCKET));
     }
 
-    /// Capacity and allocatable of every plugin resource.
+    /// Capacity and allocatable of every registered plugin's resource.
     pub fn counts(&self) -> BTreeMap<String, (usize, usize)> {
         self.resources
             .lock()
-            .map(|r| r.iter().map(|(k, v)| (k.clone(), v.counts())).collect())
+            .map(|r| {
+                r.iter()
+                    // Kept from before a restart, its plugin not back yet.
+                    .filter(|(_, v)| v.generation > 0)
+                    .map(|(k, v)| (k.clone(), v.counts()))
+                    .collect()
+            })
             .unwrap_or_default()
+    }
+
+    /// Writes the allocations' checkpoint; called with the lock held, after each change.
+    fn save(&self, resources: &BTreeMap<String, Resource>) {
+        let allocations: Allocations = resources
+            .iter()
+            .filter(|(_, r)| !r.allocations.is_empty())
+            .map(|(k, r)| (k.clone(), r.allocations.clone()))
+            .collect();
+        let path = self.dir.join(CHECKPOINT);
+        let partial = self.dir.join(format!("{CHECKPOINT}.partial"));
+        let written = serde_json::to_vec(&allocations)
+            .map_err(std::io::Error::other)
+            .and_then(|b| std::fs::write(&partial, b))
+            .and_then(|()| std::fs::rename(&partial, &path));
+        if let Err(e) = written {
+            tracing::warn!(path = %path.display(), error = %e, "writing the device checkpoint");
+        }
     }
 
     fn register(self: &Arc<Self>, req: RegisterRequest) {
@@ -278,7 +331,9 @@ impl DeviceManager {
                 for id in &ids {
                     r.allocations.insert(id.clone(), owner.to_string());
                 }
-                (ids, r.endpoint.clone(), r.pre_start_required)
+                let picked = (ids, r.endpoint.clone(), r.pre_start_required);
+                self.save(&resources);
+                picked
             };
             let (ids, endpoint, pre_start) = picked;
             let failed = |status: Status| KubeletError::Device {
@@ -322,6 +377,7 @@ impl DeviceManager {
             for r in resources.values_mut() {
                 r.allocations.retain(|_, owner| !owner.starts_with(&prefix));
             }
+            self.save(&resources);
         }
     }
 }
@@ -392,6 +448,61 @@ mod tests {
     use super::*;
     use kubelet_api::v1beta1::DevicePluginOptions;
     use serde_json::json;
+
+    #[tokio::test]
+    async fn allocations_outlive_a_restart_and_only_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let manager = DeviceManager::start(dir.path(), false).unwrap();
+        {
+            let mut resources = manager.resources.lock().unwrap();
+            let kvm = resources
+                .entry("devices.kubevirt.io/kvm".into())
+                .or_default();
+            kvm.generation = 1;
+            kvm.devices.insert("kvm0".into(), true);
+            kvm.allocations
+                .insert("kvm0".into(), "uid-1/compute".into());
+            manager.save(&resources);
+        }
+        manager.stop();
+        let restarted = DeviceManager::start(dir.path(), true).unwrap();
+        let kept = restarted.resources.lock().unwrap()["devices.kubevirt.io/kvm"]
+            .allocations
+            .clone();
+        assert_eq!(
+            kept,
+            BTreeMap::from([("kvm0".into(), "uid-1/compute".into())])
+        );
+        assert!(
+            restarted.counts().is_empty(),
+            "no capacity is reported before the plugin registers again"
+        );
+        restarted.release("uid-1");
+        restarted.stop();
+        let again = DeviceManager::start(dir.path(), true).unwrap();
+        assert!(
+            again.resources.lock().unwrap().is_empty(),
+            "released for good"
+        );
+        again.stop();
+        let manager = DeviceManager::start(dir.path(), false).unwrap();
+        {
+            let mut resources = manager.resources.lock().unwrap();
+            resources
+                .entry("r/x".into())
+                .or_default()
+                .allocations
+                .insert("a".into(), "o".into());
+            manager.save(&resources);
+        }
+        manager.stop();
+        let fresh = DeviceManager::start(dir.path(), false).unwrap();
+        assert!(
+            fresh.resources.lock().unwrap().is_empty(),
+            "a fresh start drops them"
+        );
+        fresh.stop();
+    }
 
     fn request(version: &str, resource: &str, endpoint: &str) -> RegisterRequest {
         RegisterRequest {

@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod cgroup;
+mod checkpoint;
 pub mod cluster;
 pub mod deviceplugin;
 pub mod network;
@@ -232,6 +233,8 @@ pub(crate) struct Shared {
     pub devices: Arc<deviceplugin::DeviceManager>,
     /// Where the kubelet API listens (0: it does not).
     pub api_port: u16,
+    /// Outlives this kubelet: a restarted one takes it over with the pods.
+    pub exits: Arc<checkpoint::ContainerExits>,
 }
 
 impl Shared {
@@ -253,14 +256,50 @@ impl std::fmt::Debug for Shared {
 }
 
 /// A running kubelet. [`Kubelet::stop`] stops it cleanly; dropping it kills its pods and
-/// removes what they held (blocking) without touching the API.
+/// removes what they held (blocking) without touching the API; [`Kubelet::restart`] replaces
+/// it with a new one that adopts its pods.
 #[derive(Debug)]
 pub struct Kubelet {
     shared: Arc<Shared>,
-    stop: watch::Sender<bool>,
+    halt: watch::Sender<Halt>,
     pods: Option<JoinHandle<()>>,
     heartbeat: JoinHandle<()>,
     api: Option<JoinHandle<()>>,
+}
+
+/// A node whose kubelet ended with its pods running. Dropped without [`Abandoned::start`],
+/// its pods run on unattended until the next [`Kubelet::start`] of the node removes them.
+pub struct Abandoned {
+    client: Client,
+    config: NodeConfig,
+    exits: Arc<checkpoint::ContainerExits>,
+}
+
+impl std::fmt::Debug for Abandoned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Abandoned")
+            .field("node", &self.config.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Abandoned {
+    /// Starts a new kubelet that adopts every pod from its checkpoint (a pod the API no longer
+    /// has is released), reports their status again and goes on. Device plugins register
+    /// again, as with the real kubelet.
+    pub async fn start(self) -> Result<Kubelet, KubeletError> {
+        Kubelet::boot(self.client, self.config, Some(self.exits)).await
+    }
+}
+
+/// What the pod loop and its workers are told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Halt {
+    Run,
+    /// Stop every pod and release what it held.
+    Stop,
+    /// End at once and leave the pods running, for the next kubelet to adopt.
+    Abandon,
 }
 
 fn now() -> String {
@@ -274,8 +313,53 @@ fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> KubeletError 
 
 impl Kubelet {
     /// Prepares the node (directories, bridge, cgroup), registers its Node and starts
-    /// heartbeats and the pod loop.
+    /// heartbeats and the pod loop. Whatever an earlier kubelet of this node left is removed.
     pub async fn start(client: Client, config: NodeConfig) -> Result<Self, KubeletError> {
+        Self::boot(client, config, None).await
+    }
+
+    /// Restarts the kubelet as a crash and a new start would, except that the pods keep
+    /// running (as a container runtime keeps them when the real kubelet restarts): see
+    /// [`Kubelet::abandon`] and [`Abandoned::start`].
+    pub async fn restart(self) -> Result<Self, KubeletError> {
+        self.abandon().await.start().await
+    }
+
+    /// Ends the kubelet as a crash would, leaving its pods running: its pod workers, probes,
+    /// heartbeats, device-plugin registrations and API server end where they are.
+    pub async fn abandon(mut self) -> Abandoned {
+        let _ = self.halt.send(Halt::Abandon);
+        if let Some(pods) = self.pods.take() {
+            let _ = pods.await;
+        }
+        self.heartbeat.abort();
+        if let Some(api) = self.api.take() {
+            api.abort();
+            let _ = api.await;
+        }
+        self.shared.devices.stop();
+        let mut config = self.shared.config.clone();
+        // The Node's daemonEndpoints named the bound port: kube-apiserver dials it again.
+        if let Some(serving) = &mut config.serving {
+            serving.port = self.shared.api_port;
+        }
+        let (client, exits) = (self.shared.client.clone(), self.shared.exits.clone());
+        tracing::info!(node = %config.name, "kubelet ended; its pods keep running");
+        drop(self);
+        Abandoned {
+            client,
+            config,
+            exits,
+        }
+    }
+
+    /// Starts the kubelet: fresh (`adopting` none), or adopting the pods of the one whose
+    /// container exits are `adopting`.
+    async fn boot(
+        client: Client,
+        config: NodeConfig,
+        adopting: Option<Arc<checkpoint::ContainerExits>>,
+    ) -> Result<Self, KubeletError> {
         if !nix::unistd::geteuid().is_root() {
             return Err(KubeletError::NotRoot);
         }
@@ -290,8 +374,15 @@ impl Kubelet {
                 source,
             })?;
         }
-        let stale = config.clone();
-        let _ = tokio::task::spawn_blocking(move || sweep_stale(&stale)).await;
+        let node = config.clone();
+        let adopted = if adopting.is_some() {
+            tokio::task::spawn_blocking(move || recover(&node))
+                .await
+                .unwrap_or_default()
+        } else {
+            let _ = tokio::task::spawn_blocking(move || sweep_stale(&node)).await;
+            HashMap::new()
+        };
         network::ensure_bridge(&config.bridge, config.pod_cidr)?;
         cgroup::Cgroup::node(&config.name).create()?;
         let listener = match &config.serving {
@@ -305,15 +396,23 @@ impl Kubelet {
         let mut facts = config.facts();
         facts.kubelet_port = api_port;
         register(&client, &config.name, &facts).await?;
-        let devices =
-            deviceplugin::DeviceManager::start(&config.kubelet_dir().join("device-plugins"))?;
+        let devices = deviceplugin::DeviceManager::start(
+            &config.kubelet_dir().join("device-plugins"),
+            adopting.is_some(),
+        )?;
         let shared = Arc::new(Shared {
             config,
             client,
             sandboxes: Mutex::new(HashMap::new()),
-            addresses: Mutex::new(BTreeSet::new()),
+            addresses: Mutex::new(
+                adopted
+                    .values()
+                    .filter_map(|c: &checkpoint::PodCheckpoint| c.network_ip)
+                    .collect(),
+            ),
             devices,
             api_port,
+            exits: adopting.unwrap_or_default(),
         });
         let api = match (listener, &shared.config.serving) {
             (Some(listener), Some(serving)) => Some(tokio::spawn(api::serve(
@@ -323,13 +422,14 @@ impl Kubelet {
             ))),
             _ => None,
         };
-        let (stop, stop_rx) = watch::channel(false);
+        let (halt, halt_rx) = watch::channel(Halt::Run);
         let heartbeat = tokio::spawn(heartbeat_loop(shared.clone()));
-        let pods = tokio::spawn(pod_loop(shared.clone(), stop_rx));
-        tracing::info!(node = %shared.config.name, "kubelet started");
+        let adopting = adopted.len();
+        let pods = tokio::spawn(pod_loop(shared.clone(), halt_rx, adopted));
+        tracing::info!(node = %shared.config.name, adopting, "kubelet started");
         Ok(Self {
             shared,
-            stop,
+            halt,
             pods: Some(pods),
             heartbeat,
             api,
@@ -352,7 +452,7 @@ impl Kubelet {
     /// Stops every pod (SIGTERM, then SIGKILL after 2 s), releases what they held and removes
     /// the node bridge and cgroup. The pod objects stay, as when a real kubelet stops.
     pub async fn stop(mut self) {
-        let _ = self.stop.send(true);
+        let _ = self.halt.send(Halt::Stop);
         if let Some(pods) = self.pods.take() {
             let _ = pods.await;
         }
@@ -367,7 +467,7 @@ impl Kubelet {
 
 impl Drop for Kubelet {
     fn drop(&mut self) {
-        let _ = self.stop.send(true);
+        let _ = self.halt.send(Halt::Stop);
         self.heartbeat.abort();
         if let Some(api) = self.api.take() {
             api.abort();
@@ -413,6 +513,31 @@ fn sweep_stale(config: &NodeConfig) {
             tracing::warn!(dir = %entry.path().display(), error = %e, "removing stale pod logs");
         }
     }
+}
+
+/// The pods a restarting kubelet adopts: every pod directory with a checkpoint. A directory
+/// without one belongs to a pod whose sandbox was being set up when the kubelet went: what it
+/// holds is removed, and the pod, if it still exists, starts over. Blocking.
+fn recover(config: &NodeConfig) -> HashMap<String, checkpoint::PodCheckpoint> {
+    let mut adopted = HashMap::new();
+    for entry in std::fs::read_dir(config.pods_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let uid = entry.file_name().to_string_lossy().into_owned();
+        if let Some(c) = checkpoint::PodCheckpoint::read(&entry.path()) {
+            adopted.insert(uid, c);
+            continue;
+        }
+        tracing::info!(node = %config.name, %uid, "removing a pod caught in its sandbox set-up");
+        cgroup::Cgroup::pod(&config.name, &uid).destroy();
+        PodNetwork::for_uid(&uid, Ipv4Addr::UNSPECIFIED).delete();
+        if let Err(e) = std::fs::remove_dir_all(entry.path()) {
+            tracing::warn!(dir = %entry.path().display(), error = %e, "removing a pod directory");
+        }
+    }
+    adopted
 }
 
 fn release_node(shared: &Shared) {
@@ -513,18 +638,22 @@ async fn heartbeat_loop(shared: Arc<Shared>) {
 
 type WorkerHandle = (watch::Sender<Option<Pod>>, JoinHandle<()>);
 
-async fn pod_loop(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
+async fn pod_loop(
+    shared: Arc<Shared>,
+    halt: watch::Receiver<Halt>,
+    mut adopted: HashMap<String, checkpoint::PodCheckpoint>,
+) {
     let api = Api::<Pod>::all(shared.client.clone());
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={}", shared.config.name));
     let mut events = watcher(api, cfg).boxed();
     let mut workers: HashMap<String, WorkerHandle> = HashMap::new();
     let mut finished: HashSet<String> = HashSet::new();
     let mut listed: HashSet<String> = HashSet::new();
-    let mut stop_wait = stop.clone();
+    let mut halt_wait = halt.clone();
     loop {
         let event = tokio::select! {
             e = events.next() => e,
-            _ = stop_wait.wait_for(|s| *s) => None,
+            _ = halt_wait.wait_for(|h| *h != Halt::Run) => None,
         };
         let Some(event) = event else { break };
         workers.retain(|uid, (_, h)| {
@@ -545,6 +674,10 @@ async fn pod_loop(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
             }
             Ok(watcher::Event::InitDone) => {
                 gone.extend(workers.keys().filter(|u| !listed.contains(*u)).cloned());
+                // Pods deleted while no kubelet ran: nobody will delete their objects again.
+                for (uid, orphan) in adopted.drain() {
+                    worker::release_orphan(&shared, &uid, &orphan).await;
+                }
             }
             Ok(watcher::Event::Apply(pod)) => seen.push(pod),
             Ok(watcher::Event::Delete(pod)) => {
@@ -569,9 +702,18 @@ async fn pod_loop(shared: Arc<Shared>, stop: watch::Receiver<bool>) {
                 let _ = tx.send(Some(pod));
             } else {
                 let (tx, rx) = watch::channel(Some(pod.clone()));
-                let handle = tokio::spawn(worker::run(shared.clone(), pod, rx, stop.clone()));
+                let adopt = adopted.remove(&uid);
+                let handle =
+                    tokio::spawn(worker::run(shared.clone(), pod, rx, halt.clone(), adopt));
                 workers.insert(uid, (tx, handle));
             }
+        }
+    }
+    if *halt.borrow() == Halt::Abandon {
+        // Each worker ends where it is; awaited, so none writes a checkpoint after the next
+        // kubelet has read it.
+        for (_, handle) in workers.values() {
+            handle.abort();
         }
     }
     for (_, (_, handle)) in workers {

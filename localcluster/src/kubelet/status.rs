@@ -4,7 +4,7 @@
 use serde_json::{Value, json};
 
 /// A container's state as `ContainerStatus.state` shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum State {
     Waiting {
         reason: String,
@@ -71,7 +71,7 @@ impl State {
 }
 
 /// One container as the kubelet tracks it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Record {
     pub name: String,
     pub image: String,

@@ -16,7 +16,8 @@ use kube::{Api, Client};
 use super::KubeletError;
 
 /// Where a volume lives on the node.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct HostVolume {
     pub path: PathBuf,
     /// Every mount of it is read-only, whatever the mount says (a claim's `readOnly`).

@@ -19,11 +19,12 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use super::cgroup::Cgroup;
+use super::checkpoint::{ContainerCheckpoint, PodCheckpoint};
 use super::network::PodNetwork;
 use super::spawn::{Launch, RootPlan, open_proc, spawn};
 use super::status::{PodView, Record, State};
 use super::volumes::{self, HostVolume};
-use super::{KubeletError, Sandbox, Shared, now};
+use super::{Halt, KubeletError, Sandbox, Shared, now};
 use super::{deviceplugin, serviceaccount};
 use crate::controlplane::error_chain;
 
@@ -36,9 +37,6 @@ enum Kind {
     Init,
     App,
 }
-
-/// A container process ended: which container, and how.
-type Exit = (Kind, usize, std::io::Result<ExitStatus>);
 
 #[derive(Debug)]
 struct Probing {
@@ -117,22 +115,28 @@ struct Worker {
     volume_sync: Instant,
     pod_ip: Option<String>,
     start_time: String,
-    exits: (mpsc::UnboundedSender<Exit>, mpsc::UnboundedReceiver<Exit>),
+    /// The pids of this pod's containers that ended (their statuses wait in `shared.exits`).
+    exits: mpsc::UnboundedReceiver<u32>,
     terminating: bool,
     published: Value,
+    /// The checkpoint last written.
+    saved: Option<PodCheckpoint>,
 }
 
-/// Runs the pod until it is deleted (then deletes its object) or the kubelet stops.
+/// Runs the pod until it is deleted (then deletes its object) or the kubelet stops; `adopt`
+/// is the pod as the previous kubelet of the node left it running.
 pub(super) async fn run(
     shared: Arc<Shared>,
     pod: Pod,
     mut updates: watch::Receiver<Option<Pod>>,
-    mut stop: watch::Receiver<bool>,
+    mut halt: watch::Receiver<Halt>,
+    adopt: Option<PodCheckpoint>,
 ) {
     let spec = pod.spec.clone().unwrap_or_default();
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let name = pod.metadata.name.clone().unwrap_or_default();
+    let exits = shared.exits.listen(&uid);
     let mut w = Worker {
         api: Api::namespaced(shared.client.clone(), &namespace),
         shared,
@@ -154,11 +158,15 @@ pub(super) async fn run(
         volume_sync: Instant::now() + VOLUME_SYNC,
         pod_ip: None,
         start_time: now(),
-        exits: mpsc::unbounded_channel(),
+        exits,
         terminating: false,
         published: Value::Null,
+        saved: None,
     };
-    tracing::info!(pod = %w.name, %namespace, uid = %w.uid, "pod worker started");
+    tracing::info!(pod = %w.name, %namespace, uid = %w.uid, adopted = adopt.is_some(), "pod worker started");
+    if let Some(checkpoint) = adopt {
+        w.adopt(checkpoint).await;
+    }
     loop {
         if w.pod.metadata.deletion_timestamp.is_some() {
             let grace = w.pod.metadata.deletion_grace_period_seconds.unwrap_or(30);
@@ -178,8 +186,8 @@ pub(super) async fn run(
             changed = updates.changed() => {
                 if changed.is_ok() { updates.borrow_and_update().clone().map_or(Action::Gone, |p| Action::Update(Box::new(p))) } else { Action::Gone }
             }
-            Some((kind, idx, status)) = w.exits.1.recv() => Action::Exit(kind, idx, status),
-            _ = stop.wait_for(|s| *s) => Action::Stop,
+            Some(pid) = w.exits.recv() => Action::Exit(pid),
+            _ = halt.wait_for(|h| *h == Halt::Stop) => Action::Stop,
             () = tokio::time::sleep_until(wake) => Action::Tick,
         };
         match action {
@@ -190,7 +198,7 @@ pub(super) async fn run(
                 w.teardown().await;
                 return;
             }
-            Action::Exit(kind, idx, status) => w.exited(kind, idx, &status),
+            Action::Exit(pid) => w.reap(pid),
             Action::Stop => {
                 w.terminate(Duration::from_secs(2)).await;
                 w.teardown().await;
@@ -204,7 +212,7 @@ pub(super) async fn run(
 enum Action {
     Update(Box<Pod>),
     Gone,
-    Exit(Kind, usize, std::io::Result<ExitStatus>),
+    Exit(u32),
     Stop,
     Tick,
 }
@@ -423,7 +431,10 @@ impl Worker {
                 return;
             }
             match self.setup_sandbox().await {
-                Ok(()) => self.sandbox_error = None,
+                Ok(()) => {
+                    self.sandbox_error = None;
+                    self.save();
+                }
                 Err(e) => {
                     let message = error_chain(&e);
                     tracing::warn!(pod = %self.name, error = %message, "pod sandbox");
@@ -510,6 +521,7 @@ impl Worker {
                 c.next_start = Instant::now() + c.backoff;
             }
         }
+        self.save();
     }
 
     /// The container's environment: the image's (`PATH` defaulted), `HOSTNAME`, the
@@ -790,13 +802,33 @@ impl Worker {
             stderr: Stdio::from(log2),
         })?;
         let pid = spawned.pid;
-        let tx = self.exits.0.clone();
+        // The container's waiter, the one part of its life that is not the worker's: it
+        // outlives a kubelet restart, as a runtime's shim does.
+        let (exits, uid) = (self.shared.exits.clone(), self.uid.clone());
         tokio::spawn(async move {
             let mut child = spawned.child;
             let status = child.wait().await;
-            let _ = tx.send((kind, idx, status));
+            exits.record(&uid, pid, status);
         });
         Ok(pid)
+    }
+
+    /// The container whose process is `pid`.
+    fn container_of(&self, pid: u32) -> Option<(Kind, usize)> {
+        let find = |v: &[Ctr]| v.iter().position(|c| c.pid == Some(pid));
+        find(&self.init)
+            .map(|i| (Kind::Init, i))
+            .or_else(|| find(&self.app).map(|i| (Kind::App, i)))
+    }
+
+    /// Takes the exit of `pid`, told by its waiter, if it is one of this pod's containers.
+    fn reap(&mut self, pid: u32) {
+        let Some(status) = self.shared.exits.take(pid) else {
+            return;
+        };
+        if let Some((kind, idx)) = self.container_of(pid) {
+            self.exited(kind, idx, &status);
+        }
     }
 
     fn exited(&mut self, kind: Kind, idx: usize, status: &std::io::Result<ExitStatus>) {
@@ -837,6 +869,101 @@ impl Worker {
         if let Some(cg) = cgroup {
             tokio::task::spawn_blocking(move || cg.destroy());
         }
+        self.save();
+    }
+
+    /// Writes the pod's checkpoint if anything in it changed. Called with no await between a
+    /// change and the write, so a restart in between cannot lose a process.
+    fn save(&mut self) {
+        let Some(sandbox) = &self.sandbox else {
+            return;
+        };
+        let containers = |v: &[Ctr]| {
+            v.iter()
+                .map(|c| ContainerCheckpoint {
+                    pid: c.pid,
+                    started_at: c.started_at.clone(),
+                    record: c.record.clone(),
+                })
+                .collect()
+        };
+        let checkpoint = PodCheckpoint {
+            pod_ip: self.pod_ip.clone(),
+            network_ip: sandbox.network.as_ref().map(|n| n.ip),
+            pause: sandbox.pause,
+            start_time: self.start_time.clone(),
+            volumes: self.volumes.clone(),
+            init: containers(&self.init),
+            app: containers(&self.app),
+        };
+        if self.saved.as_ref() == Some(&checkpoint) {
+            return;
+        }
+        match checkpoint.write(&sandbox.pod_dir) {
+            Ok(()) => self.saved = Some(checkpoint),
+            Err(e) => {
+                tracing::warn!(pod = %self.name, error = %e, "writing the pod checkpoint");
+            }
+        }
+    }
+
+    /// Takes over the pod as the previous kubelet left it: its sandbox, its volumes and its
+    /// containers, running or not; exits that came while no worker ran are taken now.
+    async fn adopt(&mut self, checkpoint: PodCheckpoint) {
+        let sandbox = Sandbox {
+            network: checkpoint
+                .network_ip
+                .map(|ip| PodNetwork::for_uid(&self.uid, ip)),
+            pause: checkpoint.pause,
+            cgroup: Cgroup::pod(&self.config().name, &self.uid),
+            pod_dir: self.pod_dir(),
+            log_dir: self.log_dir(),
+        };
+        self.register(&sandbox);
+        self.sandbox = Some(sandbox);
+        self.pod_ip.clone_from(&checkpoint.pod_ip);
+        self.start_time.clone_from(&checkpoint.start_time);
+        self.volumes.clone_from(&checkpoint.volumes);
+        match serviceaccount::kubernetes_service(&self.shared.client).await {
+            Ok(service) => self.kubernetes_service = service,
+            Err(e) => {
+                tracing::warn!(pod = %self.name, error = %error_chain(&e), "looking up the kubernetes Service");
+            }
+        }
+        for (ctrs, saved) in [
+            (&mut self.init, &checkpoint.init),
+            (&mut self.app, &checkpoint.app),
+        ] {
+            for c in ctrs.iter_mut() {
+                let Some(saved) = saved.iter().find(|s| s.record.name == c.spec.name) else {
+                    continue;
+                };
+                c.record = saved.record.clone();
+                c.pid = saved.pid;
+                c.started_at.clone_from(&saved.started_at);
+            }
+        }
+        self.saved = Some(checkpoint);
+        let pids: Vec<u32> = self
+            .init
+            .iter()
+            .chain(&self.app)
+            .filter_map(|c| c.pid)
+            .collect();
+        for pid in pids {
+            if let Some(status) = self.shared.exits.take(pid) {
+                if let Some((kind, idx)) = self.container_of(pid) {
+                    self.exited(kind, idx, &status);
+                }
+            } else if kill(Pid::from_raw(i32::try_from(pid).unwrap_or(0)), None).is_err() {
+                // Gone, with no exit recorded: shown as ended, how is not known.
+                if let Some((kind, idx)) = self.container_of(pid) {
+                    let unknown = Err(std::io::Error::other("no exit recorded"));
+                    self.exited(kind, idx, &unknown);
+                }
+            }
+        }
+        tracing::info!(pod = %self.name, "pod adopted from the previous kubelet");
     }
 
     async fn probe(&mut self, idx: usize) {
@@ -995,8 +1122,8 @@ impl Worker {
         }
         let deadline = Instant::now() + grace;
         while running(self) > 0 {
-            match tokio::time::timeout_at(deadline, self.exits.1.recv()).await {
-                Ok(Some((kind, idx, status))) => self.exited(kind, idx, &status),
+            match tokio::time::timeout_at(deadline, self.exits.recv()).await {
+                Ok(Some(pid)) => self.reap(pid),
                 _ => break,
             }
         }
@@ -1005,8 +1132,8 @@ impl Worker {
         }
         let deadline = Instant::now() + KILL_WAIT;
         while running(self) > 0 {
-            match tokio::time::timeout_at(deadline, self.exits.1.recv()).await {
-                Ok(Some((kind, idx, status))) => self.exited(kind, idx, &status),
+            match tokio::time::timeout_at(deadline, self.exits.recv()).await {
+                Ok(Some(pid)) => self.reap(pid),
                 _ => break,
             }
         }
@@ -1014,6 +1141,10 @@ impl Worker {
 
     async fn teardown(&mut self) {
         self.shared.devices.release(&self.uid);
+        let pids = self.init.iter().chain(&self.app).filter_map(|c| c.pid);
+        self.shared
+            .exits
+            .forget(&self.uid, pids.collect::<Vec<_>>());
         let sandbox = self
             .shared
             .sandboxes
@@ -1104,6 +1235,43 @@ impl Worker {
             Ok(_) => self.published = status,
             Err(e) => tracing::warn!(pod = %self.name, error = %e, "updating pod status"),
         }
+    }
+}
+
+/// Releases what a pod the previous kubelet ran holds, once the API no longer has the pod:
+/// kills its processes and removes its network, cgroups, directories and devices.
+pub(super) async fn release_orphan(shared: &Arc<Shared>, uid: &str, checkpoint: &PodCheckpoint) {
+    tracing::info!(node = %shared.config.name, %uid, "releasing a pod the API no longer has");
+    shared.devices.release(uid);
+    let pids = checkpoint
+        .init
+        .iter()
+        .chain(&checkpoint.app)
+        .filter_map(|c| c.pid);
+    shared.exits.forget(uid, pids.collect::<Vec<_>>());
+    let pod_dir = shared.config.pods_dir().join(uid);
+    // The log directory's name holds the namespace and name the checkpoint does not: found by
+    // the uid that ends it.
+    let log_dir = std::fs::read_dir(shared.config.log_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().ends_with(uid))
+        })
+        .unwrap_or_else(|| shared.config.log_dir().join(uid));
+    let sandbox = Sandbox {
+        network: checkpoint.network_ip.map(|ip| PodNetwork::for_uid(uid, ip)),
+        pause: checkpoint.pause,
+        cgroup: Cgroup::pod(&shared.config.name, uid),
+        pod_dir,
+        log_dir,
+    };
+    let _ = tokio::task::spawn_blocking(move || sandbox.teardown()).await;
+    if let (Some(ip), Ok(mut used)) = (checkpoint.network_ip, shared.addresses.lock()) {
+        used.remove(&ip);
     }
 }
 

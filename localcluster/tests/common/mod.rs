@@ -224,6 +224,16 @@ impl TestNode {
         self.kubelet().config().pods_dir()
     }
 
+    /// Ends the kubelet as a crash would, its pods left running.
+    pub async fn abandon(&mut self) -> localcluster::kubelet::Abandoned {
+        self.kubelet.take().expect("running").abandon().await
+    }
+
+    /// Starts the node's kubelet again, adopting what `abandoned` left.
+    pub async fn adopt(&mut self, abandoned: localcluster::kubelet::Abandoned) {
+        self.kubelet = Some(abandoned.start().await.expect("restarting the kubelet"));
+    }
+
     pub async fn stop(mut self) {
         if let Some(k) = self.kubelet.take() {
             k.stop().await;

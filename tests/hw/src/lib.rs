@@ -531,8 +531,9 @@ impl Stack {
     }
 
     /// `localcluster restart`: SIGKILLs a control-plane component (`kube-apiserver`, ...) and
-    /// starts it again; returns once it runs (kube-apiserver: once ready).
-    pub fn restart_control_plane(&self, component: &str) -> Result<String, StackError> {
+    /// starts it again, or restarts a node's kubelet (`kubelet/node-1`, its pods running on);
+    /// returns once it runs (kube-apiserver: once ready).
+    pub fn restart(&self, component: &str) -> Result<String, StackError> {
         run(
             Command::new(self.bins.join("localcluster"))
                 .arg("restart")

@@ -3,7 +3,8 @@
 //! or delete a second VM; scale a VMIRS between 0 and 1) and, at a random moment right after
 //! it, SIGKILLs one of: the virt-controller leader or its follower, a virt-handler, a
 //! virt-launcher, a QEMU, a virt-api replica or the virt-operator leader, or kills and restarts
-//! kube-apiserver (`localcluster restart`). Then it waits for the invariants to hold:
+//! kube-apiserver, or restarts a node's kubelet, whose pods run on and are adopted by the new one
+//! (`localcluster restart`). Then it waits for the invariants to hold:
 //! - every VM with `runStrategy: Always` has exactly one VMI, `Running`; the VMIRS has as many
 //!   Running VMIs as replicas;
 //! - every migration has ended (Succeeded or Failed);
@@ -107,9 +108,11 @@ enum Victim {
     Operator,
     /// Not a SIGKILL of ours: `localcluster restart kube-apiserver` kills and restarts it.
     KubeApiserver,
+    /// `localcluster restart kubelet/<node>` on a node picked at random.
+    Kubelet,
 }
 
-const VICTIMS: [Victim; 8] = [
+const VICTIMS: [Victim; 9] = [
     Victim::ControllerLeader,
     Victim::ControllerFollower,
     Victim::Handler,
@@ -118,7 +121,11 @@ const VICTIMS: [Victim; 8] = [
     Victim::VirtApi,
     Victim::Operator,
     Victim::KubeApiserver,
+    Victim::Kubelet,
 ];
+
+/// The stack's nodes, which `Victim::Kubelet` picks from.
+const NODES: [&str; 2] = ["node-1", "node-2"];
 
 /// Which second guest runs besides the pinned VM, if any.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,9 +278,17 @@ impl Chaos {
     fn kill(&mut self, victim: Victim) -> String {
         if victim == Victim::KubeApiserver {
             *self.kills.entry(format!("{victim:?}")).or_default() += 1;
-            return match self.stack.restart_control_plane("kube-apiserver") {
+            return match self.stack.restart("kube-apiserver") {
                 Ok(out) => out.trim().to_owned(),
                 Err(e) => panic!("restarting kube-apiserver: {e}"),
+            };
+        }
+        if victim == Victim::Kubelet {
+            let node = NODES[self.rng.usize(..NODES.len())];
+            *self.kills.entry(format!("{victim:?}")).or_default() += 1;
+            return match self.stack.restart(&format!("kubelet/{node}")) {
+                Ok(out) => out.trim().to_owned(),
+                Err(e) => panic!("restarting the kubelet of {node}: {e}"),
             };
         }
         let pods = |label: &str, namespace: &str| {
@@ -304,7 +319,7 @@ impl Chaos {
             Victim::Qemu => ("default", "virt-launcher", QEMU),
             Victim::VirtApi => ("kubevirt", "virt-api", "virt-api"),
             Victim::Operator => ("kubevirt", "virt-operator", "virt-operator"),
-            Victim::KubeApiserver => unreachable!("restarted above"),
+            Victim::KubeApiserver | Victim::Kubelet => unreachable!("restarted above"),
         };
         let candidates = match pods(label, namespace) {
             Ok(p) => p,

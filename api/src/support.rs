@@ -189,6 +189,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "api/tests/defaults.rs::defaults_match_kubevirts",
     ),
     field(
+        "spec.domain.devices.blockMultiQueue",
+        "launcher/src/convert/tests.rs::block_multi_queue_gives_virtio_disks_a_queue_per_vcpu",
+    ),
+    field(
         "spec.domain.devices.disks",
         "launcher/src/convert/tests.rs::full_vmi_converts",
     ),
@@ -213,6 +217,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::full_vmi_converts",
     ),
     field(
+        "spec.domain.devices.disks[].dedicatedIOThread",
+        "launcher/src/convert/tests.rs::io_threads_are_shared_or_dedicated_as_kubevirt_assigns_them",
+    ),
+    field(
         "spec.domain.devices.disks[].disk",
         "launcher/src/convert/tests.rs::full_vmi_converts",
     ),
@@ -221,12 +229,28 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::full_vmi_converts",
     ),
     field(
+        "spec.domain.devices.disks[].disk.pciAddress",
+        "launcher/src/convert/tests.rs::disk_pci_addresses_are_on_the_root_bus_before_other_devices",
+    ),
+    field(
+        "spec.domain.devices.disks[].errorPolicy",
+        "launcher/src/convert/tests.rs::disk_io_error_policy_and_sharing",
+    ),
+    field(
+        "spec.domain.devices.disks[].io",
+        "launcher/src/convert/tests.rs::disk_io_error_policy_and_sharing",
+    ),
+    field(
         "spec.domain.devices.disks[].name",
         "launcher/src/convert/tests.rs::full_vmi_converts",
     ),
     field(
         "spec.domain.devices.disks[].serial",
         "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
+    ),
+    field(
+        "spec.domain.devices.disks[].shareable",
+        "launcher/src/convert/tests.rs::disk_io_error_policy_and_sharing",
     ),
     field(
         "spec.domain.devices.interfaces",
@@ -363,6 +387,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.firmware.serial",
         "launcher/src/convert/tests.rs::efi_secure_boot_uses_secboot_code_and_smm",
+    ),
+    field(
+        "spec.domain.ioThreadsPolicy",
+        "launcher/src/convert/tests.rs::io_threads_are_shared_or_dedicated_as_kubevirt_assigns_them",
     ),
     field(
         "spec.domain.machine.type",
@@ -626,17 +654,11 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.cpu.realtime"),
     refused("spec.domain.devices.autoattachInputDevice"),
     refused("spec.domain.devices.autoattachVSOCK"),
-    refused("spec.domain.devices.blockMultiQueue"),
     refused("spec.domain.devices.clientPassthrough"),
     refused("spec.domain.devices.disks[].blockSize"),
     refused_value("spec.domain.devices.disks[].cdrom.tray", r#""open""#),
     refused("spec.domain.devices.disks[].changedBlockTracking"),
-    refused("spec.domain.devices.disks[].dedicatedIOThread"),
-    refused("spec.domain.devices.disks[].disk.pciAddress"),
-    refused_value("spec.domain.devices.disks[].errorPolicy", r#""stop""#),
-    refused_value("spec.domain.devices.disks[].io", r#""native""#),
     refused("spec.domain.devices.disks[].lun"),
-    refused("spec.domain.devices.disks[].shareable"),
     refused("spec.domain.devices.disks[].tag"),
     refused("spec.domain.devices.downwardMetrics"),
     refused("spec.domain.devices.filesystems"),
@@ -669,7 +691,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.firmware.bootloader.bios.useSerial"),
     refused("spec.domain.firmware.bootloader.efi.persistent"),
     refused("spec.domain.ioThreads"),
-    refused("spec.domain.ioThreadsPolicy"),
     refused("spec.domain.launchSecurity"),
     refused("spec.domain.memory.reservedOverhead"),
     refused_value("spec.domain.rebootPolicy", r#""Terminate""#),

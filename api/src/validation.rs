@@ -19,7 +19,7 @@ use crate::quantity::ParsedQuantity;
 use crate::replicaset::VirtualMachineInstanceReplicaSet;
 use crate::vm::VirtualMachine;
 use crate::vmi::{
-    CloudInitNoCloudSource, DiskBus, Interface, InterfaceBinding, NetworkSource,
+    CloudInitNoCloudSource, DiskBus, DiskCache, DiskIo, Interface, InterfaceBinding, NetworkSource,
     VirtualMachineInstance, VirtualMachineInstanceSpec, VolumeSource,
 };
 
@@ -249,10 +249,18 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         list(spec.utility_volumes.as_ref()),
     );
     e.unsupported(format!("{base}.domain.ioThreads"), d.io_threads.as_ref());
-    e.unsupported(
-        format!("{base}.domain.ioThreadsPolicy"),
-        d.io_threads_policy.as_ref(),
-    );
+    match d.io_threads_policy.as_deref() {
+        None | Some("shared" | "auto") => {}
+        // Spreads each disk's queues over a pool: QEMU 7.2 has no iothread-vq-mapping.
+        Some("supplementalPool") => e.add(
+            format!("{base}.domain.ioThreadsPolicy"),
+            format!("supplementalPool: {UNSUPPORTED}"),
+        ),
+        Some(p) => e.add(
+            format!("{base}.domain.ioThreadsPolicy"),
+            format!("unknown IOThreads policy {p:?} (shared, auto, supplementalPool)"),
+        ),
+    }
     e.unsupported(format!("{base}.domain.chassis"), d.chassis.as_ref());
     e.unsupported(
         format!("{base}.domain.launchSecurity"),
@@ -352,7 +360,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     e.unsupported_true(format!("{devices}.autoattachVSOCK"), dev.autoattach_vsock);
     for (field, value) in [
         ("autoattachInputDevice", dev.autoattach_input_device),
-        ("blockMultiQueue", dev.block_multi_queue),
         ("logSerialConsole", dev.log_serial_console),
         (
             "networkInterfaceMultiqueue",
@@ -374,6 +381,32 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         format!("{base}.readinessProbe"),
         spec.readiness_probe.as_ref(),
     );
+}
+
+/// A KubeVirt PCI address, `<domain>:<bus>:<slot>.<function>` in hex; only the root bus
+/// (`0000:00`) has devices placed on it.
+fn pci_address(field: String, a: &str, e: &mut Errors) {
+    let parts: Option<Vec<u32>> = a
+        .split([':', '.'])
+        .map(|p| u32::from_str_radix(p, 16).ok())
+        .collect();
+    let widths: Vec<usize> = a.split([':', '.']).map(str::len).collect();
+    match parts.as_deref() {
+        Some([domain, bus, slot, function])
+            if widths == [4, 2, 2, 1] && *slot < 32 && *function < 8 =>
+        {
+            if *domain != 0 || *bus != 0 {
+                e.add(
+                    field,
+                    format!("{a}: a bus other than 0000:00: {UNSUPPORTED}"),
+                );
+            }
+        }
+        _ => e.add(
+            field,
+            format!("{a:?} is not a PCI address (e.g. 0000:00:05.0)"),
+        ),
+    }
 }
 
 /// The clock values QEMU (through libvirt) cannot honour, KubeVirt's tick policies and tracks
@@ -930,32 +963,43 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                 ),
             );
         }
-        if let Some(io) = &disk.io {
-            let message = if io.is_known() {
-                format!("{}: {UNSUPPORTED}", io.as_str())
-            } else {
+        if let Some(io) = disk.io.as_ref().filter(|io| !io.is_known()) {
+            e.add(
+                format!("{dpath}.io"),
                 format!(
                     "unknown io mode {:?} (native, threads, default)",
                     io.as_str()
-                )
-            };
-            e.add(format!("{dpath}.io"), message);
+                ),
+            );
+        }
+        // QEMU's native AIO bypasses the host page cache, and a disk other VMs write must too.
+        let cached = disk.cache.as_ref().is_some_and(|c| *c != DiskCache::None);
+        if cached && disk.io == Some(DiskIo::Native) {
+            e.add(format!("{dpath}.io"), "native needs cache none");
+        }
+        if cached && disk.shareable == Some(true) {
+            e.add(
+                format!("{dpath}.cache"),
+                "a shareable disk needs cache none",
+            );
         }
         e.unsupported(format!("{dpath}.blockSize"), disk.block_size.as_ref());
         e.unsupported_true(
             format!("{dpath}.changedBlockTracking"),
             disk.changed_block_tracking,
         );
-        e.unsupported_true(
-            format!("{dpath}.dedicatedIOThread"),
-            disk.dedicated_io_thread,
-        );
-        e.unsupported_true(format!("{dpath}.shareable"), disk.shareable);
         e.unsupported(format!("{dpath}.tag"), disk.tag.as_ref());
-        e.unsupported(
-            format!("{dpath}.disk.pciAddress"),
-            disk.disk.as_ref().and_then(|t| t.pci_address.as_ref()),
-        );
+        if let Some(t) = &disk.disk
+            && let Some(a) = t.pci_address.as_deref()
+        {
+            pci_address(format!("{dpath}.disk.pciAddress"), a, e);
+            if t.bus.as_ref().is_some_and(|b| *b != DiskBus::Virtio) {
+                e.add(
+                    format!("{dpath}.disk.pciAddress"),
+                    "only a disk on the virtio bus has a PCI address",
+                );
+            }
+        }
         if let Some(tray) = disk.cdrom.as_ref().and_then(|c| c.tray.as_deref())
             && tray != "closed"
         {
@@ -964,13 +1008,15 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
                 format!("{tray}: {UNSUPPORTED}"),
             );
         }
-        if let Some(p) = disk.error_policy.as_deref() {
-            let message = if ["stop", "ignore", "report", "enospace"].contains(&p) {
-                format!("{p}: {UNSUPPORTED}")
-            } else {
-                format!("unknown error policy {p:?}")
-            };
-            e.add(format!("{dpath}.errorPolicy"), message);
+        if let Some(p) = disk
+            .error_policy
+            .as_deref()
+            .filter(|p| !["stop", "ignore", "report", "enospace"].contains(p))
+        {
+            e.add(
+                format!("{dpath}.errorPolicy"),
+                format!("unknown error policy {p:?} (stop, ignore, report, enospace)"),
+            );
         }
     }
     for (i, input) in dev.inputs.iter().enumerate() {

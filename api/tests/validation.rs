@@ -847,3 +847,114 @@ fn dedicated_cpus_with_guaranteed_resources_are_only_unsupported() {
         ]
     );
 }
+
+/// What QEMU cannot do with the clock and disk options kubevirt-rs implements is named at its
+/// path; KubeVirt's other values pass.
+#[test]
+fn clock_and_disk_values_qemu_cannot_honour_are_named() {
+    let cases: Vec<(&str, Value, &str, &str)> = vec![
+        (
+            "/spec/domain/clock",
+            json!({"timer": {"pit": {"tickPolicy": "merge"}}}),
+            "spec.domain.clock.timer.pit.tickPolicy",
+            "QEMU's pit has no \"merge\" tick policy",
+        ),
+        (
+            "/spec/domain/clock",
+            json!({"timer": {"rtc": {"tickPolicy": "discard"}}}),
+            "spec.domain.clock.timer.rtc.tickPolicy",
+            "QEMU's rtc has no \"discard\" tick policy",
+        ),
+        (
+            "/spec/domain/clock",
+            json!({"timer": {"rtc": {"track": "boot"}}}),
+            "spec.domain.clock.timer.rtc.track",
+            "unknown track",
+        ),
+        (
+            "/spec/domain/devices/disks/0/io",
+            json!("native"),
+            "spec.domain.devices.disks[0].io",
+            "native needs cache none",
+        ),
+        (
+            "/spec/domain/devices/disks/0/shareable",
+            json!(true),
+            "spec.domain.devices.disks[0].cache",
+            "a shareable disk needs cache none",
+        ),
+        (
+            "/spec/domain/devices/disks/0/errorPolicy",
+            json!("retry"),
+            "spec.domain.devices.disks[0].errorPolicy",
+            "unknown error policy",
+        ),
+        (
+            "/spec/domain/devices/disks/0/disk/pciAddress",
+            json!("00:05.0"),
+            "spec.domain.devices.disks[0].disk.pciAddress",
+            "is not a PCI address",
+        ),
+        (
+            "/spec/domain/devices/disks/0/disk/pciAddress",
+            json!("0000:01:05.0"),
+            "spec.domain.devices.disks[0].disk.pciAddress",
+            UNSUPPORTED,
+        ),
+        (
+            "/spec/domain/ioThreadsPolicy",
+            json!("supplementalPool"),
+            "spec.domain.ioThreadsPolicy",
+            UNSUPPORTED,
+        ),
+    ];
+    for (pointer, value, path, message) in cases {
+        let mut v = valid();
+        set(
+            &mut v,
+            "/spec/domain/devices/disks/0/cache",
+            json!("writeback"),
+        );
+        set(&mut v, pointer, value.clone());
+        let errs = errors(v, &ClusterConfig::default());
+        assert!(
+            errs.iter()
+                .any(|e| e.path == path && e.message.contains(message)),
+            "{pointer} = {value}: want {path}: ...{message}..., got {errs:#?}"
+        );
+    }
+    let mut v = valid();
+    set(
+        &mut v,
+        "/spec/domain/clock",
+        json!({"utc": {"offsetSeconds": -7200}, "timer": {
+            "pit": {"tickPolicy": "discard"}, "rtc": {"tickPolicy": "catchup", "track": "wall"},
+            "hpet": {"present": false}, "kvm": {"present": true}, "hyperv": {"present": false},
+        }}),
+    );
+    set(&mut v, "/spec/domain/ioThreadsPolicy", json!("auto"));
+    set(&mut v, "/spec/domain/devices/disks/0/cache", json!("none"));
+    set(&mut v, "/spec/domain/devices/disks/0/io", json!("native"));
+    set(
+        &mut v,
+        "/spec/domain/devices/disks/0/shareable",
+        json!(true),
+    );
+    set(
+        &mut v,
+        "/spec/domain/devices/disks/0/errorPolicy",
+        json!("enospace"),
+    );
+    set(
+        &mut v,
+        "/spec/domain/devices/disks/0/dedicatedIOThread",
+        json!(true),
+    );
+    set(
+        &mut v,
+        "/spec/domain/devices/disks/0/disk/pciAddress",
+        json!("0000:00:0a.0"),
+    );
+    set(&mut v, "/spec/domain/devices/blockMultiQueue", json!(true));
+    assert_eq!(errors(v, &ClusterConfig::default()), []);
+}

@@ -14,17 +14,17 @@ use std::path::{Path, PathBuf};
 use api::VirtualMachineInstance;
 use api::quantity;
 use api::vmi::{
-    BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskTargetKind,
-    EmptyDiskSource, FeatureState, Features, HostDisk, HostDiskType, Interface, InterfaceBinding,
-    InterfaceModel, VolumeSource,
+    BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskIo,
+    DiskTargetKind, EmptyDiskSource, FeatureState, Features, HostDisk, HostDiskType, Interface,
+    InterfaceBinding, InterfaceModel, VolumeSource,
 };
 
 use crate::paths::Dirs;
 use crate::prepare::{Prep, Seed};
 use crate::qemu::{
-    Accel, AgentChannel, CacheMode, Clock, Controllers, Cpu, Disk, DiskSource, Firmware, Frontend,
-    ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic, NicModel, QemuConfig,
-    SATA_PORTS, SerialPort, Smbios, Tablet, Vnc, Watchdog, video_device,
+    Accel, AgentChannel, Aio, CacheMode, Clock, Controllers, Cpu, Disk, DiskSource, ErrorPolicy,
+    Firmware, Frontend, ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic,
+    NicModel, QemuConfig, SATA_PORTS, SerialPort, Smbios, Tablet, Vnc, Watchdog, video_device,
 };
 
 /// A VMI the launcher cannot run, with the field that says why.
@@ -130,6 +130,7 @@ pub fn convert(
         mut controllers,
         disks,
         hotpluggable,
+        iothreads,
     } = disks(vmi, kind, dirs, host, &namespace, &name, &mut preps)?;
     let tablets = tablets(vmi)?;
     controllers.usb = tablets.iter().any(|t| t.usb);
@@ -144,6 +145,7 @@ pub fn convert(
         machine,
         cpu,
         memory,
+        iothreads,
         clock: timers.clock,
         smbios,
         firmware,
@@ -638,6 +640,7 @@ struct Storage {
     controllers: Controllers,
     disks: Vec<Disk>,
     hotpluggable: BTreeSet<String>,
+    iothreads: u32,
 }
 
 /// Converts every disk and places it: SATA units and SCSI LUNs in spec order, a root port of
@@ -658,10 +661,31 @@ fn disks(
     let mut sata_units = 0u32;
     let mut scsi_luns = 0u32;
     let mut ports_used = 0usize;
+    let mut threads = IoThreads::of(vmi)?;
     for (i, d) in devices.disks.iter().enumerate() {
         let field = format!("spec.domain.devices.disks[{i}]");
         let (mut disk, plug, prep) = disk_for(vmi, d, &field, dirs, host, namespace, name)?;
         preps.extend(prep);
+        if disk.frontend == Frontend::Virtio {
+            disk.iothread = threads.next(d.dedicated_io_thread == Some(true));
+        }
+        if let Some(a) = d.disk.as_ref().and_then(|t| t.pci_address.as_deref()) {
+            let afield = format!("{field}.disk.pciAddress");
+            if disk.frontend != Frontend::Virtio {
+                return Err(err(
+                    afield,
+                    "only a disk on the virtio bus has a PCI address",
+                ));
+            }
+            if plug {
+                return Err(err(
+                    afield,
+                    "a hotpluggable disk sits on a PCIe root port of its own",
+                ));
+            }
+            disk.pci_bus = Some(kind.root_bus().to_owned());
+            disk.pci_addr = Some(pci_slot(a).ok_or_else(|| err(afield, ROOT_BUS_ONLY))?);
+        }
         match disk.frontend {
             Frontend::Sata { .. } | Frontend::SataCdrom { .. } => {
                 if sata_units >= SATA_PORTS {
@@ -698,6 +722,13 @@ fn disks(
     if !devices.disable_hotplug.unwrap_or(false) {
         controllers.scsi = true;
     }
+    let scsi_dedicated = devices.disks.iter().any(|d| {
+        d.dedicated_io_thread == Some(true)
+            && d.target().and_then(|t| t.bus().cloned()) == Some(DiskBus::Scsi)
+    });
+    if scsi_dedicated && threads.shared > 0 {
+        controllers.scsi_iothread = Some((threads.next_shared, cpu(vmi, host.accel).vcpus()));
+    }
     if kind == MachineKind::Q35 {
         controllers.hotplug_ports = (0..ports_used + SPARE_HOTPLUG_PORTS)
             .map(hotplug_port)
@@ -707,17 +738,158 @@ fn disks(
         controllers,
         disks,
         hotpluggable,
+        iothreads: threads.total,
     })
 }
 
-fn cache(d: &VmiDisk) -> CacheMode {
-    match d.cache {
+/// KubeVirt's IOThreads (`GetIOThreadsCountType`, `assignDiskIOThread`): with a policy or a
+/// disk asking for a dedicated one, every disk counts a thread, shared ones up to the policy's
+/// limit (one for `shared`, two per requested CPU for `auto`) but at least one; virtio disks
+/// take the dedicated threads after the shared ones in turn, numbered from 1.
+#[derive(Debug, Default)]
+struct IoThreads {
+    /// How many there are; `0` when the VMI has none.
+    total: u32,
+    /// How many are shared.
+    shared: u32,
+    /// The shared thread the next disk without a dedicated one takes.
+    next_shared: u32,
+    next_dedicated: u32,
+}
+
+impl IoThreads {
+    fn of(vmi: &VirtualMachineInstance) -> Result<Self, ConvertError> {
+        let domain = &vmi.spec.domain;
+        let disks = &domain.devices.disks;
+        let dedicated = disks
+            .iter()
+            .filter(|d| d.dedicated_io_thread == Some(true))
+            .count();
+        let limit = match domain.io_threads_policy.as_deref() {
+            None if dedicated == 0 => return Ok(Self::default()),
+            None | Some("shared") => 1,
+            Some("auto") => {
+                let resources = &domain.resources;
+                let cpus = [&resources.requests, &resources.limits]
+                    .iter()
+                    .find_map(|m| m.get("cpu"))
+                    .and_then(|q| api::quantity::ParsedQuantity::from_quantity(q).ok());
+                usize::try_from(cpus.map_or(1, api::quantity::ParsedQuantity::value))
+                    .unwrap_or(1)
+                    .saturating_mul(2)
+            }
+            Some(other) => {
+                return Err(err(
+                    "spec.domain.ioThreadsPolicy",
+                    format!("{other:?} is not supported by this launcher (shared, auto)"),
+                ));
+            }
+        };
+        let mut shared = disks.len() - dedicated;
+        if shared + dedicated > limit {
+            shared = limit.saturating_sub(dedicated).max(1);
+        }
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        Ok(Self {
+            total: count(shared + dedicated),
+            shared: count(shared),
+            next_shared: 1,
+            next_dedicated: count(shared) + 1,
+        })
+    }
+
+    /// The thread of the next virtio disk, `None` when the VMI has no IOThreads.
+    fn next(&mut self, dedicated: bool) -> Option<u32> {
+        if self.total == 0 {
+            None
+        } else if dedicated {
+            self.next_dedicated += 1;
+            Some(self.next_dedicated - 1)
+        } else {
+            let t = self.next_shared;
+            self.next_shared = t % self.shared.max(1) + 1;
+            Some(t)
+        }
+    }
+}
+
+/// What a KubeVirt PCI address (`0000:00:05.0`) is on the root bus: `0x5`, `0x5.0x1`. Only
+/// the root bus exists to place a device on (libvirt adds the buses an address names; the
+/// launcher lets QEMU place everything else).
+fn pci_slot(address: &str) -> Option<String> {
+    let (domain_bus, slot_fn) = address.rsplit_once(':')?;
+    let (slot, function) = slot_fn.split_once('.')?;
+    let slot = u8::from_str_radix(slot, 16).ok().filter(|s| *s < 32)?;
+    let function = u8::from_str_radix(function, 16).ok().filter(|f| *f < 8)?;
+    let root = domain_bus
+        .split(':')
+        .all(|part| !part.is_empty() && part.bytes().all(|b| b == b'0'));
+    (root && domain_bus.len() == 7).then(|| {
+        if function == 0 {
+            format!("{slot:#x}")
+        } else {
+            format!("{slot:#x}.{function:#x}")
+        }
+    })
+}
+
+const ROOT_BUS_ONLY: &str = "is not an address on the root bus (0000:00:<slot>.<function>), the only bus this launcher places devices on";
+
+/// The host cache mode and AIO of a disk. Unset, the cache is write-back through the host page
+/// cache: KubeVirt picks `none` where the file system supports O_DIRECT, and tmpfs (common in
+/// tests and emptyDir) does not. A shareable disk and native AIO need the cache bypassed, so
+/// for them unset means `none`, as KubeVirt makes it for a shareable one. With the cache
+/// bypassed a block device gets native AIO unless `io` says otherwise (KubeVirt's
+/// `SetOptimalIOMode`, which also picks it for preallocated images: those are not examined).
+fn cache_and_aio(
+    d: &VmiDisk,
+    field: &str,
+    block_device: bool,
+) -> Result<(CacheMode, Aio), ConvertError> {
+    let native = d.io.as_ref() == Some(&DiskIo::Native);
+    let shared = d.shareable == Some(true);
+    let cache = match &d.cache {
+        None if native || shared => CacheMode::None,
         Some(DiskCache::None) => CacheMode::None,
         Some(DiskCache::WriteThrough) => CacheMode::Writethrough,
-        // Unset: write-back through the host page cache. KubeVirt picks `none` where the file
-        // system supports O_DIRECT; tmpfs (common in tests and emptyDir) does not.
         _ => CacheMode::Writeback,
+    };
+    if cache != CacheMode::None {
+        if shared {
+            return Err(err(
+                format!("{field}.cache"),
+                "a shareable disk needs cache none",
+            ));
+        }
+        if native {
+            return Err(err(
+                format!("{field}.io"),
+                "native needs cache none: QEMU's native AIO bypasses the host page cache",
+            ));
+        }
     }
+    let aio = match d.io {
+        Some(DiskIo::Native) => Aio::Native,
+        None if cache == CacheMode::None && block_device => Aio::Native,
+        _ => Aio::Threads,
+    };
+    Ok((cache, aio))
+}
+
+/// `errorPolicy`, KubeVirt's `stop` when unset.
+fn error_policy(d: &VmiDisk, field: &str) -> Result<ErrorPolicy, ConvertError> {
+    Ok(match d.error_policy.as_deref() {
+        None | Some("stop") => ErrorPolicy::Stop,
+        Some("report") => ErrorPolicy::Report,
+        Some("ignore") => ErrorPolicy::Ignore,
+        Some("enospace") => ErrorPolicy::Enospace,
+        Some(other) => {
+            return Err(err(
+                format!("{field}.errorPolicy"),
+                format!("unknown error policy {other:?} (stop, report, ignore, enospace)"),
+            ));
+        }
+    })
 }
 
 /// One VMI disk to a QEMU disk, whether it is cold-plugged or hotplugged. Returns whether the
@@ -797,16 +969,32 @@ pub fn disk_for(
             ));
         }
     };
+    let (cache, aio) = cache_and_aio(d, field, source.block_device)?;
+    let share_rw = d.shareable == Some(true);
+    if share_rw && d.disk.is_none() {
+        return Err(err(
+            format!("{field}.shareable"),
+            "only a disk target can be shared",
+        ));
+    }
+    let multi_queue = vmi.spec.domain.devices.block_multi_queue == Some(true);
     Ok((
         Disk {
             name: d.name.clone(),
             source,
             frontend,
             read_only,
-            cache: cache(d),
+            cache,
             boot_index: d.boot_order,
             serial: d.serial.clone(),
             pci_bus: None,
+            pci_addr: None,
+            aio,
+            error_policy: error_policy(d, field)?,
+            share_rw,
+            iothread: None,
+            num_queues: (multi_queue && frontend == Frontend::Virtio)
+                .then(|| cpu(vmi, host.accel).vcpus()),
         },
         hotplug,
         preps,

@@ -761,3 +761,203 @@ fn features_render_on_the_machine_and_the_cpu() {
     .unwrap_err();
     assert_eq!(e.field, "spec.domain.features.pvspinlock");
 }
+
+/// The `-blockdev` and `-device` arguments of disk `name`.
+fn disk_args(argv: &[String], name: &str) -> (String, String) {
+    let node = format!("node-name={}", crate::qemu::node_name(name));
+    let id = format!(",id=ua-{name},");
+    let find = |flag: &str, needle: &str| {
+        argv.windows(2)
+            .find(|w| w[0] == flag && w[1].contains(needle))
+            .map_or_else(
+                || panic!("no {flag} with {needle} in {argv:?}"),
+                |w| w[1].clone(),
+            )
+    };
+    (find("-blockdev", &node), find("-device", &id))
+}
+
+#[test]
+fn disk_io_error_policy_and_sharing() {
+    let mut s = base_spec();
+    let disks = &mut s["domain"]["devices"]["disks"];
+    disks[0]["io"] = "native".into();
+    disks[0]["errorPolicy"] = "report".into();
+    disks[2]["errorPolicy"] = "enospace".into();
+    disks[2]["io"] = "threads".into();
+    disks[3]["shareable"] = true.into();
+    disks[3]["errorPolicy"] = "ignore".into();
+    let argv = conv(s.clone()).unwrap().config.argv();
+    // Native AIO bypasses the host page cache, so an unset cache is none.
+    let (blockdev, device) = disk_args(&argv, "root");
+    assert!(
+        blockdev.contains("cache.direct=on") && blockdev.ends_with("file.aio=native"),
+        "{blockdev}"
+    );
+    assert!(device.contains(",werror=report,rerror=report"), "{device}");
+    // enospace is QEMU's enospc, for writes only.
+    let (blockdev, device) = disk_args(&argv, "scratch");
+    assert!(blockdev.ends_with("file.aio=threads"), "{blockdev}");
+    assert!(device.ends_with(",werror=enospc"), "{device}");
+    // A shareable disk is opened for other writers, and bypasses the cache as KubeVirt makes it.
+    let (blockdev, device) = disk_args(&argv, "ci");
+    assert!(blockdev.contains("cache.direct=on"), "{blockdev}");
+    assert!(
+        device.ends_with(",werror=ignore,rerror=ignore,share-rw=on"),
+        "{device}"
+    );
+    // KubeVirt's default error policy is stop, on every disk.
+    let (_, device) = disk_args(&argv, "cd");
+    assert!(device.ends_with(",werror=stop,rerror=stop"), "{device}");
+
+    let cases: Vec<(Mutation, &str)> = vec![
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][0]["cache"] = "writeback".into()),
+            "spec.domain.devices.disks[0].io",
+        ),
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][3]["cache"] = "writethrough".into()),
+            "spec.domain.devices.disks[3].cache",
+        ),
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][1]["shareable"] = true.into()),
+            "spec.domain.devices.disks[1].shareable",
+        ),
+        (
+            Box::new(|s| s["domain"]["devices"]["disks"][2]["errorPolicy"] = "retry".into()),
+            "spec.domain.devices.disks[2].errorPolicy",
+        ),
+    ];
+    for (mutate, field) in cases {
+        let mut bad = s.clone();
+        mutate(&mut bad);
+        assert_eq!(conv(bad).unwrap_err().field, field);
+    }
+
+    // KubeVirt gives a block device whose cache is bypassed native AIO unless io says otherwise.
+    let mut s = base_spec();
+    s["domain"]["devices"]["disks"] = serde_json::json!([
+        {"name": "blk", "disk": {}, "cache": "none"},
+        {"name": "threads", "disk": {}, "cache": "none", "io": "threads"},
+    ]);
+    s["volumes"] = serde_json::json!([
+        {"name": "blk", "persistentVolumeClaim": {"claimName": "b"}},
+        {"name": "threads", "persistentVolumeClaim": {"claimName": "t"}},
+    ]);
+    let mut h = host();
+    h.block_volumes.extend(["blk".into(), "threads".into()]);
+    let argv = convert(&vmi(s), &dirs(), &h).unwrap().config.argv();
+    assert!(disk_args(&argv, "blk").0.ends_with("file.aio=native"));
+    assert!(disk_args(&argv, "threads").0.ends_with("file.aio=threads"));
+}
+
+#[test]
+fn block_multi_queue_gives_virtio_disks_a_queue_per_vcpu() {
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"sockets": 2, "cores": 2, "threads": 1});
+    s["domain"]["devices"]["blockMultiQueue"] = true.into();
+    let argv = conv(s).unwrap().config.argv();
+    assert!(disk_args(&argv, "root").1.contains(",num-queues=4"));
+    assert!(!disk_args(&argv, "scratch").1.contains("num-queues"));
+    let argv = conv(base_spec()).unwrap().config.argv();
+    assert!(!disk_args(&argv, "root").1.contains("num-queues"));
+}
+
+#[test]
+fn io_threads_are_shared_or_dedicated_as_kubevirt_assigns_them() {
+    let objects = |argv: &[String]| {
+        argv.windows(2)
+            .filter(|w| w[0] == "-object" && w[1].starts_with("iothread,"))
+            .map(|w| w[1].clone())
+            .collect::<Vec<_>>()
+    };
+    let iothread = |argv: &[String], name: &str| {
+        let device = disk_args(argv, name).1;
+        device
+            .split(',')
+            .find_map(|p| p.strip_prefix("iothread=").map(str::to_owned))
+    };
+    // No policy and no dedicated disk: no IOThreads.
+    let argv = conv(base_spec()).unwrap().config.argv();
+    assert!(objects(&argv).is_empty());
+    assert_eq!(iothread(&argv, "root"), None);
+
+    // One dedicated disk: every other disk shares thread 1 (the shared policy's limit), the
+    // dedicated one takes the next; sata and cdrom disks count but take none.
+    let mut s = base_spec();
+    s["domain"]["devices"]["disks"][3]["dedicatedIOThread"] = true.into();
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert_eq!(
+        objects(&argv),
+        ["iothread,id=iothread1", "iothread,id=iothread2"]
+    );
+    assert_eq!(iothread(&argv, "root").as_deref(), Some("iothread1"));
+    assert_eq!(iothread(&argv, "ci").as_deref(), Some("iothread2"));
+    assert_eq!(iothread(&argv, "scratch"), None);
+
+    // auto: two threads per requested CPU, handed out in turn.
+    s["domain"]["ioThreadsPolicy"] = "auto".into();
+    s["domain"]["resources"]["requests"]["cpu"] = "1".into();
+    s["domain"]["devices"]["disks"] = serde_json::json!([
+        {"name": "root", "disk": {}}, {"name": "cd", "disk": {}},
+        {"name": "scratch", "disk": {}}, {"name": "ci", "disk": {}},
+    ]);
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert_eq!(objects(&argv).len(), 2);
+    let threads: Vec<_> = ["root", "cd", "scratch", "ci"]
+        .iter()
+        .map(|d| iothread(&argv, d).unwrap())
+        .collect();
+    assert_eq!(
+        threads,
+        ["iothread1", "iothread2", "iothread1", "iothread2"]
+    );
+
+    // A SCSI disk with a dedicated thread puts the SCSI controller on the shared thread after
+    // those the virtio disks took (2 CPUs: 3 shared threads, the 4th dedicated), with a queue
+    // per vCPU.
+    s["domain"]["resources"]["requests"]["cpu"] = "2".into();
+    s["domain"]["devices"]["disks"][1] =
+        serde_json::json!({"name": "cd", "disk": {"bus": "scsi"}, "dedicatedIOThread": true});
+    s["domain"]["devices"]["disks"][3]["disk"]["bus"] = "sata".into();
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert_eq!(objects(&argv).len(), 4);
+    assert_eq!(iothread(&argv, "scratch").as_deref(), Some("iothread2"));
+    assert!(
+        argv.iter()
+            .any(|a| a == "virtio-scsi-pci,id=scsi0,iothread=iothread3,num_queues=1"),
+        "{argv:?}"
+    );
+    s["domain"]["ioThreadsPolicy"] = "supplementalPool".into();
+    assert_eq!(conv(s).unwrap_err().field, "spec.domain.ioThreadsPolicy");
+}
+
+#[test]
+fn disk_pci_addresses_are_on_the_root_bus_before_other_devices() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["disks"][3]["disk"]["pciAddress"] = "0000:00:0a.0".into();
+    s["domain"]["devices"]["disks"][0]["disk"]["pciAddress"] = "0000:00:1e.3".into();
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert!(disk_args(&argv, "ci").1.contains(",bus=pcie.0,addr=0xa,"));
+    assert!(
+        disk_args(&argv, "root")
+            .1
+            .contains(",bus=pcie.0,addr=0x1e.0x3,")
+    );
+    // Placed before the controllers, whose slots QEMU picks around them.
+    let position = |needle: &str| argv.iter().position(|a| a.contains(needle)).unwrap();
+    assert!(position("addr=0xa") < position("ahci,id=sata0"));
+    s["domain"]["machine"] = serde_json::json!({"type": "pc"});
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert!(disk_args(&argv, "ci").1.contains(",bus=pci.0,addr=0xa,"));
+
+    for (address, bus) in [("0000:01:00.0", "virtio"), ("0000:00:03.0", "sata")] {
+        let mut bad = base_spec();
+        bad["domain"]["devices"]["disks"][3]["disk"] =
+            serde_json::json!({"bus": bus, "pciAddress": address});
+        assert_eq!(
+            conv(bad).unwrap_err().field,
+            "spec.domain.devices.disks[3].disk.pciAddress"
+        );
+    }
+}

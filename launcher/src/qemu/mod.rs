@@ -43,6 +43,14 @@ impl MachineKind {
             MachineKind::Pc => "pc",
         }
     }
+
+    /// The bus of the machine's host bridge.
+    pub fn root_bus(self) -> &'static str {
+        match self {
+            MachineKind::Q35 => "pcie.0",
+            MachineKind::Pc => "pci.0",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -355,6 +363,42 @@ impl CacheMode {
     }
 }
 
+/// How QEMU submits a disk's I/O to the host (`aio=`): a thread pool, or Linux native AIO,
+/// which needs the host page cache bypassed (cache `none`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Aio {
+    #[default]
+    Threads,
+    Native,
+}
+
+/// What the guest's disk does on an I/O error (libvirt's `error_policy`, KubeVirt's
+/// `errorPolicy`, `stop` by KubeVirt's default): pause the VM, report the error to the guest,
+/// ignore it, or pause only when the host is out of space.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ErrorPolicy {
+    #[default]
+    Stop,
+    Report,
+    Ignore,
+    Enospace,
+}
+
+impl ErrorPolicy {
+    /// `werror` and `rerror` as libvirt sets them: the same policy for both, but QEMU spells
+    /// `enospace` `enospc` and has it for writes only.
+    fn werror_rerror(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            ErrorPolicy::Stop => ("stop", Some("stop")),
+            ErrorPolicy::Report => ("report", Some("report")),
+            ErrorPolicy::Ignore => ("ignore", Some("ignore")),
+            ErrorPolicy::Enospace => ("enospc", None),
+        }
+    }
+}
+
 /// Where a disk's bytes live on the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskSource {
@@ -421,6 +465,22 @@ pub struct Disk {
     pub serial: Option<String>,
     /// PCI bus for the device (a hotplug root port on q35); `None` lets QEMU choose.
     pub pci_bus: Option<String>,
+    /// Slot and function on `pci_bus` (`0x5.0x0`); `None` lets QEMU choose.
+    #[serde(default)]
+    pub pci_addr: Option<String>,
+    #[serde(default)]
+    pub aio: Aio,
+    #[serde(default)]
+    pub error_policy: ErrorPolicy,
+    /// Other VMs may write the image at the same time (`share-rw=on`).
+    #[serde(default)]
+    pub share_rw: bool,
+    /// The IOThread (`iothread<n>`) a virtio disk runs its I/O in.
+    #[serde(default)]
+    pub iothread: Option<u32>,
+    /// Virtio request queues (`num-queues`); `None` is QEMU's default.
+    #[serde(default)]
+    pub num_queues: Option<u32>,
 }
 
 impl Disk {
@@ -454,7 +514,13 @@ impl Disk {
                 },
             )
             .set("file.filename", path_str(&self.source.path))
-            .set("file.aio", "threads")
+            .set(
+                "file.aio",
+                match self.aio {
+                    Aio::Threads => "threads",
+                    Aio::Native => "native",
+                },
+            )
     }
 
     /// The guest device, without its driver name (see [`Disk::driver`]).
@@ -463,7 +529,11 @@ impl Disk {
             .set("id", self.device_id())
             .set("drive", self.node_name());
         p = match self.frontend {
-            Frontend::Virtio => p.set_opt("bus", self.pci_bus.as_ref()),
+            Frontend::Virtio => p
+                .set_opt("bus", self.pci_bus.as_ref())
+                .set_opt("addr", self.pci_addr.as_ref())
+                .set_opt("iothread", self.iothread.map(iothread_id))
+                .set_opt("num-queues", self.num_queues),
             Frontend::Sata { unit } | Frontend::SataCdrom { unit } => {
                 p.set("bus", format!("{SATA_CONTROLLER}.{unit}"))
             }
@@ -476,8 +546,12 @@ impl Disk {
         if !self.frontend.is_cdrom() {
             p = p.set("write-cache", self.cache.write_cache());
         }
+        let (werror, rerror) = self.error_policy.werror_rerror();
         p.set_opt("serial", self.serial.as_ref())
             .set_opt("bootindex", self.boot_index)
+            .set("werror", werror)
+            .set_opt("rerror", rerror)
+            .set_opt("share-rw", self.share_rw.then_some(true))
     }
 
     pub fn driver(&self) -> &'static str {
@@ -508,6 +582,11 @@ impl Args for Disk {
         push(argv, "-blockdev", self.blockdev().keyval());
         push(argv, "-device", self.device().keyval_with(self.driver()));
     }
+}
+
+/// The id of IOThread `n`, numbered from 1 as libvirt numbers them.
+pub fn iothread_id(n: u32) -> String {
+    format!("iothread{n}")
 }
 
 pub fn device_id(name: &str) -> String {
@@ -753,6 +832,9 @@ impl Args for Monitor {
 pub struct Controllers {
     pub sata: bool,
     pub scsi: bool,
+    /// The IOThread the SCSI controller runs in and its request queues (one per vCPU), as
+    /// KubeVirt asks when a SCSI disk wants a dedicated IOThread.
+    pub scsi_iothread: Option<(u32, u32)>,
     pub usb: bool,
     /// Empty PCIe root ports kept free for hotplugging virtio disks (q35 only: on pc the root
     /// bus itself takes hotplugged devices).
@@ -765,11 +847,11 @@ impl Args for Controllers {
             push(argv, "-device", format!("ahci,id={SATA_CONTROLLER}"));
         }
         if self.scsi {
-            push(
-                argv,
-                "-device",
-                format!("virtio-scsi-pci,id={SCSI_CONTROLLER}"),
-            );
+            let p = Props::new()
+                .set("id", SCSI_CONTROLLER)
+                .set_opt("iothread", self.scsi_iothread.map(|(t, _)| iothread_id(t)))
+                .set_opt("num_queues", self.scsi_iothread.map(|(_, q)| q));
+            push(argv, "-device", p.keyval_with("virtio-scsi-pci"));
         }
         if self.usb {
             push(argv, "-device", format!("qemu-xhci,id={USB_CONTROLLER}"));
@@ -792,6 +874,8 @@ pub struct QemuConfig {
     pub machine: Machine,
     pub cpu: Cpu,
     pub memory: Memory,
+    /// IOThreads `iothread1`..`iothread<n>`.
+    pub iothreads: u32,
     pub clock: Clock,
     pub smbios: Smbios,
     pub firmware: Firmware,
@@ -837,6 +921,9 @@ impl QemuConfig {
         );
         self.cpu.push_args(&mut a);
         self.memory.push_args(&mut a);
+        for n in 1..=self.iothreads {
+            push(&mut a, "-object", format!("iothread,id={}", iothread_id(n)));
+        }
         self.clock.push_args(&mut a);
         self.smbios.push_args(&mut a);
         self.firmware.push_args(&mut a);
@@ -849,8 +936,15 @@ impl QemuConfig {
             "-mon",
             "chardev=charmonitor,id=monitor,mode=control".to_owned(),
         );
+        // Devices at a fixed PCI address come before any QEMU places, which then places those
+        // around them instead of taking their slots first.
+        let (pinned, placed): (Vec<&Disk>, Vec<&Disk>) =
+            self.disks.iter().partition(|d| d.pci_addr.is_some());
+        for d in pinned {
+            d.push_args(&mut a);
+        }
         self.controllers.push_args(&mut a);
-        for d in &self.disks {
+        for d in placed {
             d.push_args(&mut a);
         }
         for n in &self.nics {
@@ -933,6 +1027,12 @@ mod tests {
             boot_index: Some(1),
             serial: Some("SER,1".to_owned()),
             pci_bus: None,
+            pci_addr: None,
+            aio: Aio::Threads,
+            error_policy: ErrorPolicy::Stop,
+            share_rw: false,
+            iothread: None,
+            num_queues: None,
         }
     }
 
@@ -954,7 +1054,7 @@ mod tests {
                 "-device".to_owned(),
                 format!(
                     "virtio-blk-pci,id=ua-root,drive={node},write-cache=off,serial=SER,,1,\
-                     bootindex=1"
+                     bootindex=1,werror=stop,rerror=stop"
                 ),
             ]
         );

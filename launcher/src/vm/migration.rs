@@ -628,6 +628,12 @@ mod tests {
             boot_index: None,
             serial: None,
             pci_bus: None,
+            pci_addr: None,
+            aio: crate::qemu::Aio::Threads,
+            error_policy: crate::qemu::ErrorPolicy::Stop,
+            share_rw: false,
+            iothread: None,
+            num_queues: None,
         }
     }
 

@@ -185,6 +185,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     field(
+        "spec.domain.devices.autoattachInputDevice",
+        "launcher/src/convert/tests.rs::autoattach_input_device_adds_kubevirts_usb_tablet",
+    ),
+    field(
         "spec.domain.devices.autoattachPodInterface",
         "api/tests/defaults.rs::defaults_match_kubevirts",
     ),
@@ -257,6 +261,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::interfaces_use_taps_by_position",
     ),
     field(
+        "spec.domain.devices.interfaces[].acpiIndex",
+        "launcher/src/convert/tests.rs::interfaces_take_pci_addresses_and_acpi_indexes",
+    ),
+    field(
         "spec.domain.devices.interfaces[].bridge",
         "launcher/tests/network.rs::guest_bridge_gets_the_pod_address",
     ),
@@ -275,6 +283,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.devices.interfaces[].name",
         "launcher/src/convert/tests.rs::interfaces_use_taps_by_position",
+    ),
+    field(
+        "spec.domain.devices.interfaces[].pciAddress",
+        "launcher/src/convert/tests.rs::interfaces_take_pci_addresses_and_acpi_indexes",
     ),
     field(
         "spec.domain.devices.interfaces[].ports",
@@ -307,6 +319,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.devices.inputs[].type",
         "launcher/tests/guest.rs::guest_every_device_kind_is_accepted_by_qemu",
+    ),
+    field(
+        "spec.domain.devices.useVirtioTransitional",
+        "launcher/src/convert/tests.rs::virtio_devices_are_modern_only_unless_transitional_is_asked_for",
     ),
     field(
         "spec.domain.devices.video",
@@ -652,7 +668,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.cpu.isolateEmulatorThread"),
     refused("spec.domain.cpu.numa"),
     refused("spec.domain.cpu.realtime"),
-    refused("spec.domain.devices.autoattachInputDevice"),
     refused("spec.domain.devices.autoattachVSOCK"),
     refused("spec.domain.devices.clientPassthrough"),
     refused("spec.domain.devices.disks[].blockSize"),
@@ -664,13 +679,11 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.filesystems"),
     refused("spec.domain.devices.gpus"),
     refused("spec.domain.devices.hostDevices"),
-    refused("spec.domain.devices.interfaces[].acpiIndex"),
     refused("spec.domain.devices.interfaces[].binding"),
     refused("spec.domain.devices.interfaces[].dhcpOptions"),
     discontinued("spec.domain.devices.interfaces[].macvtap"),
     discontinued("spec.domain.devices.interfaces[].passt"),
     refused("spec.domain.devices.interfaces[].passtBinding"),
-    refused("spec.domain.devices.interfaces[].pciAddress"),
     refused("spec.domain.devices.interfaces[].portRanges"),
     discontinued("spec.domain.devices.interfaces[].slirp"),
     refused("spec.domain.devices.interfaces[].sriov"),
@@ -681,7 +694,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.panicDevices"),
     refused("spec.domain.devices.sound"),
     refused("spec.domain.devices.tpm"),
-    refused("spec.domain.devices.useVirtioTransitional"),
     refused("spec.domain.devices.watchdog.diag288"),
     refused_value("spec.domain.features.apic.enabled", "false"),
     refused("spec.domain.features.apic.endOfInterrupt"),

@@ -359,13 +359,11 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     e.unsupported(format!("{devices}.tpm"), dev.tpm.as_ref());
     e.unsupported_true(format!("{devices}.autoattachVSOCK"), dev.autoattach_vsock);
     for (field, value) in [
-        ("autoattachInputDevice", dev.autoattach_input_device),
         ("logSerialConsole", dev.log_serial_console),
         (
             "networkInterfaceMultiqueue",
             dev.network_interface_multiqueue,
         ),
-        ("useVirtioTransitional", dev.use_virtio_transitional),
     ] {
         e.unsupported_true(format!("{devices}.{field}"), value);
     }
@@ -1487,7 +1485,9 @@ fn interface<'a>(
     }
     e.unsupported(format!("{ipath}.portRanges"), iface.port_ranges.as_ref());
     e.unsupported(format!("{ipath}.dhcpOptions"), iface.dhcp_options.as_ref());
-    e.unsupported(format!("{ipath}.pciAddress"), iface.pci_address.as_ref());
+    if let Some(a) = iface.pci_address.as_deref() {
+        pci_address(format!("{ipath}.pciAddress"), a, e);
+    }
     e.unsupported(format!("{ipath}.tag"), iface.tag.as_ref());
     match iface.state.as_deref() {
         None | Some("up" | "") => {}
@@ -1499,13 +1499,11 @@ fn interface<'a>(
             format!("interface state {s:?} is unsupported (up, down, absent)"),
         ),
     }
-    if let Some(a) = iface.acpi_index {
-        let message = if (1..16 * 1024).contains(&a) {
-            UNSUPPORTED
-        } else {
-            "must be between 1 and 16383"
-        };
-        e.add(format!("{ipath}.acpiIndex"), message);
+    if iface
+        .acpi_index
+        .is_some_and(|a| !(1..16 * 1024).contains(&a))
+    {
+        e.add(format!("{ipath}.acpiIndex"), "must be between 1 and 16383");
     }
 }
 

@@ -24,7 +24,8 @@ use crate::prepare::{Prep, Seed};
 use crate::qemu::{
     Accel, AgentChannel, Aio, CacheMode, Clock, Controllers, Cpu, Disk, DiskSource, ErrorPolicy,
     Firmware, Frontend, ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic,
-    NicModel, QemuConfig, SATA_PORTS, SerialPort, Smbios, Tablet, Vnc, Watchdog, video_device,
+    NicModel, QemuConfig, SATA_PORTS, SerialPort, Smbios, Tablet, VirtioModel, Vnc, Watchdog,
+    video_device,
 };
 
 /// A VMI the launcher cannot run, with the field that says why.
@@ -134,9 +135,11 @@ pub fn convert(
     } = disks(vmi, kind, dirs, host, &namespace, &name, &mut preps)?;
     let tablets = tablets(vmi)?;
     controllers.usb = tablets.iter().any(|t| t.usb);
+    let virtio = virtio_model(vmi);
+    controllers.virtio = virtio;
     let mut nics = Vec::new();
     for (i, iface) in vmi.spec.domain.devices.interfaces.iter().enumerate() {
-        nics.push(nic(vmi, i, iface, &uid, host, &mut preps)?);
+        nics.push(nic(vmi, kind, i, iface, &uid, host, &mut preps)?);
     }
 
     let devices = &vmi.spec.domain.devices;
@@ -162,6 +165,7 @@ pub fn convert(
             }),
         agent: Some(AgentChannel {
             socket: dirs.agent_socket(&uid),
+            virtio,
         }),
         vnc: if devices.autoattach_graphics_device.unwrap_or(true) {
             Some(Vnc {
@@ -173,6 +177,7 @@ pub fn convert(
         },
         rng: devices.rng.is_some(),
         balloon: devices.autoattach_mem_balloon.unwrap_or(true),
+        virtio,
         watchdog: watchdog(vmi)?,
         tablets,
         incoming: false,
@@ -225,11 +230,27 @@ fn video(vmi: &VirtualMachineInstance) -> Result<&'static str, ConvertError> {
     })
 }
 
-/// The tablets of `inputs`, on USB (KubeVirt's default bus) or virtio.
+/// The virtio devices' model: transitional for `useVirtioTransitional`, else modern only, as
+/// KubeVirt's amd64 converter picks it.
+fn virtio_model(vmi: &VirtualMachineInstance) -> VirtioModel {
+    if vmi.spec.domain.devices.use_virtio_transitional == Some(true) {
+        VirtioModel::Transitional
+    } else {
+        VirtioModel::NonTransitional
+    }
+}
+
+/// The tablets of `inputs`, on USB (KubeVirt's default bus) or virtio. Without inputs,
+/// `autoattachInputDevice` gives the USB tablet `default-0` KubeVirt's VM controller adds.
 fn tablets(vmi: &VirtualMachineInstance) -> Result<Vec<Tablet>, ConvertError> {
-    vmi.spec
-        .domain
-        .devices
+    let devices = &vmi.spec.domain.devices;
+    if devices.inputs.is_empty() && devices.wants_input_device() {
+        return Ok(vec![Tablet {
+            name: "default-0".to_owned(),
+            usb: true,
+        }]);
+    }
+    devices
         .inputs
         .iter()
         .enumerate()
@@ -995,6 +1016,7 @@ pub fn disk_for(
             iothread: None,
             num_queues: (multi_queue && frontend == Frontend::Virtio)
                 .then(|| cpu(vmi, host.accel).vcpus()),
+            virtio: virtio_model(vmi),
         },
         hotplug,
         preps,
@@ -1267,6 +1289,7 @@ fn cloud_init_data(
 /// MAC and MTU phase 1 cached.
 fn nic(
     vmi: &VirtualMachineInstance,
+    kind: MachineKind,
     i: usize,
     iface: &Interface,
     uid: &str,
@@ -1321,6 +1344,20 @@ fn nic(
                 "is not a MAC address (e.g. de:ad:00:00:be:af)",
             )
         })?;
+    let pci_addr = iface
+        .pci_address
+        .as_deref()
+        .map(|a| pci_slot(a).ok_or_else(|| err(format!("{field}.pciAddress"), ROOT_BUS_ONLY)))
+        .transpose()?;
+    let acpi_index = iface
+        .acpi_index
+        .map(|a| {
+            u32::try_from(a)
+                .ok()
+                .filter(|a| (1..16 * 1024).contains(a))
+                .ok_or_else(|| err(format!("{field}.acpiIndex"), "must be between 1 and 16383"))
+        })
+        .transpose()?;
     Ok(Nic {
         name: iface.name.clone(),
         model,
@@ -1328,6 +1365,10 @@ fn nic(
         mac: Some(network::plan::format_mac(mac)),
         mtu: cached.map(|c| c.mtu),
         boot_index: iface.boot_order,
+        virtio: virtio_model(vmi),
+        pci_bus: pci_addr.as_ref().map(|_| kind.root_bus()),
+        pci_addr,
+        acpi_index,
     })
 }
 

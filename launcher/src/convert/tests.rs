@@ -454,9 +454,10 @@ fn interfaces_use_taps_by_position() {
     assert_eq!(p.config.nics[1].model, NicModel::E1000);
     let joined = p.config.argv().join(" ");
     assert!(joined.contains("-netdev tap,id=netdev-default,ifname=tap0,script=no,downscript=no"));
-    assert!(
-        joined.contains("virtio-net-pci,id=ua-default,netdev=netdev-default,mac=02:00:00:00:00:01")
-    );
+    assert!(joined.contains(
+        "virtio-net-pci-non-transitional,id=ua-default,netdev=netdev-default,\
+             mac=02:00:00:00:00:01"
+    ));
 }
 
 proptest! {
@@ -535,7 +536,8 @@ fn interfaces_take_mac_and_mtu_from_phase_one() {
     // A bridged guest takes the pod's MAC; virtio is told the pod's MTU.
     assert!(
         joined.contains(
-            "virtio-net-pci,id=ua-default,netdev=netdev-default,mac=0a:58:0a:f4:00:05,host_mtu=1400"
+            "virtio-net-pci-non-transitional,id=ua-default,netdev=netdev-default,\
+             mac=0a:58:0a:f4:00:05,host_mtu=1400"
         ),
         "{joined}"
     );
@@ -925,7 +927,8 @@ fn io_threads_are_shared_or_dedicated_as_kubevirt_assigns_them() {
     assert_eq!(iothread(&argv, "scratch").as_deref(), Some("iothread2"));
     assert!(
         argv.iter()
-            .any(|a| a == "virtio-scsi-pci,id=scsi0,iothread=iothread3,num_queues=1"),
+            .any(|a| a
+                == "virtio-scsi-pci-non-transitional,id=scsi0,iothread=iothread3,num_queues=1"),
         "{argv:?}"
     );
     s["domain"]["ioThreadsPolicy"] = "supplementalPool".into();
@@ -960,4 +963,118 @@ fn disk_pci_addresses_are_on_the_root_bus_before_other_devices() {
             "spec.domain.devices.disks[3].disk.pciAddress"
         );
     }
+}
+
+#[test]
+fn virtio_devices_are_modern_only_unless_transitional_is_asked_for() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["rng"] = serde_json::json!({});
+    s["domain"]["devices"]["interfaces"] =
+        serde_json::json!([{"name": "default", "masquerade": {}}]);
+    s["networks"] = serde_json::json!([{"name": "default", "pod": {}}]);
+    let virtio = [
+        "virtio-blk-pci",
+        "virtio-scsi-pci",
+        "virtio-serial-pci",
+        "virtio-net-pci",
+        "virtio-rng-pci",
+        "virtio-balloon-pci",
+    ];
+    let drivers = |s: serde_json::Value| {
+        conv(s)
+            .unwrap()
+            .config
+            .argv()
+            .windows(2)
+            .filter(|w| w[0] == "-device")
+            .map(|w| w[1].split(',').next().unwrap().to_owned())
+            .collect::<BTreeSet<_>>()
+    };
+    // KubeVirt's default model is virtio-non-transitional.
+    let found = drivers(s.clone());
+    for device in virtio {
+        assert!(
+            found.contains(&format!("{device}-non-transitional")),
+            "{device}: {found:?}"
+        );
+    }
+    s["domain"]["devices"]["useVirtioTransitional"] = true.into();
+    let found = drivers(s);
+    for device in virtio {
+        assert!(
+            found.contains(&format!("{device}-transitional")),
+            "{device}: {found:?}"
+        );
+        assert!(!found.contains(device), "{device}: {found:?}");
+    }
+}
+
+#[test]
+fn interfaces_take_pci_addresses_and_acpi_indexes() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["interfaces"] = serde_json::json!([
+        {"name": "default", "masquerade": {}, "pciAddress": "0000:00:0b.0", "acpiIndex": 3},
+        {"name": "second", "bridge": {}, "model": "e1000", "acpiIndex": 16383},
+    ]);
+    s["networks"] = serde_json::json!([
+        {"name": "default", "pod": {}},
+        {"name": "second", "multus": {"networkName": "n"}},
+    ]);
+    let argv = conv(s.clone()).unwrap().config.argv();
+    let device = |id: &str| {
+        argv.iter()
+            .position(|a| a.contains(&format!(",id=ua-{id},")))
+            .unwrap()
+    };
+    assert!(
+        argv[device("default")].ends_with(",bus=pcie.0,addr=0xb,acpi-index=3"),
+        "{argv:?}"
+    );
+    assert!(
+        argv[device("second")].ends_with(",acpi-index=16383"),
+        "{argv:?}"
+    );
+    // Placed before the devices QEMU places.
+    let controller = argv.iter().position(|a| a.starts_with("ahci,")).unwrap();
+    assert!(device("default") < controller && controller < device("second"));
+    for (iface, field) in [
+        (
+            serde_json::json!({"name": "default", "masquerade": {}, "pciAddress": "0000:02:01.0"}),
+            "spec.domain.devices.interfaces[0].pciAddress",
+        ),
+        (
+            serde_json::json!({"name": "default", "masquerade": {}, "acpiIndex": 0}),
+            "spec.domain.devices.interfaces[0].acpiIndex",
+        ),
+    ] {
+        let mut bad = s.clone();
+        bad["domain"]["devices"]["interfaces"] = serde_json::json!([iface]);
+        assert_eq!(conv(bad).unwrap_err().field, field);
+    }
+}
+
+#[test]
+fn autoattach_input_device_adds_kubevirts_usb_tablet() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["autoattachInputDevice"] = true.into();
+    let argv = conv(s.clone()).unwrap().config.argv();
+    for pair in [
+        ["-device", "qemu-xhci,id=usb0"],
+        ["-device", "usb-tablet,id=ua-default-0,bus=usb0.0"],
+    ] {
+        assert!(argv.windows(2).any(|w| w == pair), "{pair:?} in {argv:?}");
+    }
+    // Inputs given are all there is, as KubeVirt adds its tablet only to a VMI without any.
+    s["domain"]["devices"]["inputs"] =
+        serde_json::json!([{"name": "t", "type": "tablet", "bus": "virtio"}]);
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert!(
+        !argv
+            .iter()
+            .any(|a| a.contains("default-0") || a.contains("xhci"))
+    );
+    s["domain"]["devices"]["inputs"] = serde_json::json!([]);
+    s["domain"]["devices"]["autoattachInputDevice"] = false.into();
+    let argv = conv(s).unwrap().config.argv();
+    assert!(!argv.iter().any(|a| a.contains("tablet")));
 }

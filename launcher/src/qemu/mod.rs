@@ -363,6 +363,26 @@ impl CacheMode {
     }
 }
 
+/// KubeVirt's virtio model: modern-only devices (`virtio-non-transitional`, its default) or
+/// transitional ones, which legacy (virtio 0.9) drivers also find (`useVirtioTransitional`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum VirtioModel {
+    #[default]
+    NonTransitional,
+    Transitional,
+}
+
+impl VirtioModel {
+    /// QEMU's device in this model for the virtio PCI device `base` (`virtio-blk-pci`).
+    pub fn device(self, base: &str) -> String {
+        match self {
+            VirtioModel::NonTransitional => format!("{base}-non-transitional"),
+            VirtioModel::Transitional => format!("{base}-transitional"),
+        }
+    }
+}
+
 /// How QEMU submits a disk's I/O to the host (`aio=`): a thread pool, or Linux native AIO,
 /// which needs the host page cache bypassed (cache `none`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -481,6 +501,8 @@ pub struct Disk {
     /// Virtio request queues (`num-queues`); `None` is QEMU's default.
     #[serde(default)]
     pub num_queues: Option<u32>,
+    #[serde(default)]
+    pub virtio: VirtioModel,
 }
 
 impl Disk {
@@ -554,14 +576,15 @@ impl Disk {
             .set_opt("share-rw", self.share_rw.then_some(true))
     }
 
-    pub fn driver(&self) -> &'static str {
+    pub fn driver(&self) -> String {
         match self.frontend {
-            Frontend::Virtio => "virtio-blk-pci",
+            Frontend::Virtio => return self.virtio.device("virtio-blk-pci"),
             Frontend::Sata { .. } => "ide-hd",
             Frontend::SataCdrom { .. } => "ide-cd",
             Frontend::Scsi { .. } => "scsi-hd",
             Frontend::ScsiCdrom { .. } => "scsi-cd",
         }
+        .to_owned()
     }
 
     /// Arguments for `blockdev-add`.
@@ -572,7 +595,7 @@ impl Disk {
     /// Arguments for `device_add`.
     pub fn device_json(&self) -> Json {
         let mut v = self.device().json();
-        v["driver"] = Json::String(self.driver().to_owned());
+        v["driver"] = Json::String(self.driver());
         v
     }
 }
@@ -580,7 +603,7 @@ impl Disk {
 impl Args for Disk {
     fn push_args(&self, argv: &mut Vec<String>) {
         push(argv, "-blockdev", self.blockdev().keyval());
-        push(argv, "-device", self.device().keyval_with(self.driver()));
+        push(argv, "-device", self.device().keyval_with(&self.driver()));
     }
 }
 
@@ -612,13 +635,14 @@ pub enum NicModel {
 }
 
 impl NicModel {
-    fn driver(self) -> &'static str {
+    fn driver(self, virtio: VirtioModel) -> String {
         match self {
-            NicModel::Virtio => "virtio-net-pci",
+            NicModel::Virtio => return virtio.device("virtio-net-pci"),
             NicModel::E1000 => "e1000",
             NicModel::E1000e => "e1000e",
             NicModel::Rtl8139 => "rtl8139",
         }
+        .to_owned()
     }
 }
 
@@ -633,6 +657,13 @@ pub struct Nic {
     /// way to carry it, and their guests learn it from DHCP.
     pub mtu: Option<u32>,
     pub boot_index: Option<u32>,
+    pub virtio: VirtioModel,
+    /// The bus of `pci_addr`.
+    pub pci_bus: Option<&'static str>,
+    /// Slot and function on `pci_bus` (`0x5.0x0`); `None` lets QEMU choose.
+    pub pci_addr: Option<String>,
+    /// The guest names the NIC after this ACPI index (`acpi-index`; `eno<n>` on Linux).
+    pub acpi_index: Option<u32>,
 }
 
 impl Args for Nic {
@@ -652,8 +683,15 @@ impl Args for Nic {
                 "host_mtu",
                 self.mtu.filter(|_| self.model == NicModel::Virtio),
             )
-            .set_opt("bootindex", self.boot_index);
-        push(argv, "-device", dev.keyval_with(self.model.driver()));
+            .set_opt("bootindex", self.boot_index)
+            .set_opt("bus", self.pci_bus)
+            .set_opt("addr", self.pci_addr.as_ref())
+            .set_opt("acpi-index", self.acpi_index);
+        push(
+            argv,
+            "-device",
+            dev.keyval_with(&self.model.driver(self.virtio)),
+        );
     }
 }
 
@@ -701,6 +739,7 @@ impl Args for SerialPort {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AgentChannel {
     pub socket: PathBuf,
+    pub virtio: VirtioModel,
 }
 
 impl Args for AgentChannel {
@@ -713,7 +752,10 @@ impl Args for AgentChannel {
         push(
             argv,
             "-device",
-            "virtio-serial-pci,id=virtio-serial0".to_owned(),
+            format!(
+                "{},id=virtio-serial0",
+                self.virtio.device("virtio-serial-pci")
+            ),
         );
         push(
             argv,
@@ -835,6 +877,7 @@ pub struct Controllers {
     /// The IOThread the SCSI controller runs in and its request queues (one per vCPU), as
     /// KubeVirt asks when a SCSI disk wants a dedicated IOThread.
     pub scsi_iothread: Option<(u32, u32)>,
+    pub virtio: VirtioModel,
     pub usb: bool,
     /// Empty PCIe root ports kept free for hotplugging virtio disks (q35 only: on pc the root
     /// bus itself takes hotplugged devices).
@@ -851,7 +894,11 @@ impl Args for Controllers {
                 .set("id", SCSI_CONTROLLER)
                 .set_opt("iothread", self.scsi_iothread.map(|(t, _)| iothread_id(t)))
                 .set_opt("num_queues", self.scsi_iothread.map(|(_, q)| q));
-            push(argv, "-device", p.keyval_with("virtio-scsi-pci"));
+            push(
+                argv,
+                "-device",
+                p.keyval_with(&self.virtio.device("virtio-scsi-pci")),
+            );
         }
         if self.usb {
             push(argv, "-device", format!("qemu-xhci,id={USB_CONTROLLER}"));
@@ -889,6 +936,8 @@ pub struct QemuConfig {
     pub vnc: Option<Vnc>,
     pub rng: bool,
     pub balloon: bool,
+    /// The model of the RNG and the balloon.
+    pub virtio: VirtioModel,
     pub watchdog: Option<Watchdog>,
     pub tablets: Vec<Tablet>,
     /// A migration target: QEMU waits for the guest's state (`-incoming defer`, then
@@ -940,14 +989,19 @@ impl QemuConfig {
         // around them instead of taking their slots first.
         let (pinned, placed): (Vec<&Disk>, Vec<&Disk>) =
             self.disks.iter().partition(|d| d.pci_addr.is_some());
+        let (pinned_nics, placed_nics): (Vec<&Nic>, Vec<&Nic>) =
+            self.nics.iter().partition(|n| n.pci_addr.is_some());
         for d in pinned {
             d.push_args(&mut a);
+        }
+        for n in pinned_nics {
+            n.push_args(&mut a);
         }
         self.controllers.push_args(&mut a);
         for d in placed {
             d.push_args(&mut a);
         }
-        for n in &self.nics {
+        for n in placed_nics {
             n.push_args(&mut a);
         }
         if let Some(s) = &self.serial {
@@ -968,14 +1022,17 @@ impl QemuConfig {
             push(
                 &mut a,
                 "-device",
-                "virtio-rng-pci,rng=rng0,id=rng0-dev".to_owned(),
+                format!(
+                    "{},rng=rng0,id=rng0-dev",
+                    self.virtio.device("virtio-rng-pci")
+                ),
             );
         }
         if self.balloon {
             push(
                 &mut a,
                 "-device",
-                "virtio-balloon-pci,id=balloon0".to_owned(),
+                format!("{},id=balloon0", self.virtio.device("virtio-balloon-pci")),
             );
         }
         if let Some(w) = &self.watchdog {
@@ -1033,6 +1090,7 @@ mod tests {
             share_rw: false,
             iothread: None,
             num_queues: None,
+            virtio: VirtioModel::NonTransitional,
         }
     }
 
@@ -1053,7 +1111,7 @@ mod tests {
                 ),
                 "-device".to_owned(),
                 format!(
-                    "virtio-blk-pci,id=ua-root,drive={node},write-cache=off,serial=SER,,1,\
+                    "virtio-blk-pci-non-transitional,id=ua-root,drive={node},write-cache=off,serial=SER,,1,\
                      bootindex=1,werror=stop,rerror=stop"
                 ),
             ]
@@ -1086,7 +1144,7 @@ mod tests {
     #[test]
     fn cdrom_has_no_write_cache() {
         let d = disk("cd", Frontend::SataCdrom { unit: 3 });
-        let rendered = d.device().keyval_with(d.driver());
+        let rendered = d.device().keyval_with(&d.driver());
         assert!(rendered.starts_with("ide-cd,id=ua-cd,drive="));
         assert!(rendered.contains("bus=sata0.3"));
         assert!(!rendered.contains("write-cache"));

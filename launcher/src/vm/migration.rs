@@ -634,6 +634,7 @@ mod tests {
             share_rw: false,
             iothread: None,
             num_queues: None,
+            virtio: crate::qemu::VirtioModel::NonTransitional,
         }
     }
 

@@ -386,8 +386,9 @@ fn guest_kill_is_served_while_sigterm_waits_for_the_guest() {
 
 /// Every device kind the converter emits, in one machine: QEMU 7.2 must accept the command line
 /// (secure-boot EFI with SMM, sata and scsi disks and cdroms, read-only, serials, cache modes,
-/// rng, balloon, VNC) and run it. Whether the guest boots is not waited for:
-/// this is about the device model, and QMP shows every device.
+/// native AIO, error policies, a shared disk, IOThreads, transitional virtio, an offset RTC with
+/// catch-up, no HPET, a hidden KVM, rng, balloon, VNC) and run it. Whether the guest boots is
+/// not waited for: this is about the device model, and QMP shows every device.
 #[test]
 fn guest_every_device_kind_is_accepted_by_qemu() {
     let l = Launcher::start_with(&["--keep-after-shutdown"], |root| {
@@ -403,7 +404,15 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
                 "cpu": {"sockets": 1, "cores": 2, "threads": 1, "model": "host-model"},
                 "memory": {"guest": "192Mi"},
                 "firmware": {"bootloader": {"efi": {}}, "serial": "SER-1,2", "uuid": uid()},
+                "clock": {"utc": {"offsetSeconds": -3600}, "timer": {
+                    "hpet": {"present": false}, "rtc": {"tickPolicy": "catchup", "track": "guest"},
+                }},
+                "features": {"kvm": {"hidden": true}, "pvspinlock": {"enabled": false}},
+                "ioThreadsPolicy": "auto",
+                "resources": {"requests": {"cpu": "1"}},
                 "devices": {
+                    "useVirtioTransitional": true,
+                    "blockMultiQueue": true,
                     "rng": {},
                     "watchdog": {"name": "wd", "i6300esb": {"action": "poweroff"}},
                     "inputs": [
@@ -413,7 +422,8 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
                     "video": {"type": "bochs"},
                     "disks": [
                         {"name": "root", "disk": {"bus": "sata"}, "bootOrder": 1, "cache": "writethrough"},
-                        {"name": "data", "disk": {"bus": "scsi", "readonly": true}, "serial": "D,1", "cache": "none"},
+                        {"name": "data", "disk": {"bus": "scsi", "readonly": true}, "serial": "D,1", "cache": "none",
+                         "io": "native", "errorPolicy": "enospace", "shareable": true, "dedicatedIOThread": true},
                         {"name": "cd1", "cdrom": {"bus": "sata"}},
                         {"name": "cd2", "cdrom": {"bus": "scsi"}},
                     ],

@@ -461,6 +461,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "controller/src/template.rs::node_selector_adds_schedulable",
     ),
     field(
+        "spec.startStrategy",
+        "launcher/tests/guest.rs::guest_q35_efi_paused_start_disk_boot_sigterm",
+    ),
+    field(
         "spec.terminationGracePeriodSeconds",
         "controller/tests/golden.rs::launcher_pod_matches_golden",
     ),
@@ -711,7 +715,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.networks[].resourceClaim"),
     refused("spec.readinessProbe"),
     refused("spec.resourceClaims"),
-    refused_value("spec.startStrategy", r#""Paused""#),
     refused("spec.utilityVolumes"),
     refused("spec.volumes[].cloudInitConfigDrive.networkDataSecretRef"),
     refused("spec.volumes[].cloudInitConfigDrive.secretRef"),

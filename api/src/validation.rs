@@ -527,11 +527,7 @@ fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         );
     }
     if let Some(s) = spec.start_strategy.as_deref() {
-        if s == "Paused" {
-            e.add(
-                format!("{base}.startStrategy"),
-                format!("Paused: {UNSUPPORTED}"),
-            );
+        if s == crate::vmi::START_STRATEGY_PAUSED {
             if spec.liveness_probe.is_some() {
                 e.add(
                     format!("{base}.startStrategy"),

@@ -168,6 +168,20 @@ pub struct VirtualMachineStateChangeRequest {
     pub uid: Option<String>,
 }
 
+/// The `data` key of a start request asking for a paused start, and its value (KubeVirt's
+/// `StartRequestDataPausedKey` / `StartRequestDataPausedTrue`: `virtctl start --paused`).
+pub const START_REQUEST_PAUSED_KEY: &str = "paused";
+pub const START_REQUEST_PAUSED_TRUE: &str = "true";
+
+impl VirtualMachineStateChangeRequest {
+    /// A start request asking for a paused start.
+    pub fn starts_paused(&self) -> bool {
+        self.action == StateChangeRequestAction::Start
+            && self.data.get(START_REQUEST_PAUSED_KEY).map(String::as_str)
+                == Some(START_REQUEST_PAUSED_TRUE)
+    }
+}
+
 /// Crash-loop bookkeeping.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -1418,7 +1418,16 @@ impl VirtualMachineInstance {
     }
 }
 
+/// `spec.startStrategy` that starts the guest paused (KubeVirt's `StartStrategyPaused`), the
+/// only one there is.
+pub const START_STRATEGY_PAUSED: &str = "Paused";
+
 impl VirtualMachineInstanceSpec {
+    /// The guest starts paused and waits for an unpause (KubeVirt's `ShouldStartPaused`).
+    pub fn starts_paused(&self) -> bool {
+        self.start_strategy.as_deref() == Some(START_STRATEGY_PAUSED)
+    }
+
     /// The volume with this name.
     pub fn volume(&self, name: &str) -> Option<&Volume> {
         self.volumes.iter().find(|v| v.name == name)

@@ -207,7 +207,8 @@ pub fn start_backoff(fail_count: i32, jitter: f64) -> Duration {
 
 /// The VMI this VM starts: template metadata and spec, the VM's name and namespace, a
 /// controller owner reference to the VM, the VM controller's finalizer, the generation
-/// annotation and, unless the template sets one, the firmware UUID derived from the VM's name
+/// annotation, a paused start when the first queued request asks for one (`virtctl start
+/// --paused`) and, unless the template sets one, the firmware UUID derived from the VM's name
 /// (KubeVirt's `SetupVMIFromVM` and `setupStableFirmwareUUID`).
 pub fn vmi_from_vm(vm: &VirtualMachine) -> VirtualMachineInstance {
     let template_meta = vm.spec.template.metadata.clone().unwrap_or_default();
@@ -225,6 +226,9 @@ pub fn vmi_from_vm(vm: &VirtualMachine) -> VirtualMachineInstance {
         ..ObjectMeta::default()
     };
     let mut spec = vm.spec.template.spec.clone().unwrap_or_default();
+    if first_request(vm).is_some_and(api::vm::VirtualMachineStateChangeRequest::starts_paused) {
+        spec.start_strategy = Some(api::vmi::START_STRATEGY_PAUSED.to_owned());
+    }
     let firmware = spec.domain.firmware.get_or_insert_default();
     if firmware.uuid.is_none() {
         firmware.uuid = Some(api::vm::stable_firmware_uuid(
@@ -1147,6 +1151,28 @@ mod tests {
             Some("0f8fad5b-d9cb-469f-a165-70867728950e"),
             "the template's own UUID wins"
         );
+    }
+
+    #[test]
+    fn a_paused_start_request_starts_the_vmi_paused() {
+        use api::vm::{StateChangeRequestAction, VirtualMachineStateChangeRequest};
+        let mut v = vm(Some("Manual"), None);
+        assert_eq!(vmi_from_vm(&v).spec.start_strategy, None);
+        let request = |paused: &str| VirtualMachineStateChangeRequest {
+            action: StateChangeRequestAction::Start,
+            data: [(
+                api::vm::START_REQUEST_PAUSED_KEY.to_owned(),
+                paused.to_owned(),
+            )]
+            .into(),
+            uid: None,
+        };
+        v.status.get_or_insert_default().state_change_requests = vec![request("false")];
+        assert_eq!(vmi_from_vm(&v).spec.start_strategy, None);
+        v.status.get_or_insert_default().state_change_requests = vec![request("true")];
+        let i = vmi_from_vm(&v);
+        assert_eq!(i.spec.start_strategy.as_deref(), Some("Paused"));
+        assert!(i.spec.starts_paused());
     }
 
     #[test]

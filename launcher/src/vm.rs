@@ -510,7 +510,11 @@ impl Launcher {
             }
         };
 
+        let paused = incoming.is_none() && vmi.spec.starts_paused();
         let began = match incoming {
+            // QEMU was started with -S: the guest stays before its first instruction until
+            // an unpause, as libvirt's VIR_DOMAIN_START_PAUSED leaves it.
+            None if paused => Ok(()),
             None => qmp
                 .execute(qmp::qapi::qmp::cont {})
                 .await
@@ -534,9 +538,12 @@ impl Launcher {
         let interfaces = config.nics.iter().map(interface_status).collect();
         let pid_u32 = u32::try_from(pid.as_raw()).unwrap_or_default();
         self.update(|d| {
-            // A target stays paused until its migration finishes, as libvirt's does.
+            // A target stays paused until its migration finishes, as libvirt's does; a paused
+            // start is the user's pause (libvirt reports VIR_DOMAIN_PAUSED_USER for it).
             (d.state, d.reason) = if incoming.is_some() {
                 (DomainState::Paused, "Migration".into())
+            } else if paused {
+                (DomainState::Paused, "User".into())
             } else {
                 (DomainState::Running, "Booted".into())
             };

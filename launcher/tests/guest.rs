@@ -282,10 +282,11 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     assert_eq!(e["code"], "WrongState");
 }
 
-/// q35 with EFI (OVMF, secure boot off) booting the containerDisk; SIGTERM to the launcher
-/// powers the guest down gracefully and leaves no process behind.
+/// q35 with EFI (OVMF, secure boot off) booting the containerDisk, started paused
+/// (`startStrategy: Paused`): nothing runs, not even the firmware, until the unpause; SIGTERM
+/// to the launcher powers the guest down gracefully and leaves no process behind.
 #[test]
-fn guest_q35_efi_disk_boot_sigterm() {
+fn guest_q35_efi_paused_start_disk_boot_sigterm() {
     let mut l = Launcher::start_with(&["--grace-period-seconds", "120"], |root| {
         common::place_container_disk(root, 0);
     });
@@ -300,6 +301,7 @@ fn guest_q35_efi_disk_boot_sigterm() {
                 "firmware": {"bootloader": {"efi": {"secureBoot": false}}},
                 "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1}]},
             },
+            "startStrategy": "Paused",
             "volumes": [{"name": "root", "containerDisk": {"image": "guest"}}],
         }),
     );
@@ -307,6 +309,21 @@ fn guest_q35_efi_disk_boot_sigterm() {
     assert_eq!(status, 200, "{d}\n{}", l.log());
     let pid = d["qemuPid"].as_i64().unwrap();
     assert!(l.dir(&format!("ephemeral/efi/{id}_VARS.fd")).exists());
+    // Paused as the user's pause (the VMI shows PausedByUser), and still so later: QEMU sent
+    // no RESUME, which would have made it Running.
+    assert_eq!(
+        (&d["state"], &d["reason"]),
+        (&json!("Paused"), &json!("User")),
+        "{d}"
+    );
+    let d = l.domain();
+    assert_eq!(
+        (&d["state"], &d["reason"]),
+        (&json!("Paused"), &json!("User")),
+        "{d}"
+    );
+    let d = l.post("/v1/unpause");
+    assert_eq!(d["state"], "Running", "{d}");
     l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
     l.wait_agent();
     assert!(l.get("/v1/guest/osinfo")["id"].is_string());

@@ -21,8 +21,6 @@ use crate::status::Refusal;
 /// KubeVirt's messages.
 pub const VM_NOT_RUNNING: &str = "VM is not running";
 const MANUAL_RECOVERY_REQUIRED: &str = "VM recovery required: Volume migration failed, leaving some volumes pointing to non-consistent targets; manual intervention is needed to reassign them to their original volumes.";
-/// `StartRequestDataPausedKey` / `...True`.
-const START_PAUSED_KEY: &str = "paused";
 
 /// One write the request needs, in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -122,7 +120,11 @@ fn request(
     VirtualMachineStateChangeRequest {
         action,
         data: if paused {
-            [(START_PAUSED_KEY.to_owned(), "true".to_owned())].into()
+            [(
+                api::vm::START_REQUEST_PAUSED_KEY.to_owned(),
+                api::vm::START_REQUEST_PAUSED_TRUE.to_owned(),
+            )]
+            .into()
         } else {
             BTreeMap::new()
         },
@@ -163,8 +165,7 @@ pub fn start(
                 .template
                 .spec
                 .as_ref()
-                .and_then(|s| s.start_strategy.as_deref())
-                == Some("Paused");
+                .is_some_and(api::vmi::VirtualMachineInstanceSpec::starts_paused);
             // A paused start asks the controller, which then moves the run strategy itself.
             if opts.paused && !template_paused {
                 Ok(vec![Call::PatchVmStatus(change_requests(

@@ -272,7 +272,7 @@ fn option_dhcproto_asserts_on(packet: &[u8]) -> Option<u8> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cache::Binding;
 
@@ -331,7 +331,7 @@ mod tests {
         Message::decode(&mut Decoder::new(&b)).unwrap()
     }
 
-    fn unhex(hex: &str) -> Vec<u8> {
+    pub(crate) fn unhex(hex: &str) -> Vec<u8> {
         (0..hex.len())
             .step_by(2)
             .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())

@@ -264,15 +264,28 @@ pub fn answer(cfg: &Dhcp6Config, source: Ipv6Addr, packet: &[u8]) -> Option<Vec<
 /// DHCPv6 server in any build, and no client sends these options malformed, so such packets
 /// are ignored before dhcproto decodes them (found by fuzzing, `fuzz/`).
 ///
-/// `options` is what follows a message's type and transaction id; the walk goes into the
-/// options that hold options (IA_NA, IA_TA, IA Address, Relay Message, Vendor-specific
-/// Information, IA_PD, IA Prefix) past their fixed fields, as dhcproto does. The nesting is
-/// bounded by the 1500-byte receive buffer.
+/// `options` is what follows a message's type and transaction id. The walk is dhcproto's: it
+/// reads Preference, Elapsed Time, Server Unicast, Rapid Commit, Reconfigure Message and
+/// Reconfigure Accept at their own size whatever their length says (so that the next option
+/// may start inside one), and goes into the options that hold options (IA_NA, IA_TA, IA
+/// Address, Relay Message, Vendor-specific Information, IA_PD, IA Prefix) past their fixed
+/// fields. The nesting is bounded by the 1500-byte receive buffer.
 fn option_dhcproto_overflows_on(options: &[u8]) -> Option<u16> {
     let mut rest = options;
     while let [c0, c1, l0, l1, tail @ ..] = rest {
         let code = u16::from_be_bytes([*c0, *c1]);
         let len = usize::from(u16::from_be_bytes([*l0, *l1]));
+        let own_size = match code {
+            7 | 19 => Some(1),
+            8 => Some(2),
+            12 => Some(16),
+            14 | 20 => Some(0),
+            _ => None,
+        };
+        if let Some(size) = own_size {
+            rest = tail.get(size..)?;
+            continue;
+        }
         let (min, nested_after) = match code {
             13 => (2, None),
             16 => (4, None),
@@ -411,6 +424,8 @@ mod tests {
         };
         for short in [
             vec![0, 13, 0, 0],
+            // Rapid Commit's length is not skipped: the short Status Code is the next option.
+            vec![0, 14, 0, 4, 0, 13, 0, 0],
             vec![0, 13, 0, 1, 0],
             vec![0, 16, 0, 3, 0, 0, 0],
             vec![0, 17, 0, 0],
@@ -430,6 +445,23 @@ mod tests {
             let reply = Message::decode(&mut Decoder::new(&out)).unwrap();
             assert_eq!(reply.msg_type(), MessageType::Advertise, "{fine:?}");
         }
+    }
+
+    /// The fuzzer's input (less its first byte): an Elapsed Time of length 0, read as two
+    /// bytes all the same, puts dhcproto on a Status Code of length 0 that the lengths alone
+    /// skip.
+    #[test]
+    fn status_code_found_as_dhcproto_walks_is_checked() {
+        let packet = crate::dhcp::tests::unhex(
+            "000000000000000000000000000000000000000000000000000000000000000000000000000000000000\
+            000000000000000000000000001f00000000000000000000000000000000000000000000000000000000\
+            00ffffff7e00000000000000000000000000000008000000000000000000000000000000000000000000\
+            400000000000200000000000000000000800000000000000000000000000000000000000000000000d00\
+            00000001000000000000000000000000000000000000000000000000000063825363370107370601ffff\
+            fffffffffff40000520a54000301001236560003000c000a000000000d00000000010000000000000000",
+        );
+        assert_eq!(packet.len(), 252);
+        assert_eq!(answer(&cfg(), STRANGER, &packet), None);
     }
 
     #[test]

@@ -135,11 +135,18 @@ const CHECKPOINT: &str = "kubelet_internal_checkpoint";
 type Allocations = BTreeMap<String, BTreeMap<String, String>>;
 
 impl DeviceManager {
-    /// Serves `Registration` on `<dir>/kubelet.sock` (replacing a stale socket). `restarted`:
-    /// the allocations of the previous kubelet's containers stand; otherwise they are dropped.
+    /// Serves `Registration` on `<dir>/kubelet.sock`. As the real kubelet's device manager,
+    /// it first removes everything in `dir` but the checkpoint: the plugins' sockets going is
+    /// what tells a plugin to register again (a new `kubelet.sock` alone may reuse the old
+    /// one's inode, and a plugin watching it would not notice). `restarted`: the allocations of
+    /// the previous kubelet's containers stand; otherwise they are dropped.
     pub fn start(dir: &Path, restarted: bool) -> Result<Arc<Self>, KubeletError> {
         let socket = dir.join(kubelet_api::KUBELET_SOCKET);
-        let _ = std::fs::remove_file(&socket);
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if entry.file_name() != CHECKPOINT && !entry.path().is_dir() {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
         let checkpoint = dir.join(CHECKPOINT);
         let kept: Allocations = if restarted {
             std::fs::read(&checkpoint)
@@ -465,7 +472,10 @@ mod tests {
             manager.save(&resources);
         }
         manager.stop();
+        let plugin = dir.path().join("kubevirt-kvm.sock");
+        std::fs::write(&plugin, b"").unwrap();
         let restarted = DeviceManager::start(dir.path(), true).unwrap();
+        assert!(!plugin.exists(), "plugins are told to register again");
         let kept = restarted.resources.lock().unwrap()["devices.kubevirt.io/kvm"]
             .allocations
             .clone();

@@ -382,8 +382,9 @@ impl Stack {
     }
 
     /// `error` with what a reader needs to tell why: the VMIs, migrations and pods of every
-    /// namespace, the newest events, and the end of every KubeVirt component's log (read from
-    /// the nodes' log directories, so it works without the kubelet API).
+    /// namespace, why a container waits, the newest events, and the end of every KubeVirt
+    /// component's log (read from the nodes' log directories, so it works without the kubelet
+    /// API).
     pub fn with_component_logs(&self, error: StackError) -> StackError {
         use std::fmt::Write as _;
         let mut diagnostics = String::new();
@@ -391,6 +392,16 @@ impl Stack {
             (
                 "VMIs, migrations and pods",
                 &["get", "vmi,vmim,pods", "-A", "-o", "wide"][..],
+            ),
+            (
+                "waiting containers",
+                &[
+                    "get",
+                    "pods",
+                    "-A",
+                    "-o",
+                    r#"jsonpath={range .items[*]}{.metadata.name}: {.status.containerStatuses[*].state.waiting.message}{"\n"}{end}"#,
+                ][..],
             ),
             (
                 "newest events",

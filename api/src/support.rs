@@ -181,6 +181,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::host_cpu_models_map_to_max_under_tcg_and_host_under_kvm",
     ),
     field(
+        "spec.domain.cpu.threads",
+        "launcher/src/convert/tests.rs::topology_smm_and_firmware_render_as_asked",
+    ),
+    field(
         "spec.domain.devices.autoattachGraphicsDevice",
         "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
@@ -189,12 +193,24 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::autoattach_input_device_adds_kubevirts_usb_tablet",
     ),
     field(
+        "spec.domain.devices.autoattachMemBalloon",
+        "launcher/src/convert/tests.rs::autoattached_devices_and_hotplug_can_be_turned_off",
+    ),
+    field(
         "spec.domain.devices.autoattachPodInterface",
         "api/tests/defaults.rs::defaults_match_kubevirts",
     ),
     field(
+        "spec.domain.devices.autoattachSerialConsole",
+        "launcher/src/convert/tests.rs::autoattached_devices_and_hotplug_can_be_turned_off",
+    ),
+    field(
         "spec.domain.devices.blockMultiQueue",
         "launcher/src/convert/tests.rs::block_multi_queue_gives_virtio_disks_a_queue_per_vcpu",
+    ),
+    field(
+        "spec.domain.devices.disableHotplug",
+        "launcher/src/convert/tests.rs::autoattached_devices_and_hotplug_can_be_turned_off",
     ),
     field(
         "spec.domain.devices.disks",
@@ -237,6 +253,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::disk_pci_addresses_are_on_the_root_bus_before_other_devices",
     ),
     field(
+        "spec.domain.devices.disks[].disk.readonly",
+        "launcher/src/convert/tests.rs::readonly_disks_and_interface_boot_order_reach_the_devices",
+    ),
+    field(
         "spec.domain.devices.disks[].errorPolicy",
         "launcher/src/convert/tests.rs::disk_io_error_policy_and_sharing",
     ),
@@ -263,6 +283,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.devices.interfaces[].acpiIndex",
         "launcher/src/convert/tests.rs::interfaces_take_pci_addresses_and_acpi_indexes",
+    ),
+    field(
+        "spec.domain.devices.interfaces[].bootOrder",
+        "launcher/src/convert/tests.rs::readonly_disks_and_interface_boot_order_reach_the_devices",
     ),
     field(
         "spec.domain.devices.interfaces[].bridge",
@@ -365,6 +389,18 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::features_render_on_the_machine_and_the_cpu",
     ),
     field(
+        "spec.domain.features.smm",
+        "launcher/src/convert/tests.rs::topology_smm_and_firmware_render_as_asked",
+    ),
+    field(
+        "spec.domain.features.smm.enabled",
+        "launcher/src/convert/tests.rs::topology_smm_and_firmware_render_as_asked",
+    ),
+    field(
+        "spec.domain.firmware.bootloader.bios",
+        "launcher/src/convert/tests.rs::topology_smm_and_firmware_render_as_asked",
+    ),
+    field(
         "spec.domain.firmware.bootloader.efi",
         "launcher/src/convert/tests.rs::efi_secure_boot_uses_secboot_code_and_smm",
     ),
@@ -403,6 +439,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.firmware.serial",
         "launcher/src/convert/tests.rs::efi_secure_boot_uses_secboot_code_and_smm",
+    ),
+    field(
+        "spec.domain.firmware.uuid",
+        "launcher/src/convert/tests.rs::topology_smm_and_firmware_render_as_asked",
     ),
     field(
         "spec.domain.ioThreadsPolicy",
@@ -481,16 +521,40 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/tests/guest.rs::guest_pc_bios_disk_boot_configdrive_crash",
     ),
     field(
+        "spec.volumes[].cloudInitConfigDrive.networkData",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
+        "spec.volumes[].cloudInitConfigDrive.networkDataBase64",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
         "spec.volumes[].cloudInitConfigDrive.userData",
         "launcher/tests/guest.rs::guest_pc_bios_disk_boot_configdrive_crash",
+    ),
+    field(
+        "spec.volumes[].cloudInitConfigDrive.userDataBase64",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
     ),
     field(
         "spec.volumes[].cloudInitNoCloud",
         "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
     ),
     field(
+        "spec.volumes[].cloudInitNoCloud.networkData",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
+        "spec.volumes[].cloudInitNoCloud.networkDataBase64",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
         "spec.volumes[].cloudInitNoCloud.userData",
         "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
+    ),
+    field(
+        "spec.volumes[].cloudInitNoCloud.userDataBase64",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
     ),
     field(
         "spec.volumes[].containerDisk",
@@ -560,44 +624,10 @@ pub const IMPLEMENTED_WITHOUT_TEST: &[Implemented] = &[
         "spec.dnsPolicy",
         "controller/src/template.rs::render_launcher_pod",
     ),
-    field("spec.domain.cpu.threads", "launcher/src/convert.rs::cpu"),
-    field(
-        "spec.domain.devices.autoattachMemBalloon",
-        "launcher/src/convert.rs::convert",
-    ),
-    field(
-        "spec.domain.devices.autoattachSerialConsole",
-        "launcher/src/convert.rs::convert",
-    ),
-    field(
-        "spec.domain.devices.disableHotplug",
-        "launcher/src/convert.rs::disks",
-    ),
-    field(
-        "spec.domain.devices.disks[].disk.readonly",
-        "launcher/src/convert.rs::frontend",
-    ),
-    field(
-        "spec.domain.devices.interfaces[].bootOrder",
-        "launcher/src/convert.rs::nic",
-    ),
     // KubeVirt gives port names no meaning beyond being unique, which validation checks.
     field(
         "spec.domain.devices.interfaces[].ports[].name",
         "api/src/validation.rs::interface",
-    ),
-    field("spec.domain.features.smm", "launcher/src/convert.rs::smm"),
-    field(
-        "spec.domain.features.smm.enabled",
-        "launcher/src/convert.rs::smm",
-    ),
-    field(
-        "spec.domain.firmware.bootloader.bios",
-        "launcher/src/convert.rs::firmware",
-    ),
-    field(
-        "spec.domain.firmware.uuid",
-        "launcher/src/convert.rs::smbios",
     ),
     field(
         "spec.domain.resources.overcommitGuestOverhead",
@@ -623,30 +653,6 @@ pub const IMPLEMENTED_WITHOUT_TEST: &[Implemented] = &[
     subtree(
         "spec.topologySpreadConstraints",
         "controller/src/template.rs::render_launcher_pod",
-    ),
-    field(
-        "spec.volumes[].cloudInitConfigDrive.networkData",
-        "launcher/src/convert.rs::cloud_init_data",
-    ),
-    field(
-        "spec.volumes[].cloudInitConfigDrive.networkDataBase64",
-        "launcher/src/convert.rs::cloud_init_data",
-    ),
-    field(
-        "spec.volumes[].cloudInitConfigDrive.userDataBase64",
-        "launcher/src/convert.rs::cloud_init_data",
-    ),
-    field(
-        "spec.volumes[].cloudInitNoCloud.networkData",
-        "launcher/src/convert.rs::cloud_init_data",
-    ),
-    field(
-        "spec.volumes[].cloudInitNoCloud.networkDataBase64",
-        "launcher/src/convert.rs::cloud_init_data",
-    ),
-    field(
-        "spec.volumes[].cloudInitNoCloud.userDataBase64",
-        "launcher/src/convert.rs::cloud_init_data",
     ),
     field(
         "spec.volumes[].containerDisk.imagePullPolicy",

@@ -1078,3 +1078,124 @@ fn autoattach_input_device_adds_kubevirts_usb_tablet() {
     let argv = conv(s).unwrap().config.argv();
     assert!(!argv.iter().any(|a| a.contains("tablet")));
 }
+
+#[test]
+fn topology_smm_and_firmware_render_as_asked() {
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"sockets": 1, "cores": 2, "threads": 2});
+    s["domain"]["features"] = serde_json::json!({"smm": {"enabled": false}});
+    s["domain"]["firmware"] = serde_json::json!({
+        "bootloader": {"bios": {}}, "uuid": "5d307ca9-b3ef-428c-8861-06e72d69f223",
+    });
+    let argv = conv(s.clone()).unwrap().config.argv();
+    for pair in [
+        ["-smp", "4,sockets=1,cores=2,threads=2"],
+        ["-machine", "q35,smm=off"],
+        ["-uuid", "5d307ca9-b3ef-428c-8861-06e72d69f223"],
+    ] {
+        assert!(argv.windows(2).any(|w| w == pair), "{pair:?} in {argv:?}");
+    }
+    // BIOS: SeaBIOS, QEMU's own, with no flash drives.
+    assert!(!argv.iter().any(|a| a.contains("pflash")), "{argv:?}");
+    s["domain"]["features"] = serde_json::json!({"smm": {}});
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert!(argv.windows(2).any(|w| w == ["-machine", "q35,smm=on"]));
+    s["domain"]["firmware"]["uuid"] = "not-a-uuid".into();
+    assert_eq!(conv(s).unwrap_err().field, "spec.domain.firmware.uuid");
+}
+
+#[test]
+fn autoattached_devices_and_hotplug_can_be_turned_off() {
+    let devices = |s: serde_json::Value| {
+        conv(s)
+            .unwrap()
+            .config
+            .argv()
+            .windows(2)
+            .filter(|w| w[0] == "-device")
+            .map(|w| w[1].split(',').next().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let mut s = base_spec();
+    s["domain"]["devices"]["disks"] = serde_json::json!([{"name": "root", "disk": {}}]);
+    s["volumes"] = serde_json::json!([{"name": "root", "containerDisk": {"image": "x"}}]);
+    let all = devices(s.clone());
+    for device in [
+        "isa-serial",
+        "virtio-balloon-pci-non-transitional",
+        "virtio-scsi-pci-non-transitional",
+    ] {
+        assert!(all.iter().any(|d| d == device), "{device}: {all:?}");
+    }
+    s["domain"]["devices"]["autoattachSerialConsole"] = false.into();
+    s["domain"]["devices"]["autoattachMemBalloon"] = false.into();
+    // Without hotplug there is no SCSI controller kept for disks plugged later.
+    s["domain"]["devices"]["disableHotplug"] = true.into();
+    let fewer = devices(s);
+    for device in ["isa-serial", "virtio-balloon", "virtio-scsi"] {
+        assert!(
+            !fewer.iter().any(|d| d.starts_with(device)),
+            "{device}: {fewer:?}"
+        );
+    }
+}
+
+#[test]
+fn readonly_disks_and_interface_boot_order_reach_the_devices() {
+    let mut s = base_spec();
+    s["domain"]["devices"]["disks"][0]["disk"]["readonly"] = true.into();
+    s["domain"]["devices"]["disks"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("bootOrder");
+    s["domain"]["devices"]["interfaces"] =
+        serde_json::json!([{"name": "default", "masquerade": {}, "bootOrder": 1}]);
+    s["networks"] = serde_json::json!([{"name": "default", "pod": {}}]);
+    let argv = conv(s).unwrap().config.argv();
+    assert!(disk_args(&argv, "root").0.contains(",read-only=on,"));
+    assert!(!disk_args(&argv, "ci").0.contains(",read-only=on,"));
+    assert!(
+        argv.iter()
+            .any(|a| a.contains("id=ua-default,") && a.ends_with(",bootindex=1")),
+        "{argv:?}"
+    );
+}
+
+#[test]
+fn cloud_init_network_data_and_base64_forms_reach_the_seed() {
+    use base64::Engine as _;
+    let b64 = |s: &str| base64::engine::general_purpose::STANDARD.encode(s);
+    let seed = |source: &str, data: serde_json::Value| {
+        let mut s = base_spec();
+        s["volumes"][3] = serde_json::json!({"name": "ci", source: data});
+        conv(s)
+            .unwrap()
+            .preps
+            .into_iter()
+            .find_map(|p| match p {
+                Prep::CloudInit { seed, .. } => Some(seed),
+                _ => None,
+            })
+            .unwrap()
+    };
+    for source in ["cloudInitNoCloud", "cloudInitConfigDrive"] {
+        let inline = seed(
+            source,
+            serde_json::json!({"userData": "#cloud-config\n", "networkData": "version: 2\n"}),
+        );
+        let encoded = seed(
+            source,
+            serde_json::json!({
+                "userDataBase64": b64("#cloud-config\n"), "networkDataBase64": b64("version: 2\n"),
+            }),
+        );
+        for s in [&inline, &encoded] {
+            assert_eq!(s.user_data, b"#cloud-config\n", "{source}");
+            assert_eq!(
+                s.network_data.as_deref(),
+                Some(&b"version: 2\n"[..]),
+                "{source}"
+            );
+        }
+    }
+}

@@ -965,6 +965,18 @@ fn disk_pci_addresses_are_on_the_root_bus_before_other_devices() {
     }
 }
 
+/// The devices (QEMU's driver names) a spec's command line has.
+fn drivers(s: serde_json::Value) -> BTreeSet<String> {
+    conv(s)
+        .unwrap()
+        .config
+        .argv()
+        .windows(2)
+        .filter(|w| w[0] == "-device")
+        .map(|w| w[1].split(',').next().unwrap().to_owned())
+        .collect()
+}
+
 #[test]
 fn virtio_devices_are_modern_only_unless_transitional_is_asked_for() {
     let mut s = base_spec();
@@ -980,16 +992,6 @@ fn virtio_devices_are_modern_only_unless_transitional_is_asked_for() {
         "virtio-rng-pci",
         "virtio-balloon-pci",
     ];
-    let drivers = |s: serde_json::Value| {
-        conv(s)
-            .unwrap()
-            .config
-            .argv()
-            .windows(2)
-            .filter(|w| w[0] == "-device")
-            .map(|w| w[1].split(',').next().unwrap().to_owned())
-            .collect::<BTreeSet<_>>()
-    };
     // KubeVirt's default model is virtio-non-transitional.
     let found = drivers(s.clone());
     for device in virtio {
@@ -1106,20 +1108,10 @@ fn topology_smm_and_firmware_render_as_asked() {
 
 #[test]
 fn autoattached_devices_and_hotplug_can_be_turned_off() {
-    let devices = |s: serde_json::Value| {
-        conv(s)
-            .unwrap()
-            .config
-            .argv()
-            .windows(2)
-            .filter(|w| w[0] == "-device")
-            .map(|w| w[1].split(',').next().unwrap().to_owned())
-            .collect::<Vec<_>>()
-    };
     let mut s = base_spec();
     s["domain"]["devices"]["disks"] = serde_json::json!([{"name": "root", "disk": {}}]);
     s["volumes"] = serde_json::json!([{"name": "root", "containerDisk": {"image": "x"}}]);
-    let all = devices(s.clone());
+    let all = drivers(s.clone());
     for device in [
         "isa-serial",
         "virtio-balloon-pci-non-transitional",
@@ -1131,7 +1123,7 @@ fn autoattached_devices_and_hotplug_can_be_turned_off() {
     s["domain"]["devices"]["autoattachMemBalloon"] = false.into();
     // Without hotplug there is no SCSI controller kept for disks plugged later.
     s["domain"]["devices"]["disableHotplug"] = true.into();
-    let fewer = devices(s);
+    let fewer = drivers(s);
     for device in ["isa-serial", "virtio-balloon", "virtio-scsi"] {
         assert!(
             !fewer.iter().any(|d| d.starts_with(device)),

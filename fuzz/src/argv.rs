@@ -9,7 +9,9 @@
 //!   a comma would show up as a stray part or a repeated key);
 //! - a positional part that is `help` or `?` makes QEMU print help and exit;
 //! - `-cpu` is split at its first comma without unescaping (`parse_cpu_option`), so the model
-//!   may not contain one; `-uuid` must be a UUID; `-m` a size;
+//!   may not contain one, and its features at every comma (`x86_cpu_parse_featurestr`,
+//!   `strtok`): each a `key=value` with a plain key and a value without a comma, no key twice;
+//!   `-uuid` must be a UUID; `-m` a size;
 //! - no argument holds a NUL byte, which `execve` cannot pass.
 
 use std::collections::BTreeSet;
@@ -33,6 +35,7 @@ const LISTS: &[&str] = &[
     "-netdev",
     "-msg",
     "-vnc",
+    "-rtc",
 ];
 
 /// Options whose value QEMU takes as it is.
@@ -46,6 +49,7 @@ const VERBATIM: &[&str] = &[
     "-cpu",
     "-uuid",
     "-m",
+    "-watchdog-action",
 ];
 
 /// Checks `argv` (without the binary's name); the error says which argument breaks which rule.
@@ -65,10 +69,11 @@ pub fn check(argv: &[String]) -> Result<(), String> {
         let value = args.next().ok_or_else(|| format!("{opt} has no value"))?;
         let fail = |why: &str| Err(format!("{opt} {value:?}: {why}"));
         match opt.as_str() {
-            "-cpu" if value.is_empty() || value.contains(',') => {
-                return fail("a CPU model is split at its first comma, escaped or not");
+            "-cpu" => {
+                if let Err(why) = check_cpu(value) {
+                    return fail(&why);
+                }
             }
-            "-cpu" if is_help(value) => return fail("QEMU would list CPU models and exit"),
             "-uuid" if uuid::Uuid::try_parse(value).is_err() => return fail("not a UUID"),
             "-m" if !is_size(value) => return fail("not a memory size"),
             o if LISTS.contains(&o) => {
@@ -77,6 +82,33 @@ pub fn check(argv: &[String]) -> Result<(), String> {
                 }
             }
             _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A CPU model, then features split at every comma: a doubled comma is an empty feature, not
+/// an escaped one.
+fn check_cpu(value: &str) -> Result<(), String> {
+    let mut parts = value.split(',');
+    let model = parts.next().unwrap_or_default();
+    if model.is_empty() || is_help(model) {
+        return Err(format!("the CPU model is {model:?}"));
+    }
+    let mut keys = BTreeSet::new();
+    for feature in parts {
+        let plain = |s: &str| {
+            !s.is_empty()
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        };
+        match feature.split_once('=') {
+            Some((key, value)) if plain(key) && plain(value) => {
+                if !keys.insert(key) {
+                    return Err(format!("the CPU feature {key:?} is given twice"));
+                }
+            }
+            _ => return Err(format!("the CPU feature {feature:?} is not key=value")),
         }
     }
     Ok(())

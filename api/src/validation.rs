@@ -381,29 +381,19 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     );
 }
 
-/// A KubeVirt PCI address, `<domain>:<bus>:<slot>.<function>` in hex; only the root bus
-/// (`0000:00`) has devices placed on it.
+/// A KubeVirt PCI address whose slot a PCI bus has (libvirt's limit); only the root bus has
+/// devices placed on it.
 fn pci_address(field: String, a: &str, e: &mut Errors) {
-    let parts: Option<Vec<u32>> = a
-        .split([':', '.'])
-        .map(|p| u32::from_str_radix(p, 16).ok())
-        .collect();
-    let widths: Vec<usize> = a.split([':', '.']).map(str::len).collect();
-    match parts.as_deref() {
-        Some([domain, bus, slot, function])
-            if widths == [4, 2, 2, 1] && *slot < 32 && *function < 8 =>
-        {
-            if *domain != 0 || *bus != 0 {
-                e.add(
-                    field,
-                    format!("{a}: a bus other than 0000:00: {UNSUPPORTED}"),
-                );
-            }
-        }
-        _ => e.add(
+    match crate::vmi::PciAddress::parse(a).filter(|p| p.slot < 32) {
+        None => e.add(
             field,
             format!("{a:?} is not a PCI address (e.g. 0000:00:05.0)"),
         ),
+        Some(p) if !p.on_root_bus() => e.add(
+            field,
+            format!("{a}: a bus other than 0000:00: {UNSUPPORTED}"),
+        ),
+        Some(_) => {}
     }
 }
 

@@ -647,6 +647,44 @@ pub struct Video {
     pub video_type: Option<String>,
 }
 
+/// A guest PCI address as KubeVirt writes one (`pciAddress` of disks and interfaces):
+/// `<domain>:<bus>:<slot>.<function>` in hex, `0000:00:05.0` (KubeVirt's `PCI_ADDRESS_PATTERN`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PciAddress {
+    pub domain: u16,
+    pub bus: u8,
+    pub slot: u8,
+    pub function: u8,
+}
+
+impl PciAddress {
+    /// `None` for anything but four, two and two hex digits and a function 0-7.
+    pub fn parse(s: &str) -> Option<Self> {
+        let (domain, rest) = s.split_once(':')?;
+        let (bus, rest) = rest.split_once(':')?;
+        let (slot, function) = rest.split_once('.')?;
+        let hex = |part: &str, digits: usize| {
+            (part.len() == digits && part.bytes().all(|b| b.is_ascii_hexdigit()))
+                .then(|| u16::from_str_radix(part, 16).ok())
+                .flatten()
+        };
+        let byte = |part: &str| hex(part, 2).and_then(|v| u8::try_from(v).ok());
+        Some(Self {
+            domain: hex(domain, 4)?,
+            bus: byte(bus)?,
+            slot: byte(slot)?,
+            function: hex(function, 1)
+                .and_then(|v| u8::try_from(v).ok())
+                .filter(|f| *f < 8)?,
+        })
+    }
+
+    /// On the machine's root bus (`0000:00`), the only one kubevirt-rs places devices on.
+    pub fn on_root_bus(self) -> bool {
+        self.domain == 0 && self.bus == 0
+    }
+}
+
 /// The `video.type`s kubevirt-rs runs: libvirt's model names, which KubeVirt passes through
 /// (`vga` is its amd64 default).
 pub const VIDEO_TYPES: [&str; 6] = ["vga", "cirrus", "vmvga", "virtio", "bochs", "ramfb"];

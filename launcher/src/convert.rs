@@ -16,7 +16,7 @@ use api::quantity;
 use api::vmi::{
     BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskIo,
     DiskTargetKind, EmptyDiskSource, FeatureState, Features, HostDisk, HostDiskType, Interface,
-    InterfaceBinding, InterfaceModel, VolumeSource,
+    InterfaceBinding, InterfaceModel, PciAddress, VolumeSource,
 };
 
 use crate::paths::Dirs;
@@ -834,23 +834,15 @@ impl IoThreads {
     }
 }
 
-/// What a KubeVirt PCI address (`0000:00:05.0`) is on the root bus: `0x5`, `0x5.0x1`. Only
+/// Where a KubeVirt PCI address (`0000:00:05.0`) is on the root bus: `0x5`, `0x5.0x1`. Only
 /// the root bus exists to place a device on (libvirt adds the buses an address names; the
 /// launcher lets QEMU place everything else).
 fn pci_slot(address: &str) -> Option<String> {
-    let (domain_bus, slot_fn) = address.rsplit_once(':')?;
-    let (slot, function) = slot_fn.split_once('.')?;
-    let slot = u8::from_str_radix(slot, 16).ok().filter(|s| *s < 32)?;
-    let function = u8::from_str_radix(function, 16).ok().filter(|f| *f < 8)?;
-    let root = domain_bus
-        .split(':')
-        .all(|part| !part.is_empty() && part.bytes().all(|b| b == b'0'));
-    (root && domain_bus.len() == 7).then(|| {
-        if function == 0 {
-            format!("{slot:#x}")
-        } else {
-            format!("{slot:#x}.{function:#x}")
-        }
+    let a = PciAddress::parse(address).filter(|a| a.on_root_bus() && a.slot < 32)?;
+    Some(if a.function == 0 {
+        format!("{:#x}", a.slot)
+    } else {
+        format!("{:#x}.{:#x}", a.slot, a.function)
     })
 }
 

@@ -124,6 +124,7 @@ pub fn validate_spec(
     volumes(spec, cfg, base, &mut e);
     networks(spec, cfg, base, &mut e);
     boot_order(spec, base, &mut e);
+    pci_placement(spec, base, &mut e);
     e.out
 }
 
@@ -1517,13 +1518,50 @@ fn boot_order(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         let Some(order) = order else { continue };
         if order == 0 {
             e.add(path, "must be greater than 0");
-        } else if let Some(first) = used.get(&order) {
-            e.add(
-                path,
-                format!("boot order {order} is already used by {first}"),
-            );
         } else {
-            used.insert(order, path);
+            once(&mut used, order, path, &format!("boot order {order}"), e);
+        }
+    }
+}
+
+/// Records that `path` uses `key`, or names the field that used it first.
+fn once<K: Ord>(used: &mut BTreeMap<K, String>, key: K, path: String, what: &str, e: &mut Errors) {
+    if let Some(first) = used.get(&key) {
+        e.add(path, format!("{what} is already used by {first}"));
+    } else {
+        used.insert(key, path);
+    }
+}
+
+/// QEMU refuses a second device in a PCI slot or with an ACPI index already given (as libvirt
+/// would, once the VMI is admitted), so the second is named here with the first.
+fn pci_placement(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
+    let devices = &spec.domain.devices;
+    let disks = devices.disks.iter().enumerate().filter_map(|(i, d)| {
+        let a = d.disk.as_ref()?.pci_address.as_deref()?;
+        Some((
+            format!("{base}.domain.devices.disks[{i}].disk.pciAddress"),
+            a,
+        ))
+    });
+    let ifaces = devices.interfaces.iter().enumerate().filter_map(|(i, n)| {
+        let a = n.pci_address.as_deref()?;
+        Some((
+            format!("{base}.domain.devices.interfaces[{i}].pciAddress"),
+            a,
+        ))
+    });
+    let mut slots = BTreeMap::new();
+    for (path, a) in disks.chain(ifaces) {
+        if let Some(p) = crate::vmi::PciAddress::parse(a) {
+            once(&mut slots, p, path, &format!("PCI address {a}"), e);
+        }
+    }
+    let mut indexes = BTreeMap::new();
+    for (i, n) in devices.interfaces.iter().enumerate() {
+        if let Some(a) = n.acpi_index {
+            let path = format!("{base}.domain.devices.interfaces[{i}].acpiIndex");
+            once(&mut indexes, a, path, &format!("ACPI index {a}"), e);
         }
     }
 }

@@ -649,7 +649,7 @@ pub struct Video {
 
 /// A guest PCI address as KubeVirt writes one (`pciAddress` of disks and interfaces):
 /// `<domain>:<bus>:<slot>.<function>` in hex, `0000:00:05.0` (KubeVirt's `PCI_ADDRESS_PATTERN`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct PciAddress {
     pub domain: u16,
     pub bus: u8,

@@ -923,6 +923,48 @@ fn clock_and_disk_values_qemu_cannot_honour_are_named() {
             "{pointer} = {value}: want {path}: ...{message}..., got {errs:#?}"
         );
     }
+    // One slot, one ACPI index: the second user is named with the first.
+    let mut v = valid();
+    set(
+        &mut v,
+        "/spec/domain/devices/disks/0/disk/pciAddress",
+        json!("0000:00:0a.0"),
+    );
+    set(
+        &mut v,
+        "/spec/domain/devices/interfaces/0/pciAddress",
+        json!("0000:00:0A.0"),
+    );
+    let errs = errors(v, &ClusterConfig::default());
+    assert!(
+        errs.iter()
+            .any(|e| e.path == "spec.domain.devices.interfaces[0].pciAddress"
+                && e.message
+                    == "PCI address 0000:00:0A.0 is already used by \
+                    spec.domain.devices.disks[0].disk.pciAddress"),
+        "{errs:#?}"
+    );
+    let mut v = valid();
+    set(
+        &mut v,
+        "/spec/domain/devices/interfaces",
+        json!([
+            {"name": "default", "masquerade": {}, "acpiIndex": 2},
+            {"name": "other", "bridge": {}, "acpiIndex": 2},
+        ]),
+    );
+    set(
+        &mut v,
+        "/spec/networks",
+        json!([{"name": "default", "pod": {}}, {"name": "other", "multus": {"networkName": "n"}}]),
+    );
+    let errs = errors(v, &ClusterConfig::default());
+    assert!(
+        errs.iter()
+            .any(|e| e.path == "spec.domain.devices.interfaces[1].acpiIndex"
+                && e.message.starts_with("ACPI index 2 is already used by")),
+        "{errs:#?}"
+    );
     let mut v = valid();
     set(
         &mut v,

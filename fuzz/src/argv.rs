@@ -36,6 +36,7 @@ const LISTS: &[&str] = &[
     "-msg",
     "-vnc",
     "-rtc",
+    "-boot",
 ];
 
 /// Options whose value QEMU takes as it is.

@@ -78,6 +78,9 @@ pub struct Host {
 /// How many empty PCIe root ports a q35 machine keeps for hotplugged virtio disks.
 pub const SPARE_HOTPLUG_PORTS: usize = 4;
 
+/// How long the boot menu of a guest started paused waits (KubeVirt's `bootMenuTimeoutMS`).
+const PAUSED_START_BOOT_MENU_MS: u32 = 10_000;
+
 pub fn hotplug_port(i: usize) -> String {
     format!("hotplug-port{i}")
 }
@@ -153,6 +156,12 @@ pub fn convert(
         smbios,
         firmware,
         kernel_boot,
+        // KubeVirt's configureBootMenu: whoever starts a guest paused gets time to reach the
+        // boot menu on VNC once it is unpaused.
+        boot_menu_ms: vmi
+            .spec
+            .starts_paused()
+            .then_some(PAUSED_START_BOOT_MENU_MS),
         controllers,
         disks,
         nics,

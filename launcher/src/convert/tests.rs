@@ -1191,3 +1191,17 @@ fn cloud_init_network_data_and_base64_forms_reach_the_seed() {
         }
     }
 }
+
+#[test]
+fn a_paused_start_gets_kubevirts_boot_menu() {
+    let boot = |s: serde_json::Value| {
+        let argv = conv(s).unwrap().config.argv();
+        argv.windows(2)
+            .find(|w| w[0] == "-boot")
+            .map(|w| w[1].clone())
+    };
+    assert_eq!(boot(base_spec()), None);
+    let mut s = base_spec();
+    s["startStrategy"] = serde_json::json!("Paused");
+    assert_eq!(boot(s).as_deref(), Some("menu=on,splash-time=10000"));
+}

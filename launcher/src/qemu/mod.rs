@@ -927,6 +927,8 @@ pub struct QemuConfig {
     pub smbios: Smbios,
     pub firmware: Firmware,
     pub kernel_boot: Option<KernelBoot>,
+    /// Milliseconds the firmware's boot menu waits for a choice, if it is shown.
+    pub boot_menu_ms: Option<u32>,
     pub controllers: Controllers,
     pub disks: Vec<Disk>,
     pub nics: Vec<Nic>,
@@ -978,6 +980,9 @@ impl QemuConfig {
         self.firmware.push_args(&mut a);
         if let Some(k) = &self.kernel_boot {
             k.push_args(&mut a);
+        }
+        if let Some(ms) = self.boot_menu_ms {
+            push(&mut a, "-boot", format!("menu=on,splash-time={ms}"));
         }
         self.monitor.push_args(&mut a);
         push(

@@ -21,7 +21,8 @@
 //! replays with `CHAOS_SEED=<seed>`. Guests boot under TCG on two cores: at most two run at once
 //! (the pinned VM plus either the second VM or the VMIRS replica).
 //!
-//! `CHAOS_ROUNDS=100 cargo nextest run -p e2e --test chaos --no-capture`
+//! `CHAOS_ROUNDS=100 cargo test -p e2e --test chaos -- --nocapture` (`cargo test`: nextest ends a
+//! test after 10 minutes, about 12 rounds)
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};

@@ -714,6 +714,18 @@ fn cpu(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
     if cpu.model.as_deref() == Some("") {
         e.add(format!("{path}.model"), "must not be empty");
     }
+    // QEMU's model names (and libvirt's) are these characters; another one would reach the
+    // launcher's -cpu, a comma splitting the model (found by fuzzing: a NUL).
+    if let Some(m) = cpu.model.as_deref()
+        && !m
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        e.add(
+            format!("{path}.model"),
+            format!("{m:?} is not a CPU model name (letters, digits, '-', '_', '.')"),
+        );
+    }
     for (i, f) in cpu.features.iter().enumerate() {
         if let Some(p) = f.policy.as_deref()
             && !["force", "require", "optional", "disable", "forbid"].contains(&p)

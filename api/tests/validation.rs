@@ -105,6 +105,12 @@ fn mistakes() -> Vec<Mistake> {
             r#""t,help": may only contain"#,
         ),
         m(
+            "CPU model with a comma",
+            vec![("/spec/domain/cpu", json!({"model": "Skylake,kvm=off"}))],
+            "spec.domain.cpu.model",
+            r#""Skylake,kvm=off" is not a CPU model name"#,
+        ),
+        m(
             "disk name not a DNS label",
             vec![("/spec/domain/devices/disks/1/name", json!("Seed.1"))],
             "spec.domain.devices.disks[1].name",

@@ -43,9 +43,9 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> ConvertError {
     }
 }
 
-/// A device name that can become QEMU's device id `ua-<name>`. Admission refuses the others
-/// (api validation), but the launcher takes VMIs from virt-handler, and a name with a comma
-/// would inject options, a NUL could not be passed in the argv at all.
+/// A name that can go into QEMU's argv as a device id (`ua-<name>`) or a CPU model. Admission
+/// refuses the others (api validation), but the launcher takes VMIs from virt-handler, and a
+/// name with a comma would inject options, a NUL could not be passed in the argv at all.
 fn qemu_id_name(field: String, name: &str) -> Result<(), ConvertError> {
     if name.is_empty()
         || !name
@@ -54,7 +54,7 @@ fn qemu_id_name(field: String, name: &str) -> Result<(), ConvertError> {
     {
         return Err(err(
             field,
-            format!("{name:?} is not a valid device name (letters, digits, '-', '_', '.')"),
+            format!("{name:?} is not a name QEMU takes (letters, digits, '-', '_', '.')"),
         ));
     }
     Ok(())
@@ -115,6 +115,16 @@ pub fn convert(
     let mut preps = Vec::new();
     let firmware = firmware(vmi, kind, &uid, dirs, host, &mut preps)?;
     let timers = timers(vmi, host.accel)?;
+    if let Some(model) = vmi
+        .spec
+        .domain
+        .cpu
+        .as_ref()
+        .and_then(|c| c.model.as_deref())
+        && !model.is_empty()
+    {
+        qemu_id_name("spec.domain.cpu.model".to_owned(), model)?;
+    }
     let mut cpu = cpu(vmi, host.accel);
     cpu.kvmclock = timers.kvmclock;
     let features = vmi.spec.domain.features.clone().unwrap_or_default();

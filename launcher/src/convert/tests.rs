@@ -227,6 +227,10 @@ fn device_names_that_cannot_be_qemu_ids_are_refused() {
         conv(s).unwrap_err().field,
         "spec.domain.devices.inputs[0].name"
     );
+    // Found the same way: a NUL for the CPU model.
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"model": "\u{0}"});
+    assert_eq!(conv(s).unwrap_err().field, "spec.domain.cpu.model");
 }
 
 #[test]

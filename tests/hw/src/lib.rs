@@ -61,10 +61,12 @@ pub enum StackError {
     },
     #[error("the upstream binary")]
     Kube(#[source] localcluster::ControlPlaneError),
-    #[error("localcluster exited ({status}); its log is {log}")]
+    #[error("localcluster exited ({status}); the end of its log {log}:\n{tail}")]
     ClusterExited {
         status: std::process::ExitStatus,
         log: PathBuf,
+        /// Its log goes with the stack's directory: its end is kept here.
+        tail: String,
     },
     #[error("timed out after {seconds} s waiting for {what} (last seen: {last})")]
     Timeout {
@@ -373,10 +375,13 @@ impl Stack {
     /// `e`, or that localcluster exited if it has.
     fn exited_or(&mut self, e: StackError) -> StackError {
         match self.cluster.try_wait() {
-            Ok(Some(status)) => StackError::ClusterExited {
-                status,
-                log: self.dir.path().join("localcluster.log"),
-            },
+            Ok(Some(status)) => {
+                let log = self.dir.path().join("localcluster.log");
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+                StackError::ClusterExited { status, log, tail }
+            }
             _ => e,
         }
     }

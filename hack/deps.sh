@@ -21,6 +21,8 @@ packages=(
   openssh-client    # ssh, scp, ssh-keygen: `virtctl ssh`/`virtctl scp` against the test guest's dropbear
   busybox-static    # the test-tools image's shell and tools (one static binary)
   skopeo            # tests read the release's OCI archives as users' tools do
+  g++               # fuzz/ (hack/fuzz.sh): libfuzzer-sys compiles libFuzzer, which is C++
+  pkg-config libfuse3-dev  # fuzz/: the cdfs ISO reader's FUSE dependency (fuser) links libfuse3
 )
 
 missing=()
@@ -55,7 +57,8 @@ fi
 # install can remove a tool another package provided.
 missing_tools=()
 for tool in qemu-system-x86_64 qemu-img nft ip cpio xz zstd mcopy mkfs.fat \
-  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux ssh ssh-keygen scp busybox skopeo go cargo-nextest; do
+  mkfs.ext4 readelf dhclient curl jq yq socat openssl tmux ssh ssh-keygen scp busybox skopeo go cargo-nextest \
+  g++ pkg-config clippy-driver; do
   command -v "$tool" >/dev/null 2>&1 || missing_tools+=("$tool")
 done
 if ((${#missing_tools[@]})); then
@@ -63,3 +66,4 @@ if ((${#missing_tools[@]})); then
   exit 1
 fi
 qemu-img --version >/dev/null || { echo "deps: qemu-img does not run" >&2; exit 1; }
+pkg-config --exists fuse3 || { echo "deps: pkg-config does not find fuse3 (libfuse3-dev)" >&2; exit 1; }

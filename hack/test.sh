@@ -27,7 +27,7 @@ unformatted=$(cd localcluster/upstream && gofmt -l .)
 (cd localcluster/upstream && CGO_ENABLED=0 go vet -trimpath ./...)
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# Every fuzz target for a minute, two at a time, built cold (about 6 minutes: docs/fuzzing.md).
+# Every fuzz target for a minute, two at a time, built cold (about 7 minutes: docs/fuzzing.md).
 echo "== fuzz"
 hack/fuzz.sh
 echo "== static container-disk (it runs in container-disk images, which have no C library)"

@@ -77,12 +77,24 @@ struct Ctr {
     pid: Option<u32>,
     next_start: Instant,
     backoff: Duration,
+    /// When `backoff` was last set.
+    backed_off_at: Option<Instant>,
     probe: Probing,
     liveness: Probing,
     started_at: String,
 }
 
 impl Ctr {
+    /// The container waits before it starts again: its back-off doubles, or starts over at
+    /// `base` when the last one is long past.
+    fn back_off(&mut self, base: Duration) {
+        let now = Instant::now();
+        let since = self.backed_off_at.map(|t| now.duration_since(t));
+        self.backoff = next_backoff(self.backoff, base, since);
+        self.backed_off_at = Some(now);
+        self.next_start = now + self.backoff;
+    }
+
     fn new(spec: &Container) -> Self {
         Self {
             record: Record::new(&spec.name, spec.image.as_deref().unwrap_or_default()),
@@ -90,6 +102,7 @@ impl Ctr {
             pid: None,
             next_start: Instant::now(),
             backoff: Duration::ZERO,
+            backed_off_at: None,
             probe: Probing::after(None),
             liveness: Probing::after(None),
             started_at: String::new(),
@@ -517,8 +530,7 @@ impl Worker {
                     reason: reason.into(),
                     message: Some(message),
                 };
-                c.backoff = next_backoff(c.backoff, base);
-                c.next_start = Instant::now() + c.backoff;
+                c.back_off(base);
             }
         }
         self.save();
@@ -850,8 +862,7 @@ impl Worker {
                 _ => false,
             };
         if restarts {
-            c.backoff = next_backoff(c.backoff, base);
-            c.next_start = Instant::now() + c.backoff;
+            c.back_off(base);
             c.record.last = Some(state);
             c.record.state = State::Waiting {
                 reason: "CrashLoopBackOff".into(),
@@ -1338,11 +1349,16 @@ fn container_argv(
     }
 }
 
-fn next_backoff(current: Duration, base: Duration) -> Duration {
-    if current.is_zero() {
+/// The next crash back-off: `base`, doubling up to 30 times `base` (the kubelet's 10 s to
+/// 300 s), and `base` again once the last back-off is more than twice the cap ago, as the
+/// kubelet's back-off entries expire (`flowcontrol.Backoff`): a container that crashes now and
+/// then is not held for five minutes forever.
+fn next_backoff(current: Duration, base: Duration, since_last: Option<Duration>) -> Duration {
+    let cap = base * 30;
+    if current.is_zero() || since_last.is_some_and(|s| s > cap * 2) {
         base
     } else {
-        (current * 2).min(base * 30)
+        (current * 2).min(cap)
     }
 }
 
@@ -1393,15 +1409,18 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_up_to_a_cap() {
+    fn backoff_doubles_up_to_a_cap_and_expires() {
         let base = Duration::from_secs(10);
         let mut b = Duration::ZERO;
         let mut seen = Vec::new();
         for _ in 0..8 {
-            b = next_backoff(b, base);
+            b = next_backoff(b, base, Some(Duration::from_secs(1)));
             seen.push(b.as_secs());
         }
         assert_eq!(seen, vec![10, 20, 40, 80, 160, 300, 300, 300]);
+        let minutes = |m: u64| Some(Duration::from_secs(m * 60));
+        assert_eq!(next_backoff(b, base, minutes(10)).as_secs(), 300);
+        assert_eq!(next_backoff(b, base, minutes(11)).as_secs(), 10, "expired");
     }
 
     #[test]

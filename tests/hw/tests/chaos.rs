@@ -397,21 +397,24 @@ impl Chaos {
         let mut homes = Homes::new();
         let mut owned_qemus = BTreeSet::new();
         for v in vmis.iter().filter(running) {
-            let launchers = pods
+            let launchers: Vec<&Value> = pods
                 .iter()
                 .filter(|p| p["metadata"]["labels"][api::labels::CREATED_BY] == uid(v))
                 .filter(|p| pod_alive(p))
-                .count();
+                .collect();
             let qemus = qemu_of(&pods, uid(v));
-            if launchers != 1 || qemus.len() != 1 {
+            if launchers.len() != 1 || qemus.len() != 1 {
                 wrong.push(format!(
-                    "VMI {}: {launchers} live launcher pods, QEMU pids {qemus:?}",
-                    name(v)
+                    "VMI {}: {} live launcher pods, QEMU pids {qemus:?}",
+                    name(v),
+                    launchers.len()
                 ));
             }
-            if let [pid] = qemus[..] {
-                let node = v["status"]["nodeName"].as_str().unwrap_or_default();
-                homes.insert(uid(v).to_owned(), (node.to_owned(), pid));
+            // The node of the pod the QEMU runs in, from the same listing: the VMI's
+            // `nodeName`, listed a moment before, may still name a migration's source.
+            if let ([pod], [pid]) = (&launchers[..], &qemus[..]) {
+                let node = pod["spec"]["nodeName"].as_str().unwrap_or_default();
+                homes.insert(uid(v).to_owned(), (node.to_owned(), *pid));
             }
             owned_qemus.extend(qemus);
         }

@@ -835,11 +835,15 @@ impl Worker {
 
     /// Takes the exit of `pid`, told by its waiter, if it is one of this pod's containers.
     fn reap(&mut self, pid: u32) {
-        let Some(status) = self.shared.exits.take(pid) else {
-            return;
-        };
+        if let Some(status) = self.shared.exits.take(pid) {
+            self.pid_exited(pid, &status);
+        }
+    }
+
+    /// The container whose process `pid` was ended, as `status` says.
+    fn pid_exited(&mut self, pid: u32, status: &std::io::Result<ExitStatus>) {
         if let Some((kind, idx)) = self.container_of(pid) {
-            self.exited(kind, idx, &status);
+            self.exited(kind, idx, status);
         }
     }
 
@@ -962,16 +966,14 @@ impl Worker {
             .filter_map(|c| c.pid)
             .collect();
         for pid in pids {
-            if let Some(status) = self.shared.exits.take(pid) {
-                if let Some((kind, idx)) = self.container_of(pid) {
-                    self.exited(kind, idx, &status);
-                }
-            } else if kill(Pid::from_raw(i32::try_from(pid).unwrap_or(0)), None).is_err() {
+            let status = self.shared.exits.take(pid).or_else(|| {
                 // Gone, with no exit recorded: shown as ended, how is not known.
-                if let Some((kind, idx)) = self.container_of(pid) {
-                    let unknown = Err(std::io::Error::other("no exit recorded"));
-                    self.exited(kind, idx, &unknown);
-                }
+                kill(Pid::from_raw(i32::try_from(pid).unwrap_or(0)), None)
+                    .is_err()
+                    .then(|| Err(std::io::Error::other("no exit recorded")))
+            });
+            if let Some(status) = status {
+                self.pid_exited(pid, &status);
             }
         }
         tracing::info!(pod = %self.name, "pod adopted from the previous kubelet");

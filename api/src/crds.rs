@@ -6,6 +6,10 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 };
 use kube_core::CustomResourceExt;
 
+use crate::instancetype::{
+    VirtualMachineClusterInstancetype, VirtualMachineClusterPreference, VirtualMachineInstancetype,
+    VirtualMachinePreference,
+};
 use crate::migrationpolicy::MigrationPolicy;
 use crate::{
     KubeVirt, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
@@ -35,6 +39,16 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     let mut policy = MigrationPolicy::crd();
     label(&mut policy, "kubevirt.io");
     out.push(policy);
+    for mut crd in [
+        VirtualMachineInstancetype::crd(),
+        VirtualMachineClusterInstancetype::crd(),
+        VirtualMachinePreference::crd(),
+        VirtualMachineClusterPreference::crd(),
+    ] {
+        label(&mut crd, "kubevirt.io");
+        out.push(crd);
+    }
+    out.push(pool_crd());
     out
 }
 

@@ -36,6 +36,7 @@ pub mod crds;
 pub mod defaults;
 pub mod duration;
 pub mod hotplug;
+pub mod instancetype;
 pub mod kubevirt;
 pub mod labels;
 pub mod metrics;

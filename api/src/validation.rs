@@ -152,8 +152,40 @@ pub fn validate_vm(vm: &VirtualMachine, cfg: &ClusterConfig) -> Vec<FieldError> 
             e.add("spec.runStrategy", format!("WaitAsReceiver: {UNSUPPORTED}"));
         }
     }
-    e.unsupported("spec.instancetype", spec.instancetype.as_ref());
-    e.unsupported("spec.preference", spec.preference.as_ref());
+    for (field, matcher) in [
+        ("instancetype", &spec.instancetype),
+        ("preference", &spec.preference),
+    ] {
+        let Some(m) = matcher else { continue };
+        let path = format!("spec.{field}");
+        let scope = if field == "instancetype" {
+            crate::instancetype::instancetype_scope(m.kind.as_deref())
+        } else {
+            crate::instancetype::preference_scope(m.kind.as_deref())
+        };
+        if let Err(msg) = scope {
+            e.add(format!("{path}.kind"), msg);
+        }
+        e.unsupported(
+            format!("{path}.inferFromVolume"),
+            m.infer_from_volume.as_ref(),
+        );
+        e.unsupported(
+            format!("{path}.inferFromVolumeFailurePolicy"),
+            m.infer_from_volume_failure_policy.as_ref(),
+        );
+        if m.name.as_deref().unwrap_or_default().is_empty() && m.infer_from_volume.is_none() {
+            let kind = if field == "instancetype" {
+                "InstancetypeMatcher"
+            } else {
+                "PreferenceMatcher"
+            };
+            e.add(
+                path,
+                format!("Either Name or InferFromVolume should be provided within the {kind}"),
+            );
+        }
+    }
     if spec.data_volume_templates.as_ref().is_some_and(non_empty) {
         e.add("spec.dataVolumeTemplates", UNSUPPORTED);
     }

@@ -29,6 +29,44 @@ pub struct VirtualMachineInstanceTemplateSpec {
     pub spec: Option<VirtualMachineInstanceSpec>,
 }
 
+/// KubeVirt's `InstancetypeMatcher` / `PreferenceMatcher`: which instance type (preference)
+/// a VM uses.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Matcher {
+    /// Name of the object.
+    pub name: Option<String>,
+    /// Its kind: the cluster kind when empty.
+    pub kind: Option<String>,
+    /// A ControllerRevision to take the object from instead of the live one.
+    pub revision_name: Option<String>,
+    /// Refused: kubevirt-rs does not infer instance types from volumes.
+    pub infer_from_volume: Option<String>,
+    /// `Reject` or `Ignore`; refused with `inferFromVolume`.
+    pub infer_from_volume_failure_policy: Option<String>,
+}
+
+/// KubeVirt's `InstancetypeStatusRef`: the object a VM's instance type (preference) was
+/// resolved to and the ControllerRevision holding the snapshot in use.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct InstancetypeStatusRef {
+    pub name: Option<String>,
+    pub kind: Option<String>,
+    pub controller_revision_ref: Option<ControllerRevisionRef>,
+    pub infer_from_volume: Option<String>,
+    pub infer_from_volume_failure_policy: Option<String>,
+}
+
+/// The name of a ControllerRevision.
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ControllerRevisionRef {
+    pub name: Option<String>,
+}
+
 string_enum! {
     /// When the VM controller runs an instance.
     pub enum RunStrategy {
@@ -85,10 +123,10 @@ pub struct VirtualMachineSpec {
     pub running: Option<bool>,
     /// When to run an instance.
     pub run_strategy: Option<RunStrategy>,
-    /// Instance type reference (not supported yet).
-    pub instancetype: Option<Preserved>,
-    /// Preference reference (not supported yet).
-    pub preference: Option<Preserved>,
+    /// The instance type the instances get their CPU and memory from.
+    pub instancetype: Option<Matcher>,
+    /// The preference the instances take defaults from.
+    pub preference: Option<Matcher>,
     /// Template of the instances.
     pub template: VirtualMachineInstanceTemplateSpec,
     /// CDI DataVolume templates (not supported yet).
@@ -234,9 +272,9 @@ pub struct VirtualMachineStatus {
     /// Volume update state.
     pub volume_update_state: Option<Preserved>,
     /// Instance type revision in use.
-    pub instancetype_ref: Option<Preserved>,
+    pub instancetype_ref: Option<InstancetypeStatusRef>,
     /// Preference revision in use.
-    pub preference_ref: Option<Preserved>,
+    pub preference_ref: Option<InstancetypeStatusRef>,
     /// Changed block tracking state.
     pub changed_block_tracking: Option<Preserved>,
 }

@@ -144,9 +144,58 @@ fn names_columns_and_subresources_are_kubevirts() {
     let all = crds::crds();
     let (core, others): (Vec<_>, Vec<_>) = all.iter().partition(|c| c.spec.group == "kubevirt.io");
     assert_eq!(core.len(), expect.len());
-    let [policy] = others.as_slice() else {
-        panic!("one CRD outside kubevirt.io: {others:?}")
-    };
+    let policy = others
+        .iter()
+        .find(|c| c.spec.group == "migrations.kubevirt.io")
+        .expect("the MigrationPolicy CRD");
+    let instancetypes: Vec<_> = others
+        .iter()
+        .filter(|c| c.spec.group == "instancetype.kubevirt.io")
+        .map(|c| {
+            let n = &c.spec.names;
+            let v: Vec<&str> = c.spec.versions.iter().map(|v| v.name.as_str()).collect();
+            (
+                n.kind.as_str(),
+                c.spec.scope.as_str(),
+                n.short_names.clone().unwrap_or_default().join(","),
+                n.categories.clone().unwrap_or_default().join(","),
+                v,
+            )
+        })
+        .collect();
+    assert_eq!(
+        instancetypes,
+        [
+            (
+                "VirtualMachineInstancetype",
+                "Namespaced",
+                "vminstancetype,vminstancetypes,vmf,vmfs".into(),
+                "all".into(),
+                vec!["v1beta1"]
+            ),
+            (
+                "VirtualMachineClusterInstancetype",
+                "Cluster",
+                "vmclusterinstancetype,vmclusterinstancetypes,vmcf,vmcfs".into(),
+                String::new(),
+                vec!["v1beta1"]
+            ),
+            (
+                "VirtualMachinePreference",
+                "Namespaced",
+                "vmpref,vmprefs,vmp,vmps".into(),
+                "all".into(),
+                vec!["v1beta1"]
+            ),
+            (
+                "VirtualMachineClusterPreference",
+                "Cluster",
+                "vmcp,vmcps".into(),
+                String::new(),
+                vec!["v1beta1"]
+            ),
+        ]
+    );
     assert_eq!(
         (
             policy.spec.group.as_str(),

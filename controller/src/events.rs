@@ -33,3 +33,7 @@ pub const SUCCESSFUL_PAUSED_REPLICA_SET: &str = "SuccessfulPaused";
 pub const SUCCESSFUL_RESUMED_REPLICA_SET: &str = "SuccessfulResumed";
 /// A node stopped heartbeating and was marked unschedulable; its VMIs were failed.
 pub const NODE_UNRESPONSIVE: &str = "NodeUnresponsive";
+/// The instance type a VM names cannot be found.
+pub const FAILED_FIND_INSTANCETYPE: &str = "FailedFindInstancetype";
+/// The preference a VM names cannot be found.
+pub const FAILED_FIND_PREFERENCE: &str = "FailedFindPreference";

@@ -10,6 +10,7 @@ pub mod evacuation;
 pub mod events;
 pub mod finalizers;
 pub mod hotplug;
+pub mod instancetype;
 pub mod metrics;
 pub mod migration;
 pub mod node;

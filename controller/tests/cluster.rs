@@ -2406,3 +2406,182 @@ async fn a_claim_hotplugged_into_a_vm_gets_an_attachment_pod_until_it_is_removed
     })
     .await;
 }
+
+/// A VM using a cluster instance type and preference: virt-controller snapshots both into
+/// ControllerRevisions named as KubeVirt names them, records them in the VM's status, and
+/// starts the VMI with the snapshot's values expanded, so an edit of the instance type after
+/// the snapshot does not reach the VM. A VM whose template clashes with its instance type gets
+/// no VMI and a Failure condition naming the field.
+#[tokio::test]
+async fn instancetype_and_preference_are_snapshotted_and_expanded_into_the_vmi() {
+    use api::instancetype::{VirtualMachineClusterInstancetype, VirtualMachineClusterPreference};
+    use k8s_openapi::api::apps::v1::ControllerRevision;
+
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let types: Api<VirtualMachineClusterInstancetype> = Api::all(client.clone());
+    let prefs: Api<VirtualMachineClusterPreference> = Api::all(client.clone());
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let revisions: Api<ControllerRevision> = Api::default_namespaced(client.clone());
+    let it = types
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "instancetype.kubevirt.io/v1beta1",
+                "kind": "VirtualMachineClusterInstancetype",
+                "metadata": {"name": "u1.small"},
+                "spec": {"cpu": {"guest": 2}, "memory": {"guest": "256Mi"}},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let pref = prefs
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "instancetype.kubevirt.io/v1beta1",
+                "kind": "VirtualMachineClusterPreference",
+                "metadata": {"name": "linux"},
+                "spec": {
+                    "cpu": {"preferredCPUTopology": "cores"},
+                    "devices": {"preferredDiskBus": "virtio"},
+                    "preferredTerminationGracePeriodSeconds": 33,
+                },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let vm_json = |name: &str, strategy: &str, domain: serde_json::Value| {
+        serde_json::from_value::<VirtualMachine>(json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "runStrategy": strategy,
+                "instancetype": {"name": "u1.small"},
+                "preference": {"name": "linux"},
+                "template": {"spec": {
+                    "domain": domain,
+                    "volumes": [{"name": "root", "containerDisk": {"image": "example/disk:1"}}],
+                }},
+            },
+        }))
+        .unwrap()
+    };
+    let vm = vms
+        .create(
+            &PostParams::default(),
+            &vm_json(
+                "vm1",
+                "Halted",
+                json!({"devices": {"disks": [{"name": "root"}]}}),
+            ),
+        )
+        .await
+        .unwrap();
+
+    let revision_of = |status: Option<&api::vm::InstancetypeStatusRef>| {
+        status?.controller_revision_ref.as_ref()?.name.clone()
+    };
+    let (it_rev, pref_rev) = wait_for("both revisions in the VM's status", || async {
+        let s = vms.get("vm1").await.unwrap().status?;
+        Some((
+            revision_of(s.instancetype_ref.as_ref())?,
+            revision_of(s.preference_ref.as_ref())?,
+        ))
+    })
+    .await;
+    assert_eq!(
+        it_rev,
+        format!("vm1-u1.small-v1beta1-{}-1", it.uid().unwrap())
+    );
+    assert_eq!(
+        pref_rev,
+        format!("vm1-linux-v1beta1-{}-1", pref.uid().unwrap())
+    );
+    let rev = revisions.get(&it_rev).await.unwrap();
+    assert_eq!(
+        rev.metadata.owner_references.unwrap()[0].uid,
+        vm.uid().unwrap()
+    );
+    assert_eq!(
+        rev.metadata.labels.unwrap()["instancetype.kubevirt.io/object-kind"],
+        "VirtualMachineClusterInstancetype"
+    );
+
+    // The instance type grows after the snapshot: vm1 keeps what it has.
+    types
+        .patch(
+            "u1.small",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"cpu": {"guest": 4}}})),
+        )
+        .await
+        .unwrap();
+    vms.patch(
+        "vm1",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"runStrategy": "Always"}})),
+    )
+    .await
+    .unwrap();
+    let vmi = wait_for("the VMI", || async { vmis.get_opt("vm1").await.unwrap() }).await;
+    let cpu = vmi.spec.domain.cpu.clone().unwrap();
+    assert_eq!(
+        (cpu.sockets, cpu.cores, cpu.threads),
+        (Some(1), Some(2), Some(1)),
+        "2 vCPUs of the snapshot, as cores"
+    );
+    assert_eq!(
+        vmi.spec
+            .domain
+            .memory
+            .as_ref()
+            .unwrap()
+            .guest
+            .as_ref()
+            .unwrap()
+            .0,
+        "256Mi"
+    );
+    assert_eq!(
+        vmi.spec.domain.devices.disks[0].bus(),
+        Some(&api::vmi::DiskBus::Virtio)
+    );
+    assert_eq!(vmi.spec.termination_grace_period_seconds, Some(33));
+    let annotations = vmi.metadata.annotations.unwrap();
+    assert_eq!(
+        annotations["kubevirt.io/cluster-instancetype-name"],
+        "u1.small"
+    );
+    assert_eq!(annotations["kubevirt.io/cluster-preference-name"], "linux");
+
+    // A template that sets what the instance type sets: no snapshot, no VMI, the field named.
+    vms.create(
+        &PostParams::default(),
+        &vm_json(
+            "vm2",
+            "Always",
+            json!({"cpu": {"cores": 1}, "devices": {"disks": [{"name": "root"}]}}),
+        ),
+    )
+    .await
+    .unwrap();
+    let message = wait_for("vm2's Failure condition", || async {
+        let s = vms.get("vm2").await.unwrap().status?;
+        s.conditions
+            .into_iter()
+            .find(|c| c.type_.as_str() == "Failure")
+            .and_then(|c| c.message)
+    })
+    .await;
+    assert!(
+        message.contains(
+            "VM field(s) spec.template.spec.domain.cpu.cores conflicts with selected instance type"
+        ),
+        "{message}"
+    );
+    assert!(vmis.get_opt("vm2").await.unwrap().is_none());
+}

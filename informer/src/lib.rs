@@ -9,6 +9,7 @@
 //! `null` for those that went away.
 
 pub mod events;
+pub mod instancetype;
 pub mod leader;
 pub mod patch;
 

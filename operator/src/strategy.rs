@@ -575,8 +575,8 @@ mod tests {
                 .iter()
                 .filter(|k| **k == "CustomResourceDefinition")
                 .count(),
-            5,
-            "the four kubevirt.io kinds but KubeVirt, and MigrationPolicy"
+            9,
+            "the four kubevirt.io kinds but KubeVirt, MigrationPolicy and the four instancetype.kubevirt.io kinds"
         );
         assert!(!a.objects.iter().any(|o| name(o) == "kubevirts.kubevirt.io"));
         assert!(!kinds.contains(&"Namespace"));

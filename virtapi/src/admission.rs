@@ -46,6 +46,7 @@ use api::{
     ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
     VirtualMachineInstanceMigration, VirtualMachineInstancePhase, VirtualMachineInstanceReplicaSet,
 };
+use informer::instancetype::Found;
 use jiff::Timestamp;
 use k8s_openapi::ByteString;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -378,6 +379,9 @@ pub struct Context {
     pub new_id: Arc<dyn Fn() -> String + Send + Sync>,
     /// The clock for the VMI's `Pending` phase transition timestamp.
     pub now: Arc<dyn Fn() -> Timestamp + Send + Sync>,
+    /// The instance type and preference the reviewed VM names, as found for this review
+    /// (KubeVirt's VM admitter ignores a lookup that fails: the controller reports it).
+    pub instancetypes: Found,
 }
 
 impl fmt::Debug for Context {
@@ -401,6 +405,7 @@ impl Context {
             hotplug: HotplugGates::default(),
             new_id: Arc::new(|| uuid::Uuid::new_v4().to_string()),
             now: Arc::new(Timestamp::now),
+            instancetypes: Found::default(),
         }
     }
 
@@ -1084,10 +1089,26 @@ fn validate_vm(req: &Request, ctx: &Context) -> Outcome {
     if vm.metadata.deletion_timestamp.is_some() {
         return Ok(Allowed::default());
     }
-    // Validated defaulted, as the VMIs it creates will be; the defaults are not persisted.
+    // Validated with its instance type and preference applied and defaulted, as the VMIs it
+    // creates will be (KubeVirt's VM admitter); none of it is persisted.
+    let found = &ctx.instancetypes;
+    let (it, pref) = (found.instancetype.as_ref(), found.preference.as_ref());
+    if let Some(e) = api::instancetype::check_spread(it, pref) {
+        return Err(Refusal::Invalid(vec![Cause::from(e)]));
+    }
     let mut defaulted = vm.clone();
     if let Some(spec) = &mut defaulted.spec.template.spec {
+        if it.is_some() || pref.is_some() {
+            let meta = defaulted.spec.template.metadata.get_or_insert_default();
+            found
+                .expansion()
+                .apply("spec.template.spec", spec, meta)
+                .map_err(|e| Refusal::Invalid(e.into_iter().map(Cause::from).collect()))?;
+        }
         defaults::apply(spec, &ctx.cluster).map_err(|e| defaults_refusal(&e))?;
+        if let Some(e) = api::instancetype::check_requirements(it, pref, spec) {
+            return Err(Refusal::Invalid(vec![Cause::from(e)]));
+        }
     }
     let mut causes: Vec<Cause> = validation::validate_vm(&defaulted, &ctx.cluster)
         .into_iter()

@@ -6,6 +6,8 @@ use api::KubeVirt;
 use kube::runtime::reflector::Store;
 use serde_json::Value;
 
+use informer::instancetype::{Found, Target, find_spec};
+
 use crate::admission::{self, Context, Webhook};
 use crate::eviction;
 use crate::server::{Admission, AdmitFuture};
@@ -57,7 +59,13 @@ impl Admission for Webhooks {
         let Some(hook) = Webhook::from_path(path) else {
             return Box::pin(std::future::ready(None));
         };
-        let ctx = self.context();
+        let mut ctx = self.context();
+        if hook == Webhook::VmValidator {
+            return Box::pin(async move {
+                ctx.instancetypes = instancetypes(&self.client, review).await;
+                Some(admission::admit(hook, review, &ctx))
+            });
+        }
         if hook == Webhook::PodEvictionValidator {
             return Box::pin(
                 async move { Some(eviction::admit(&self.client, review, &ctx).await) },
@@ -67,4 +75,26 @@ impl Admission for Webhooks {
             hook, review, &ctx,
         ))))
     }
+}
+
+/// What the reviewed VM's instance type and preference are now. A lookup that fails (the VM
+/// cannot be read, the object does not exist yet) finds nothing, as KubeVirt's admitter
+/// ignores it: the VM is then validated as it is, and virt-controller reports what is missing.
+async fn instancetypes(client: &kube::Client, review: &Value) -> Found {
+    let Some(vm) = review
+        .pointer("/request/object")
+        .and_then(|o| serde_json::from_value::<api::VirtualMachine>(o.clone()).ok())
+    else {
+        return Found::default();
+    };
+    let mut found = Found::default();
+    match find_spec(client, &vm, Target::Instancetype).await {
+        Ok(spec) => found.instancetype = spec,
+        Err(e) => tracing::warn!(error = %e, "ignoring a failure to find the VM's instance type"),
+    }
+    match find_spec(client, &vm, Target::Preference).await {
+        Ok(spec) => found.preference = spec,
+        Err(e) => tracing::warn!(error = %e, "ignoring a failure to find the VM's preference"),
+    }
+    found
 }

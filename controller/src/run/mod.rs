@@ -11,6 +11,7 @@
 
 mod disruptionbudget;
 mod evacuation;
+mod instancetype;
 mod migration;
 mod node;
 mod replicaset;

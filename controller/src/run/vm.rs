@@ -90,7 +90,27 @@ pub(super) async fn sync_vm(s: &Shared, key: &str) {
             }
         }
     } else if s.vm_exp.satisfied(key) {
-        outcome = Box::pin(act(s, key, &vm, vmi.as_deref(), now, &vm_api, &vmi_api)).await;
+        match Box::pin(super::instancetype::sync(s, &vm_api, (*vm).clone())).await {
+            Ok((stored, expanded)) => {
+                vm = Arc::new(stored);
+                outcome = Box::pin(act(
+                    s,
+                    key,
+                    &expanded,
+                    vmi.as_deref(),
+                    now,
+                    &vm_api,
+                    &vmi_api,
+                ))
+                .await;
+            }
+            Err(failure) => {
+                tracing::warn!(key, reason = failure.0, error = failure.1, "instance type");
+                event(s, vm.as_ref(), true, &failure.0, failure.1.clone()).await;
+                s.vm_q.add_after(key, std::time::Duration::from_secs(2));
+                outcome.sync_error = Some(failure);
+            }
+        }
     }
 
     // The final status is recorded below from this same copy of the VMI; a VMI that changed

@@ -28,6 +28,7 @@ fn ctx() -> Context {
         hotplug: HotplugGates::default(),
         new_id: Arc::new(move || format!("id-{}", counter.fetch_add(1, Ordering::SeqCst))),
         now: Arc::new(|| NOW.parse().unwrap()),
+        instancetypes: Found::default(),
     }
 }
 
@@ -1485,4 +1486,94 @@ fn context_from_kubevirt() {
         None
     );
     assert_eq!(ctx.service_account("kubevirt-handler"), None);
+}
+
+/// KubeVirt's VM admitter applies the VM's instance type and preference before validating:
+/// a template without memory passes with an instance type giving it, a field both set is
+/// refused with KubeVirt's message, and a preference's requirements are checked.
+#[test]
+fn vm_validator_applies_instancetype_and_preference() {
+    let found = |it: Value, pref: Value| {
+        let mut c = ctx();
+        c.instancetypes = Found {
+            instancetype: serde_json::from_value(it).unwrap(),
+            preference: serde_json::from_value(pref).unwrap(),
+        };
+        c
+    };
+    let mut with_type = vm();
+    with_type["spec"]["instancetype"] = json!({"name": "u1.small"});
+    let template = &mut with_type["spec"]["template"]["spec"]["domain"];
+    template.as_object_mut().unwrap().remove("resources");
+    let it = json!({"cpu": {"guest": 2}, "memory": {"guest": "256Mi"}});
+    let cases = [
+        (
+            "instance type gives the memory",
+            with_type.clone(),
+            found(it.clone(), Value::Null),
+            Ok(()),
+        ),
+        (
+            "instance type not found",
+            with_type.clone(),
+            ctx(),
+            Err("spec.template.spec.domain"),
+        ),
+        (
+            "template sets the vCPUs too",
+            {
+                let mut v = with_type.clone();
+                v["spec"]["template"]["spec"]["domain"]["cpu"] = json!({"sockets": 2});
+                v
+            },
+            found(it.clone(), Value::Null),
+            Err(
+                "VM field(s) spec.template.spec.domain.cpu.sockets conflicts with selected instance type",
+            ),
+        ),
+        (
+            "preference requires more memory",
+            with_type.clone(),
+            found(
+                it.clone(),
+                json!({"requirements": {"memory": {"guest": "1Gi"}}}),
+            ),
+            Err(
+                "failure checking preference requirements: insufficient Memory resources of 256Mi provided by instance type, preference requires 1Gi",
+            ),
+        ),
+        (
+            "spread the vCPUs cannot take",
+            with_type.clone(),
+            found(
+                json!({"cpu": {"guest": 3}, "memory": {"guest": "256Mi"}}),
+                json!({"cpu": {"preferredCPUTopology": "spread"}}),
+            ),
+            Err("3 vCPUs provided by the instance type are not divisible"),
+        ),
+        (
+            "a preference field kubevirt-rs cannot honour",
+            with_type.clone(),
+            found(it.clone(), json!({"devices": {"preferredTPM": {}}})),
+            Err("preference.spec.devices.preferredTPM: not supported"),
+        ),
+        (
+            "a kind of neither",
+            {
+                let mut v = with_type.clone();
+                v["spec"]["instancetype"]["kind"] = json!("VirtualMachinePreference");
+                v
+            },
+            found(it, Value::Null),
+            Err("got unexpected kind in InstancetypeMatcher: VirtualMachinePreference"),
+        ),
+    ];
+    for (case, object, ctx, want) in cases {
+        let review = review("virtualmachines", "CREATE", USER, &object, None);
+        expect(
+            case,
+            &verdict(&run_with(Webhook::VmValidator, &review, &ctx)),
+            want,
+        );
+    }
 }

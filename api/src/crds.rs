@@ -48,7 +48,6 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         label(&mut crd, "kubevirt.io");
         out.push(crd);
     }
-    out.push(pool_crd());
     out
 }
 

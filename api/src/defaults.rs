@@ -410,7 +410,9 @@ fn set_timer_defaults(spec: &mut VirtualMachineInstanceSpec) {
     }
 }
 
-fn set_probe_defaults(probe: &mut Probe) {
+/// KubeVirt's `SetDefaults_Probe`, which its pod renderer applies again to the probes it
+/// copies onto the launcher pod.
+pub fn set_probe_defaults(probe: &mut Probe) {
     let at_least = |v: &mut Option<i32>, d: i32| {
         if v.is_none_or(|x| x < 1) {
             *v = Some(d);

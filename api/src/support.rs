@@ -497,6 +497,94 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "network/src/plan.rs::vm_network_cidr_is_used_and_checked",
     ),
     field(
+        "spec.livenessProbe",
+        "tests/hw/tests/stack.rs::guest_vm_applied_with_kubectl_boots_and_halts",
+    ),
+    field(
+        "spec.livenessProbe.exec",
+        "controller/src/template.rs::probes_become_the_compute_containers",
+    ),
+    field(
+        "spec.livenessProbe.exec.command",
+        "controller/src/template.rs::probes_become_the_compute_containers",
+    ),
+    field(
+        "spec.livenessProbe.failureThreshold",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.livenessProbe.guestAgentPing",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
+    ),
+    subtree(
+        "spec.livenessProbe.httpGet",
+        "controller/src/template.rs::probes_become_the_compute_containers",
+    ),
+    field(
+        "spec.livenessProbe.initialDelaySeconds",
+        "controller/src/template.rs::probes_become_the_compute_containers",
+    ),
+    field(
+        "spec.livenessProbe.periodSeconds",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.livenessProbe.successThreshold",
+        "api/tests/validation.rs::each_mistake_is_reported_at_its_path",
+    ),
+    subtree(
+        "spec.livenessProbe.tcpSocket",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.livenessProbe.timeoutSeconds",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.readinessProbe",
+        "tests/hw/tests/stack.rs::guest_vm_applied_with_kubectl_boots_and_halts",
+    ),
+    field(
+        "spec.readinessProbe.exec",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.readinessProbe.exec.command",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.readinessProbe.failureThreshold",
+        "controller/src/template.rs::probes_become_the_compute_containers",
+    ),
+    field(
+        "spec.readinessProbe.guestAgentPing",
+        "tests/hw/tests/stack.rs::guest_vm_applied_with_kubectl_boots_and_halts",
+    ),
+    subtree(
+        "spec.readinessProbe.httpGet",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.readinessProbe.initialDelaySeconds",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.readinessProbe.periodSeconds",
+        "controller/src/template.rs::probes_become_the_compute_containers",
+    ),
+    field(
+        "spec.readinessProbe.successThreshold",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    subtree(
+        "spec.readinessProbe.tcpSocket",
+        "controller/src/template.rs::probes_become_the_compute_containers",
+    ),
+    field(
+        "spec.readinessProbe.timeoutSeconds",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
+    ),
+    field(
         "spec.nodeSelector",
         "controller/src/template.rs::node_selector_adds_schedulable",
     ),
@@ -550,11 +638,95 @@ pub const IMPLEMENTED: &[Implemented] = &[
     ),
     field(
         "spec.volumes[].cloudInitNoCloud.userData",
-        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
+        "launcher/src/convert/tests.rs::full_vmi_converts",
     ),
     field(
         "spec.volumes[].cloudInitNoCloud.userDataBase64",
         "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
+        "spec.volumes[].cloudInitConfigDrive.networkDataSecretRef",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
+        "spec.volumes[].cloudInitConfigDrive.networkDataSecretRef.name",
+        "controller/src/template.rs::config_drive_secret_references_mount_their_keys",
+    ),
+    field(
+        "spec.volumes[].cloudInitConfigDrive.secretRef",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
+        "spec.volumes[].cloudInitConfigDrive.secretRef.name",
+        "controller/src/template.rs::config_drive_secret_references_mount_their_keys",
+    ),
+    field(
+        "spec.volumes[].cloudInitNoCloud.networkDataSecretRef",
+        "launcher/src/convert/tests.rs::cloud_init_network_data_and_base64_forms_reach_the_seed",
+    ),
+    field(
+        "spec.volumes[].cloudInitNoCloud.networkDataSecretRef.name",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.volumes[].cloudInitNoCloud.secretRef",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
+    ),
+    field(
+        "spec.volumes[].cloudInitNoCloud.secretRef.name",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.volumes[].configMap",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
+    ),
+    field(
+        "spec.volumes[].configMap.name",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.volumes[].configMap.optional",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.volumes[].configMap.volumeLabel",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
+    ),
+    field(
+        "spec.volumes[].downwardAPI",
+        "launcher/src/convert/tests.rs::config_volumes_become_iso_disks_at_kubevirts_paths",
+    ),
+    field(
+        "spec.volumes[].downwardAPI.volumeLabel",
+        "launcher/src/convert/tests.rs::config_volumes_become_iso_disks_at_kubevirts_paths",
+    ),
+    field(
+        "spec.volumes[].secret",
+        "launcher/src/convert/tests.rs::config_volumes_become_iso_disks_at_kubevirts_paths",
+    ),
+    field(
+        "spec.volumes[].secret.optional",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.volumes[].secret.secretName",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.volumes[].secret.volumeLabel",
+        "launcher/src/convert/tests.rs::config_volumes_become_iso_disks_at_kubevirts_paths",
+    ),
+    field(
+        "spec.volumes[].serviceAccount",
+        "launcher/src/convert/tests.rs::config_volumes_become_iso_disks_at_kubevirts_paths",
+    ),
+    field(
+        "spec.volumes[].serviceAccount.serviceAccountName",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
+    ),
+    subtree(
+        "spec.volumes[].downwardAPI.fields",
+        "controller/tests/golden.rs::config_volumes_launcher_pod_matches_golden",
     ),
     field(
         "spec.volumes[].containerDisk",
@@ -716,26 +888,16 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.launchSecurity"),
     refused("spec.domain.memory.reservedOverhead"),
     refused_value("spec.domain.rebootPolicy", r#""Terminate""#),
-    refused("spec.livenessProbe"),
     refused("spec.networks[].multus"),
     refused("spec.networks[].resourceClaim"),
-    refused("spec.readinessProbe"),
     refused("spec.resourceClaims"),
     refused("spec.utilityVolumes"),
-    refused("spec.volumes[].cloudInitConfigDrive.networkDataSecretRef"),
-    refused("spec.volumes[].cloudInitConfigDrive.secretRef"),
-    refused("spec.volumes[].cloudInitNoCloud.networkDataSecretRef"),
-    refused("spec.volumes[].cloudInitNoCloud.secretRef"),
-    refused("spec.volumes[].configMap"),
     refused("spec.volumes[].containerPath"),
     refused("spec.volumes[].dataVolume"),
-    refused("spec.volumes[].downwardAPI"),
     refused("spec.volumes[].downwardMetrics"),
     refused("spec.volumes[].ephemeral"),
     refused("spec.volumes[].hostDisk.shared"),
     refused("spec.volumes[].memoryDump"),
-    refused("spec.volumes[].secret"),
-    refused("spec.volumes[].serviceAccount"),
     refused("spec.volumes[].sysprep"),
 ];
 

@@ -404,14 +404,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         format!("{devices}.watchdog.diag288"),
         dev.watchdog.as_ref().and_then(|w| w.diag288.as_ref()),
     );
-    e.unsupported(
-        format!("{base}.livenessProbe"),
-        spec.liveness_probe.as_ref(),
-    );
-    e.unsupported(
-        format!("{base}.readinessProbe"),
-        spec.readiness_probe.as_ref(),
-    );
 }
 
 /// A KubeVirt PCI address whose slot a PCI bus has (libvirt's limit); only the root bus has
@@ -612,6 +604,34 @@ fn scheduling(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             e.add(
                 format!("{base}.{field}"),
                 "must have exactly one of exec, httpGet, tcpSocket, guestAgentPing",
+            );
+        }
+        // KubeVirt's: the kubelet sends these to the pod's IP, which only the pod network
+        // connects to the guest.
+        if !spec.networks.iter().any(|n| n.pod.is_some()) {
+            for (kind, set) in [
+                ("httpGet", p.http_get.is_some()),
+                ("tcpSocket", p.tcp_socket.is_some()),
+            ] {
+                if set {
+                    e.add(
+                        format!("{base}.{field}.{kind}"),
+                        "is only allowed if the Pod Network is attached",
+                    );
+                }
+            }
+        }
+        // What kube-apiserver would refuse on the launcher pod, said here at the VMI's field.
+        if p.exec
+            .as_ref()
+            .is_some_and(|x| x.command.as_ref().is_none_or(Vec::is_empty))
+        {
+            e.add(format!("{base}.{field}.exec.command"), "must not be empty");
+        }
+        if field == "livenessProbe" && p.success_threshold.is_some_and(|t| t != 1) {
+            e.add(
+                format!("{base}.{field}.successThreshold"),
+                "must be 1 for a liveness probe",
             );
         }
     }
@@ -1113,14 +1133,14 @@ fn cloud_init(src: &CloudInitNoCloudSource, path: &str, e: &mut Errors) {
         src.network_data_base64.is_some(),
         src.network_data_secret_ref.is_some(),
     ];
-    e.unsupported(
-        format!("{path}.secretRef"),
-        src.user_data_secret_ref.as_ref(),
-    );
-    e.unsupported(
-        format!("{path}.networkDataSecretRef"),
-        src.network_data_secret_ref.as_ref(),
-    );
+    for (field, secret) in [
+        ("secretRef", &src.user_data_secret_ref),
+        ("networkDataSecretRef", &src.network_data_secret_ref),
+    ] {
+        if secret.as_ref().is_some_and(|s| s.name.is_empty()) {
+            e.add(format!("{path}.{field}.name"), "required");
+        }
+    }
     let count = |s: &[bool]| s.iter().filter(|b| **b).count();
     if count(&user) > 1 {
         e.add(
@@ -1183,6 +1203,7 @@ fn is_base64(s: &str) -> bool {
 
 fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e: &mut Errors) {
     let mut seen = BTreeSet::new();
+    let mut service_accounts = 0;
     for (i, v) in spec.volumes.iter().enumerate() {
         let vpath = format!("{base}.volumes[{i}]");
         if !seen.insert(v.name.as_str()) {
@@ -1217,11 +1238,22 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
             match source {
                 VolumeSource::Unsupported(..)
                 | VolumeSource::DataVolume(_)
-                | VolumeSource::Ephemeral(_)
-                | VolumeSource::ConfigMap(_)
-                | VolumeSource::Secret(_)
-                | VolumeSource::ServiceAccount(_) => {
+                | VolumeSource::Ephemeral(_) => {
                     e.add(spath, UNSUPPORTED);
+                }
+                VolumeSource::ConfigMap(c) => {
+                    if c.name.as_deref().unwrap_or_default().is_empty() {
+                        e.add(format!("{spath}.name"), "required");
+                    }
+                }
+                VolumeSource::Secret(s) => {
+                    if s.secret_name.as_deref().unwrap_or_default().is_empty() {
+                        e.add(format!("{spath}.secretName"), "required");
+                    }
+                }
+                VolumeSource::DownwardApi(_) => {}
+                VolumeSource::ServiceAccount(sa) => {
+                    service_account(spec, sa, &spath, base, &mut service_accounts, e);
                 }
                 VolumeSource::ContainerDisk(cd) => {
                     if cd.image.is_empty() {
@@ -1287,6 +1319,41 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
                 }
             }
         }
+    }
+}
+
+/// KubeVirt's rules for a service account volume: named, one per VMI (its disk has one fixed
+/// path, and the pod runs as one account), and the same account as `serviceAccountName`.
+fn service_account(
+    spec: &VirtualMachineInstanceSpec,
+    sa: &crate::vmi::ServiceAccountVolumeSource,
+    spath: &str,
+    base: &str,
+    count: &mut usize,
+    e: &mut Errors,
+) {
+    *count += 1;
+    if *count == 2 {
+        e.add(
+            format!("{base}.volumes"),
+            "must have max one serviceAccount volume set",
+        );
+    }
+    let name = sa.service_account_name.as_deref().unwrap_or_default();
+    if name.is_empty() {
+        e.add(format!("{spath}.serviceAccountName"), "required");
+    }
+    if let Some(pod_account) = spec.service_account_name.as_deref()
+        && !pod_account.is_empty()
+        && pod_account != name
+    {
+        e.add(
+            format!("{base}.serviceAccountName"),
+            format!(
+                "{pod_account:?} and serviceAccount volume {name:?} must reference the same \
+                 service account"
+            ),
+        );
     }
 }
 

@@ -12,8 +12,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Affinity, ExecAction, HTTPGetAction, LocalObjectReference, PersistentVolumeClaimVolumeSource,
-    PodDNSConfig, TCPSocketAction, Toleration, TopologySpreadConstraint,
+    Affinity, DownwardAPIVolumeFile, ExecAction, HTTPGetAction, LocalObjectReference,
+    PersistentVolumeClaimVolumeSource, PodDNSConfig, TCPSocketAction, Toleration,
+    TopologySpreadConstraint,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube_derive::CustomResource;
@@ -931,9 +932,9 @@ pub struct Volume {
     pub config_map: Option<ConfigMapVolumeSource>,
     /// A Secret as a disk.
     pub secret: Option<SecretVolumeSource>,
-    /// Downward API as a disk (not supported yet).
+    /// Fields of the launcher pod (Downward API) as a disk.
     #[serde(rename = "downwardAPI")]
-    pub downward_api: Option<Preserved>,
+    pub downward_api: Option<DownwardApiVolumeSource>,
     /// A service account token as a disk.
     pub service_account: Option<ServiceAccountVolumeSource>,
     /// Downward metrics disk (not supported yet).
@@ -969,6 +970,8 @@ pub enum VolumeSource<'a> {
     Secret(&'a SecretVolumeSource),
     /// Service account.
     ServiceAccount(&'a ServiceAccountVolumeSource),
+    /// Downward API.
+    DownwardApi(&'a DownwardApiVolumeSource),
     /// A source kubevirt-rs keeps but does not implement; the field name says which.
     Unsupported(&'static str, &'a Preserved),
 }
@@ -988,6 +991,7 @@ impl VolumeSource<'_> {
             Self::ConfigMap(_) => "configMap",
             Self::Secret(_) => "secret",
             Self::ServiceAccount(_) => "serviceAccount",
+            Self::DownwardApi(_) => "downwardAPI",
             Self::Unsupported(field, _) => field,
         }
     }
@@ -1031,7 +1035,7 @@ impl Volume {
             out.push(VolumeSource::Secret(s));
         }
         if let Some(s) = &self.downward_api {
-            out.push(VolumeSource::Unsupported("downwardAPI", s));
+            out.push(VolumeSource::DownwardApi(s));
         }
         if let Some(s) = &self.service_account {
             out.push(VolumeSource::ServiceAccount(s));
@@ -1184,6 +1188,19 @@ pub struct SecretVolumeSource {
     pub secret_name: Option<String>,
     /// Whether the Secret may be missing.
     pub optional: Option<bool>,
+    /// Filesystem label of the disk.
+    pub volume_label: Option<String>,
+}
+
+/// Fields of the launcher pod presented as a disk (KubeVirt's `DownwardAPIVolumeSource`).
+#[skip_serializing_none]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DownwardApiVolumeSource {
+    /// The files to write, each a pod field or a container resource (Kubernetes' own type,
+    /// handed to the launcher pod's `downwardAPI` volume as its `items`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fields: Vec<DownwardAPIVolumeFile>,
     /// Filesystem label of the disk.
     pub volume_label: Option<String>,
 }
@@ -1454,6 +1471,12 @@ impl VirtualMachineInstance {
     pub fn node_name(&self) -> Option<&str> {
         self.status.as_ref().and_then(|s| s.node_name.as_deref())
     }
+}
+
+/// A VMI's domain name, `<namespace>_<name>` (KubeVirt's `VMINamespaceKeyFunc`): how
+/// virt-probe names the VMI its probe was rendered for.
+pub fn domain_name(namespace: &str, name: &str) -> String {
+    format!("{namespace}_{name}")
 }
 
 /// `spec.startStrategy` that starts the guest paused (KubeVirt's `StartStrategyPaused`), the

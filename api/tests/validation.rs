@@ -417,6 +417,54 @@ fn mistakes() -> Vec<Mistake> {
             "must have only one of userData, userDataBase64, secretRef",
         ),
         m(
+            "cloud-init Secret reference without a name",
+            vec![(
+                "/spec/volumes/1/cloudInitNoCloud",
+                json!({"secretRef": {"name": ""}}),
+            )],
+            "spec.volumes[1].cloudInitNoCloud.secretRef.name",
+            "required",
+        ),
+        m(
+            "configMap volume without a name",
+            vec![("/spec/volumes/2", json!({"name": "cm", "configMap": {}}))],
+            "spec.volumes[2].configMap.name",
+            "required",
+        ),
+        m(
+            "secret volume without a secret name",
+            vec![("/spec/volumes/2", json!({"name": "s", "secret": {}}))],
+            "spec.volumes[2].secret.secretName",
+            "required",
+        ),
+        m(
+            "two serviceAccount volumes",
+            vec![
+                (
+                    "/spec/volumes/2",
+                    json!({"name": "sa1", "serviceAccount": {"serviceAccountName": "a"}}),
+                ),
+                (
+                    "/spec/volumes/3",
+                    json!({"name": "sa2", "serviceAccount": {"serviceAccountName": "a"}}),
+                ),
+            ],
+            "spec.volumes",
+            "must have max one serviceAccount volume set",
+        ),
+        m(
+            "serviceAccount volume of another account than serviceAccountName",
+            vec![
+                ("/spec/serviceAccountName", json!("a")),
+                (
+                    "/spec/volumes/2",
+                    json!({"name": "sa", "serviceAccount": {"serviceAccountName": "b"}}),
+                ),
+            ],
+            "spec.serviceAccountName",
+            "must reference the same service account",
+        ),
+        m(
             "cloud-init base64 that is not",
             vec![(
                 "/spec/volumes/1/cloudInitNoCloud",
@@ -493,6 +541,31 @@ fn mistakes() -> Vec<Mistake> {
             )],
             "spec.readinessProbe",
             "must have exactly one of",
+        ),
+        m(
+            "TCP probe without the pod network",
+            vec![
+                ("/spec/networks", json!([])),
+                ("/spec/domain/devices/interfaces", json!([])),
+                ("/spec/livenessProbe", json!({"tcpSocket": {"port": 22}})),
+            ],
+            "spec.livenessProbe.tcpSocket",
+            "only allowed if the Pod Network is attached",
+        ),
+        m(
+            "exec probe without a command",
+            vec![("/spec/readinessProbe", json!({"exec": {"command": []}}))],
+            "spec.readinessProbe.exec.command",
+            "must not be empty",
+        ),
+        m(
+            "liveness probe needing two successes",
+            vec![(
+                "/spec/livenessProbe",
+                json!({"guestAgentPing": {}, "successThreshold": 2}),
+            )],
+            "spec.livenessProbe.successThreshold",
+            "must be 1",
         ),
         m(
             "hostname not a DNS label",

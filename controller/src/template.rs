@@ -9,18 +9,22 @@ use std::collections::BTreeMap;
 
 use api::ClusterConfig;
 use api::VirtualMachineInstance;
+use api::configdisk::{self, ConfigKind};
 use api::labels;
 use api::quantity::{ParsedQuantity, format_binary_si};
 use api::vmi::{InterfaceModel, VolumeSource};
 use k8s_openapi::api::core::v1::{
-    Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, HostPathVolumeSource,
-    ObjectFieldSelector, PersistentVolumeClaimVolumeSource, Pod, PodReadinessGate, PodSpec,
-    ResourceRequirements, SecurityContext, Volume, VolumeMount,
+    Capabilities, ConfigMapVolumeSource, Container, DownwardAPIVolumeSource, EmptyDirVolumeSource,
+    EnvVar, EnvVarSource, ExecAction, HostPathVolumeSource, ObjectFieldSelector,
+    PersistentVolumeClaimVolumeSource, Pod, PodReadinessGate, PodSpec, Probe, ResourceRequirements,
+    SecretVolumeSource, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 pub use api::labels::{KVM_RESOURCE, TUN_RESOURCE, VHOST_NET_RESOURCE};
+/// The launcher image's probe command, on the compute container's `PATH` as KubeVirt's.
+const VIRT_PROBE: &str = "virt-probe";
 /// KubeVirt's default VMI termination grace period.
 pub const DEFAULT_GRACE_PERIOD_SECONDS: i64 = 30;
 /// Padding KubeVirt adds so virt-handler, not the kubelet, ends the guest.
@@ -322,6 +326,7 @@ pub fn render_launcher_pod(
         .ok_or(TemplateError::MissingMetadata("uid"))?;
     let spec = &vmi.spec;
     let host = hostname(vmi, name);
+    let domain = api::vmi::domain_name(namespace, name);
     let grace = spec
         .termination_grace_period_seconds
         .unwrap_or(DEFAULT_GRACE_PERIOD_SECONDS)
@@ -434,6 +439,7 @@ pub fn render_launcher_pod(
             _ => {}
         }
     }
+    config_volumes(vmi, cfg, &mut volumes, &mut compute_mounts);
     if let Some(kb) = spec.kernel_boot().and_then(|k| k.container.as_ref()) {
         disks.push(DiskImage {
             volume: KERNEL_BOOT_VOLUME,
@@ -474,6 +480,14 @@ pub fn render_launcher_pod(
             ..EnvVar::default()
         }]),
         resources: Some(compute_resources(vmi, cluster)?),
+        readiness_probe: spec
+            .readiness_probe
+            .as_ref()
+            .map(|p| compute_probe(p, &domain)),
+        liveness_probe: spec
+            .liveness_probe
+            .as_ref()
+            .map(|p| compute_probe(p, &domain)),
         volume_mounts: Some(compute_mounts),
         security_context: Some(SecurityContext {
             capabilities: Some(Capabilities {
@@ -551,8 +565,12 @@ pub fn render_launcher_pod(
                 .then(|| spec.topology_spread_constraints.clone()),
             scheduler_name: spec.scheduler_name.clone(),
             priority_class_name: spec.priority_class_name.clone(),
-            service_account_name: spec.service_account_name.clone(),
-            automount_service_account_token: Some(false),
+            service_account_name: spec
+                .service_account_name
+                .clone()
+                .or_else(|| service_account_volume(vmi).map(str::to_owned)),
+            // The token is the service account disk's content.
+            automount_service_account_token: Some(service_account_volume(vmi).is_some()),
             enable_service_links: Some(false),
             dns_policy: spec.dns_policy.clone(),
             dns_config: spec.dns_config.clone(),
@@ -570,6 +588,163 @@ pub fn render_launcher_pod(
         }),
         status: None,
     })
+}
+
+/// A VMI probe as the compute container's, as KubeVirt renders it (`copyProbe`,
+/// `updateReadinessProbe`, `updateLivenessProbe`): defaulted; HTTP and TCP probes as they are,
+/// for the kubelet to send to the pod's IP, which reaches the guest through its masquerade or
+/// bridge interface; `exec` and `guestAgentPing` as a `virt-probe` command that asks the
+/// launcher to run the command through the guest agent or to ping the agent, with one more
+/// second of timeout for that detour. KubeVirt also adds 10 s (`LibvirtStartupDelay`) to every
+/// probe's initial delay for libvirt to start; no libvirt starts here (docs/launcher.md).
+fn compute_probe(probe: &api::vmi::Probe, domain: &str) -> Probe {
+    let mut p = probe.clone();
+    api::defaults::set_probe_defaults(&mut p);
+    let timeout = p.timeout_seconds.unwrap_or(1);
+    let virt_probe = |tail: &[String]| {
+        let mut command = vec![
+            VIRT_PROBE.to_owned(),
+            "--domainName".into(),
+            domain.to_owned(),
+            "--timeoutSeconds".into(),
+            timeout.to_string(),
+        ];
+        command.extend_from_slice(tail);
+        Some(ExecAction {
+            command: Some(command),
+        })
+    };
+    let exec = if p.guest_agent_ping.is_some() {
+        virt_probe(&["--guestAgentPing".to_owned()])
+    } else {
+        match p.exec.as_ref().and_then(|e| e.command.as_deref()) {
+            Some([first, rest @ ..]) if first != VIRT_PROBE => {
+                let mut tail = vec!["--command".to_owned(), first.clone(), "--".into()];
+                tail.extend_from_slice(rest);
+                virt_probe(&tail)
+            }
+            _ => p.exec.clone(),
+        }
+    };
+    let detour = exec != p.exec;
+    Probe {
+        exec,
+        http_get: p.http_get,
+        tcp_socket: p.tcp_socket,
+        initial_delay_seconds: p.initial_delay_seconds,
+        timeout_seconds: Some(timeout + i32::from(detour)),
+        period_seconds: p.period_seconds,
+        success_threshold: p.success_threshold,
+        failure_threshold: p.failure_threshold,
+        ..Probe::default()
+    }
+}
+
+/// The service account a `serviceAccount` volume names (KubeVirt allows one).
+fn service_account_volume(vmi: &VirtualMachineInstance) -> Option<&str> {
+    vmi.spec.volumes.iter().find_map(|v| match v.source() {
+        Some(VolumeSource::ServiceAccount(sa)) => sa.service_account_name.as_deref(),
+        _ => None,
+    })
+}
+
+/// The pod volumes behind config disks and cloud-init Secret references, mounted where the
+/// launcher builds the images from (KubeVirt's `withVMIConfigVolumes` and cloud-init
+/// handlers in `rendervolumes.go`). A config volume is mounted only when a disk uses it, as
+/// KubeVirt does; the service account's token comes with the pod's own automount.
+fn config_volumes(
+    vmi: &VirtualMachineInstance,
+    cfg: &TemplateConfig,
+    volumes: &mut Vec<Volume>,
+    mounts: &mut Vec<VolumeMount>,
+) {
+    let read_only = |name: &str, path: String, sub_path: Option<&str>| VolumeMount {
+        read_only: Some(true),
+        sub_path: sub_path.map(str::to_owned),
+        ..mount(name, &path)
+    };
+    let secret = |name: String, secret_name: &str, optional: Option<bool>| Volume {
+        name,
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(secret_name.to_owned()),
+            optional,
+            ..SecretVolumeSource::default()
+        }),
+        ..Volume::default()
+    };
+    for v in &vmi.spec.volumes {
+        let Some(source) = v.source() else { continue };
+        let pod_volume = match source {
+            VolumeSource::ConfigMap(c) => Volume {
+                name: v.name.clone(),
+                config_map: Some(ConfigMapVolumeSource {
+                    name: c.name.clone().unwrap_or_default(),
+                    optional: c.optional,
+                    ..ConfigMapVolumeSource::default()
+                }),
+                ..Volume::default()
+            },
+            VolumeSource::Secret(s) => secret(
+                v.name.clone(),
+                s.secret_name.as_deref().unwrap_or_default(),
+                s.optional,
+            ),
+            VolumeSource::DownwardApi(d) => Volume {
+                name: v.name.clone(),
+                downward_api: Some(DownwardAPIVolumeSource {
+                    items: (!d.fields.is_empty()).then(|| d.fields.clone()),
+                    ..DownwardAPIVolumeSource::default()
+                }),
+                ..Volume::default()
+            },
+            VolumeSource::CloudInitNoCloud(ci) | VolumeSource::CloudInitConfigDrive(ci) => {
+                let dir = format!(
+                    "{}/{}/{}",
+                    cfg.private_dir,
+                    ConfigKind::Secret.source_dir().unwrap_or_default(),
+                    v.name
+                );
+                for (reference, suffix, keys) in [
+                    (
+                        &ci.user_data_secret_ref,
+                        configdisk::USER_DATA_POD_VOLUME_SUFFIX,
+                        configdisk::USER_DATA_KEYS,
+                    ),
+                    (
+                        &ci.network_data_secret_ref,
+                        configdisk::NETWORK_DATA_POD_VOLUME_SUFFIX,
+                        configdisk::NETWORK_DATA_KEYS,
+                    ),
+                ] {
+                    let Some(reference) = reference else { continue };
+                    let name = format!("{}{suffix}", v.name);
+                    // Each key is mounted on its own: the Secret needs only one of them.
+                    for key in keys {
+                        mounts.push(read_only(&name, format!("{dir}/{key}"), Some(key)));
+                    }
+                    volumes.push(secret(name, &reference.name, None));
+                }
+                continue;
+            }
+            _ => continue,
+        };
+        volumes.push(pod_volume);
+        if vmi
+            .spec
+            .domain
+            .devices
+            .disks
+            .iter()
+            .any(|d| d.name == v.name)
+            && let Some(dir) = ConfigKind::of(&source).and_then(ConfigKind::source_dir)
+        {
+            mounts.push(read_only(
+                &v.name,
+                format!("{}/{dir}/{}", cfg.private_dir, v.name),
+                None,
+            ));
+        }
+    }
 }
 
 /// KubeVirt's non-root support containers: user 107, no privilege escalation, no capabilities.
@@ -685,6 +860,145 @@ spec:
     resources: {requests: {memory: 128Mi}}
     devices: {}
 ";
+
+    /// A ConfigDrive's Secret references: KubeVirt's `<volume>-udata` / `-ndata` volumes, each
+    /// key mounted by `subPath` under the volume's secret dir.
+    #[test]
+    fn config_drive_secret_references_mount_their_keys() {
+        let v = vmi(&format!(
+            "{SMALL}  volumes:\n  - name: ci\n    cloudInitConfigDrive:\n      \
+             secretRef: {{name: ud}}\n      networkDataSecretRef: {{name: nd}}\n"
+        ));
+        let pod =
+            render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default()).unwrap();
+        let spec = pod.spec.unwrap();
+        let secrets: Vec<_> = spec
+            .volumes
+            .unwrap()
+            .into_iter()
+            .filter_map(|v| Some((v.name, v.secret?.secret_name?)))
+            .collect();
+        assert_eq!(
+            secrets,
+            [
+                ("ci-udata".to_owned(), "ud".to_owned()),
+                ("ci-ndata".to_owned(), "nd".to_owned())
+            ]
+        );
+        let mounts: Vec<_> = spec.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .filter_map(|m| {
+                Some((
+                    m.name.as_str(),
+                    m.mount_path.as_str(),
+                    m.sub_path.as_deref()?,
+                ))
+            })
+            .collect();
+        let dir = "/var/run/kubevirt-private/secret/ci";
+        assert_eq!(
+            mounts,
+            [
+                ("ci-udata", &*format!("{dir}/userdata"), "userdata"),
+                ("ci-udata", &*format!("{dir}/userData"), "userData"),
+                ("ci-ndata", &*format!("{dir}/networkdata"), "networkdata"),
+                ("ci-ndata", &*format!("{dir}/networkData"), "networkData"),
+            ]
+        );
+    }
+
+    /// Each probe kind as liveness and as readiness probe on the compute container.
+    #[test]
+    fn probes_become_the_compute_containers() {
+        let compute = |probes: &str| {
+            let pod = render_launcher_pod(
+                &vmi(&format!("{SMALL}  {probes}")),
+                &TemplateConfig::default(),
+                &ClusterConfig::default(),
+            )
+            .unwrap();
+            let c = pod.spec.unwrap().containers.swap_remove(0);
+            assert_eq!(c.name, "compute");
+            (
+                serde_json::to_value(c.readiness_probe).unwrap(),
+                serde_json::to_value(c.liveness_probe).unwrap(),
+            )
+        };
+        let virt_probe = |timeout: &str, tail: &[&str]| -> Vec<String> {
+            [
+                "virt-probe",
+                "--domainName",
+                "default_testvmi",
+                "--timeoutSeconds",
+                timeout,
+            ]
+            .iter()
+            .chain(tail)
+            .map(|s| (*s).to_owned())
+            .collect()
+        };
+        let defaults = |mut p: serde_json::Value, timeout: i32| {
+            for (k, v) in [
+                ("timeoutSeconds", timeout),
+                ("periodSeconds", 10),
+                ("successThreshold", 1),
+                ("failureThreshold", 3),
+            ] {
+                p[k] = v.into();
+            }
+            p
+        };
+
+        let (readiness, liveness) = compute(
+            "readinessProbe: {guestAgentPing: {}, periodSeconds: 2, failureThreshold: 5}
+  livenessProbe: {exec: {command: [cat, /tmp/ok]}, initialDelaySeconds: 30}",
+        );
+        let mut want = defaults(
+            serde_json::json!({"exec": {"command": virt_probe("1", &["--guestAgentPing"])}}),
+            2,
+        );
+        want["periodSeconds"] = 2.into();
+        want["failureThreshold"] = 5.into();
+        assert_eq!(readiness, want);
+        let mut want = defaults(
+            serde_json::json!({"exec": {"command":
+                virt_probe("1", &["--command", "cat", "--", "/tmp/ok"])}}),
+            2,
+        );
+        want["initialDelaySeconds"] = 30.into();
+        assert_eq!(liveness, want);
+
+        // HTTP and TCP probes reach the guest through the pod's IP, unchanged; a command
+        // that already is virt-probe is not wrapped twice.
+        let (readiness, liveness) = compute(
+            "readinessProbe: {tcpSocket: {port: 22}}
+  livenessProbe: {httpGet: {port: 8080, path: /healthz, httpHeaders: [{name: X-A, value: b}]}}",
+        );
+        assert_eq!(
+            readiness,
+            defaults(serde_json::json!({"tcpSocket": {"port": 22}}), 1)
+        );
+        assert_eq!(
+            liveness,
+            defaults(
+                serde_json::json!({"httpGet": {"port": 8080, "path": "/healthz",
+                    "httpHeaders": [{"name": "X-A", "value": "b"}]}}),
+                1
+            )
+        );
+        let (readiness, liveness) =
+            compute("readinessProbe: {exec: {command: [virt-probe, --guestAgentPing]}}");
+        assert_eq!(
+            readiness,
+            defaults(
+                serde_json::json!({"exec": {"command": ["virt-probe", "--guestAgentPing"]}}),
+                1
+            )
+        );
+        assert_eq!(liveness, serde_json::Value::Null);
+    }
 
     #[test]
     fn overhead_formula() {

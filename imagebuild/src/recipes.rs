@@ -5,8 +5,9 @@
 //!   component image, plus the program (and for virt-handler, `nft`).
 //! - `virt-launcher`: the same base, a QEMU layer (`qemu-system-x86_64`, `qemu-img`, the TCG
 //!   accelerator module, firmware, VNC keymaps and exactly the libraries they need, copied from
-//!   this machine's Debian packages) and the launcher with `container-disk` and `cp`, which the
-//!   launcher pod's `container-disk-binary` init container runs, as KubeVirt's does.
+//!   this machine's Debian packages) and the launcher with `virt-probe` (the kubelet runs it for
+//!   a VMI's exec and guestAgentPing probes), `container-disk` and `cp`, which the launcher
+//!   pod's `container-disk-binary` init container runs, as KubeVirt's does.
 //! - `container-disk`: the static helper alone.
 //! - Test images (`test-guest-disk`, `test-guest-kernel`, `test-tools`) from the test guest
 //!   build and Debian's static busybox.
@@ -115,6 +116,7 @@ fn base_layer(inputs: &Inputs) -> Result<Tree, FilesError> {
         "virt-controller",
         "virt-handler",
         "virt-launcher",
+        "virt-probe",
     ] {
         for lib in files::libraries(&inputs.bin_dir.join(program))? {
             layer.host_path(&lib)?;
@@ -151,13 +153,21 @@ fn tools_of(program: &str) -> &'static [&'static str] {
     }
 }
 
+/// Our programs an image carries besides its component's: the kubelet runs `virt-probe` in
+/// the launcher's compute container for a VMI's exec and guestAgentPing probes.
+fn companions_of(program: &str) -> &'static [&'static str] {
+    match program {
+        "virt-launcher" => &["virt-probe"],
+        _ => &[],
+    }
+}
+
 /// The component's program, and the tools it runs with what they need beyond `base`.
 fn program_layer(inputs: &Inputs, program: &str, base: &Tree) -> Result<Tree, FilesError> {
     let mut layer = Layer::new(Some(base));
-    layer.program(
-        &inputs.bin_dir.join(program),
-        &Path::new("/usr/bin").join(program),
-    )?;
+    for p in std::iter::once(program).chain(companions_of(program).iter().copied()) {
+        layer.program(&inputs.bin_dir.join(p), &Path::new("/usr/bin").join(p))?;
+    }
     for tool in tools_of(program) {
         layer.elf_with_libraries(Path::new(tool))?;
     }

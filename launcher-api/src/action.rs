@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::domain::{DiskStats, Domain, Info};
 use crate::guest::{
-    AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
+    AgentInterface, GuestExecRequest, GuestExecResult, GuestPingRequest, QgaFilesystem,
+    QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
 };
 use crate::migration::{MigrateRequest, TargetRequest};
 
@@ -57,7 +58,13 @@ macro_rules! json_bodies {
     };
 }
 
-json_bodies!(VirtualMachineInstance, TargetRequest, MigrateRequest);
+json_bodies!(
+    VirtualMachineInstance,
+    TargetRequest,
+    MigrateRequest,
+    GuestPingRequest,
+    GuestExecRequest
+);
 
 /// [`Ping`]'s answer: `{}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -139,6 +146,12 @@ actions! {
     GuestFilesystems = GET "/v1/guest/filesystems", () => Vec<QgaFilesystem>;
     /// `guest-network-get-interfaces`.
     GuestInterfaces = GET "/v1/guest/interfaces", () => Vec<AgentInterface>;
+    /// `guest-ping` within the request's timeout: virt-probe's `guestAgentPing` probes.
+    GuestPing = POST "/v1/guest/ping", GuestPingRequest => Empty;
+    /// `guest-exec` with the output captured, then `guest-exec-status` until the command has
+    /// exited or the request's timeout has passed: virt-probe's `exec` probes. A command that
+    /// ran answers its exit code, whatever it is; one that did not end in time is an error.
+    GuestExec = POST "/v1/guest/exec", GuestExecRequest => GuestExecResult;
     /// The guest's display as `image/png` bytes, not JSON (QMP `screendump`). The launcher
     /// serves it on `POST` as well, as it has since it came.
     Screendump = GET "/v1/screendump", () => Bytes;
@@ -175,7 +188,7 @@ mod tests {
                 "{method} {path}"
             );
         }
-        assert_eq!(ALL.len(), 26);
+        assert_eq!(ALL.len(), 28);
     }
 
     #[test]

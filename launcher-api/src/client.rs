@@ -19,13 +19,14 @@ use tokio_util::io::StreamReader;
 
 use crate::action::{
     Action, Body, CancelMigration, FinishMigration, Freeze, Frozen, GetBlockStats, GetDomain,
-    GetInfo, GuestFilesystems, GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo,
-    GuestTimezone, GuestUsers, Kill, Migrate, Pause, Ping, PrepareTarget, Reset, Screendump,
-    Shutdown, SoftReboot, SyncVmi, Thawed, Unfreeze, Unpause, WatchDomain,
+    GetInfo, GuestExec, GuestFilesystems, GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo,
+    GuestPing, GuestTimezone, GuestUsers, Kill, Migrate, Pause, Ping, PrepareTarget, Reset,
+    Screendump, Shutdown, SoftReboot, SyncVmi, Thawed, Unfreeze, Unpause, WatchDomain,
 };
 use crate::domain::{ApiError, DiskStats, Domain, Info};
 use crate::guest::{
-    AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
+    AgentInterface, GuestExecRequest, GuestExecResult, GuestPingRequest, QgaFilesystem,
+    QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
 };
 
 /// A domain line longer than this is not a domain.
@@ -327,6 +328,16 @@ impl LauncherClient {
 
     pub async fn guest_interfaces(&self) -> Result<Vec<AgentInterface>, ClientError> {
         self.call::<GuestInterfaces>(&()).await
+    }
+
+    /// `guest-ping` through the launcher (virt-probe's `--guestAgentPing`).
+    pub async fn guest_ping(&self, req: &GuestPingRequest) -> Result<(), ClientError> {
+        self.call::<GuestPing>(req).await.map(drop)
+    }
+
+    /// A command run in the guest by its agent (virt-probe's exec probes).
+    pub async fn guest_exec(&self, req: &GuestExecRequest) -> Result<GuestExecResult, ClientError> {
+        self.call::<GuestExec>(req).await
     }
 
     pub async fn guest_users(&self) -> Result<Vec<QgaUser>, ClientError> {

@@ -6,6 +6,36 @@
 use serde::{Deserialize, Serialize};
 use serde_with::skip_serializing_none;
 
+/// What virt-probe asks for a `guestAgentPing` probe: `guest-ping` within `timeoutSeconds`.
+/// `domainName` is KubeVirt's `<namespace>_<name>` of the VMI the probe was rendered for;
+/// the launcher refuses another, so a probe can never pass for a VMI it was not written for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestPingRequest {
+    pub domain_name: String,
+    pub timeout_seconds: u32,
+}
+
+/// What virt-probe asks for an `exec` probe: `command` with `args` run in the guest by the
+/// agent (`guest-exec`, output captured), waited for up to `timeoutSeconds`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestExecRequest {
+    pub domain_name: String,
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    pub timeout_seconds: u32,
+}
+
+/// How a command run by [`GuestExecRequest`] ended: its exit code and what it wrote to stdout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestExecResult {
+    pub exit_code: i32,
+    pub stdout: String,
+}
+
 /// `guest-info`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QgaInfo {

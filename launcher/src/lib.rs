@@ -9,6 +9,7 @@ pub mod error;
 pub mod net;
 pub mod paths;
 pub mod prepare;
+pub mod probe;
 pub mod qemu;
 pub mod server;
 pub mod state;

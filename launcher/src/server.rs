@@ -17,9 +17,9 @@ use axum::routing::{MethodFilter, on};
 use futures::StreamExt as _;
 use launcher_api::action::{
     self, Action, CancelMigration, Empty, FinishMigration, Freeze, GetBlockStats, GetDomain,
-    GetInfo, GuestFilesystems, GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo,
-    GuestTimezone, GuestUsers, Kill, Migrate, Pause, Ping, PrepareTarget, Reset, Screendump,
-    Shutdown, SoftReboot, SyncVmi, Unfreeze, Unpause, WatchDomain,
+    GetInfo, GuestExec, GuestFilesystems, GuestHostName, GuestInfo, GuestInterfaces, GuestOsInfo,
+    GuestPing, GuestTimezone, GuestUsers, Kill, Migrate, Pause, Ping, PrepareTarget, Reset,
+    Screendump, Shutdown, SoftReboot, SyncVmi, Unfreeze, Unpause, WatchDomain,
 };
 use launcher_api::domain::{ApiError, Info};
 use serde::Serialize;
@@ -54,7 +54,7 @@ impl Routes {
     where
         A: Action + 'static,
         A::Request: Send,
-        A::Response: Serialize,
+        A::Response: Serialize + Send + 'static,
         F: Fn(Arc<Launcher>, A::Request) -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<A::Response, Error>> + Send + 'static,
     {
@@ -63,7 +63,14 @@ impl Routes {
         let handler = move |State(l): State<Arc<Launcher>>, body: Bytes| async move {
             let request = <A::Request as action::Body>::decode(&body)
                 .map_err(|e| Error::BadRequest(e.to_string()))?;
-            f(l, request).await.map(axum::Json)
+            // An action runs to its end in its own task: hyper drops a request's future when
+            // the client's connection closes, and a sync dropped between starting QEMU and
+            // recording it left a QEMU nobody owned; the next sync (a restarted virt-handler's)
+            // then started a second one beside it.
+            match tokio::spawn(f(l, request)).await {
+                Ok(answer) => answer.map(axum::Json),
+                Err(e) => std::panic::resume_unwind(e.into_panic()),
+            }
         };
         Routes(self.0.route(A::PATH, on(method::<A>(), handler)))
     }
@@ -101,6 +108,8 @@ pub fn router(launcher: Arc<Launcher>) -> Router {
         .serve(GuestInterfaces, |l, ()| async move {
             l.guest_interfaces().await
         })
+        .serve(GuestPing, |l, req| async move { l.guest_ping(&req).await })
+        .serve(GuestExec, |l, req| async move { l.guest_exec(&req).await })
         .serve(PrepareTarget, |l, req| async move {
             l.prepare_target(&req).await
         })

@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use api::VirtualMachineInstance;
 use api::vmi::VolumeSource;
-use launcher_api::action::{Frozen, Thawed};
+use launcher_api::action::{Empty, Frozen, Thawed};
 use launcher_api::domain::{DiskStats, DiskStatus, Domain, DomainState, FsFreeze, InterfaceStatus};
 use launcher_api::guest::{
-    AgentInterface, QgaFilesystem, QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
+    AgentInterface, GuestExecRequest, GuestExecResult, GuestPingRequest, QgaFilesystem,
+    QgaHostName, QgaInfo, QgaOsInfo, QgaTimezone, QgaUser,
 };
 use launcher_api::migration::{DomainMigration, MigrationPhase, Role, TargetRequest};
 use nix::sys::signal::{Signal, kill};
@@ -975,6 +976,59 @@ impl Launcher {
     pub async fn guest_timezone(&self) -> Result<QgaTimezone, Error> {
         let a = self.agent("guest timezone").await?;
         relay("guest-get-timezone", a.timezone().await)
+    }
+
+    /// The agent of this launcher's guest for a probe naming `domain`: a probe rendered for
+    /// another VMI is refused rather than answered for this one.
+    async fn probe_agent(&self, domain: &str) -> Result<qmp::GuestAgent, Error> {
+        let agent = self.agent("guest probe").await?;
+        let d = self.state.borrow();
+        let ours = api::vmi::domain_name(
+            d.namespace.as_deref().unwrap_or_default(),
+            d.name.as_deref().unwrap_or_default(),
+        );
+        if domain != ours {
+            return Err(Error::BadRequest(format!(
+                "domainName {domain:?}: this launcher runs {ours:?}"
+            )));
+        }
+        Ok(agent)
+    }
+
+    /// `guest-ping` (a `guestAgentPing` probe).
+    pub async fn guest_ping(&self, req: &GuestPingRequest) -> Result<Empty, Error> {
+        let agent = self.probe_agent(&req.domain_name).await?;
+        agent
+            .execute_with_timeout(
+                qmp::qapi::qga::guest_ping {},
+                Duration::from_secs(req.timeout_seconds.into()),
+            )
+            .await
+            .map_err(Error::Agent)?;
+        Ok(Empty {})
+    }
+
+    /// A command run in the guest by its agent (an `exec` probe). A command killed by a
+    /// signal answers 128 plus the signal's number, as a shell reports it; KubeVirt reads the
+    /// missing exit code as 0 there and so takes a killed probe command for a success.
+    pub async fn guest_exec(&self, req: &GuestExecRequest) -> Result<GuestExecResult, Error> {
+        let agent = self.probe_agent(&req.domain_name).await?;
+        let status = agent
+            .exec(
+                &req.command,
+                &req.args,
+                Duration::from_secs(req.timeout_seconds.into()),
+            )
+            .await
+            .map_err(Error::Agent)?;
+        let code = status
+            .exitcode
+            .or(status.signal.map(|s| 128 + s))
+            .unwrap_or_default();
+        Ok(GuestExecResult {
+            exit_code: i32::try_from(code).unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&status.out_data.unwrap_or_default()).into_owned(),
+        })
     }
 
     pub async fn guest_users(&self) -> Result<Vec<QgaUser>, Error> {

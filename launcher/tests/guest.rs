@@ -15,13 +15,26 @@ fn serials(console: &mut Console) -> String {
     console.run("cat /sys/block/*/serial 2>/dev/null | tr '\\n' ' '", BOOT)
 }
 
-/// q35, kernel boot, every local volume kind, NoCloud user-data, the agent, the console,
-/// pause / unpause, a refused foreign sync, disk hotplug and unplug, ACPI shutdown.
+/// q35, kernel boot, every local volume kind, a ConfigMap disk read in the guest, NoCloud
+/// user-data from a Secret, the agent, virt-probe, the console, pause / unpause, a refused
+/// foreign sync, disk hotplug and unplug, ACPI shutdown.
 #[test]
 fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
     let mut l = Launcher::start_with(&["--grace-period-seconds", "120"], |root| {
         common::place_kernel(root);
         common::place_container_disk(root, 2);
+        // What the pod's kubelet writes for a ConfigMap volume and for the cloud-init Secret's
+        // keys (the key it lacks, `userdata`, is an empty directory under `subPath`).
+        let cm = root.join("private/config-map/cfg");
+        std::fs::create_dir_all(&cm).unwrap();
+        std::fs::write(cm.join("app.conf"), "mode=fast\n").unwrap();
+        let secret = root.join("private/secret/ci");
+        std::fs::create_dir_all(secret.join("userdata")).unwrap();
+        std::fs::write(
+            secret.join("userData"),
+            "#!/bin/sh\necho NOCLOUD-''SECRET-USERDATA-RAN > /dev/ttyS0\n",
+        )
+        .unwrap();
     });
     let id = uid();
     let host_img = l.dir("hostdisks/host.img");
@@ -37,13 +50,15 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
                 {"name": "host", "disk": {"bus": "virtio"}, "serial": "HOST1"},
                 {"name": "cdisk", "disk": {"bus": "virtio"}, "serial": "CDISK1"},
                 {"name": "ci", "disk": {"bus": "virtio"}},
+                {"name": "cfg", "disk": {"bus": "virtio"}},
             ]},
         },
         "volumes": [
             {"name": "scratch", "emptyDisk": {"capacity": "64Mi"}},
             {"name": "host", "hostDisk": {"path": host_img, "type": "DiskOrCreate", "capacity": "32Mi"}},
             {"name": "cdisk", "containerDisk": {"image": "guest"}},
-            {"name": "ci", "cloudInitNoCloud": {"userData": "#!/bin/sh\necho NOCLOUD-''USERDATA-RAN > /dev/ttyS0\n"}},
+            {"name": "ci", "cloudInitNoCloud": {"secretRef": {"name": "userdata"}}},
+            {"name": "cfg", "configMap": {"name": "app", "volumeLabel": "appcfg"}},
         ],
     });
     let v = vmi("q35", &id, spec.clone());
@@ -74,7 +89,10 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
         log.contains("Linux version"),
         "the boot banner is in the log"
     );
-    assert!(log.contains("NOCLOUD-USERDATA-RAN"), "user-data ran: {log}");
+    assert!(
+        log.contains("NOCLOUD-SECRET-USERDATA-RAN"),
+        "user-data from the Secret ran: {log}"
+    );
 
     l.wait_agent();
     let os = l.get("/v1/guest/osinfo");
@@ -84,6 +102,7 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
     );
     let info = l.get("/v1/guest/info");
     assert!(info["version"].is_string(), "{info}");
+    virt_probe_asks_the_guest(&l.socket);
 
     let mut console = Console::connect(&l.vm_dir(&id).join("virt-serial0"));
     let s = serials(&mut console);
@@ -91,6 +110,14 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
         assert!(s.contains(want), "{want} not in guest serials {s:?}");
     }
     assert_eq!(console.run("echo $((6*7))", BOOT), "42");
+    // The ConfigMap's key, from its disk found by the volume's label.
+    assert_eq!(
+        console.run(
+            "mkdir -p /mnt/cfg && mount -o ro $(findfs LABEL=appcfg) /mnt/cfg && cat /mnt/cfg/app.conf",
+            BOOT
+        ),
+        "mode=fast"
+    );
 
     let p = l.post("/v1/pause");
     assert_eq!(p["state"], "Paused");
@@ -150,6 +177,54 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
     let status = l.wait_exit(Duration::from_secs(30));
     assert!(status.success());
     assert!(!common::process_alive(pid));
+}
+
+/// virt-probe as the kubelet runs it for a VMI's `exec` and `guestAgentPing` probes (the pod
+/// renders them with `--domainName default_q35`), and the exit codes KubeVirt's has.
+fn virt_probe_asks_the_guest(socket: &Path) {
+    let probe = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_virt-probe"))
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let ours = ["--domainName", "default_q35", "--timeoutSeconds", "5"];
+    let (code, _, err) = probe(&[&ours[..], &["--guestAgentPing"]].concat());
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = probe(
+        &[
+            &ours[..],
+            &["--command", "/bin/sh", "--", "-c", "echo probed; exit 3"],
+        ]
+        .concat(),
+    );
+    assert_eq!((code, out.as_str()), (Some(3), "probed\n\n"), "{err}");
+    let (code, _, err) = probe(&[&ours[..], &["--command", "true"]].concat());
+    assert_eq!(code, Some(0), "{err}");
+    // A command that does not end within the timeout fails the probe as KubeVirt's (-1).
+    let (code, _, err) = probe(&[
+        "--domainName",
+        "default_q35",
+        "--timeoutSeconds",
+        "1",
+        "--command",
+        "/bin/sleep",
+        "--",
+        "30",
+    ]);
+    assert_eq!(code, Some(255), "{err}");
+    assert!(err.contains("did not exit within"), "{err}");
+    // A probe rendered for another VMI is refused, not answered for this one.
+    let (code, _, err) = probe(&["--domainName", "default_other", "--guestAgentPing"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("this launcher runs \"default_q35\""), "{err}");
 }
 
 /// pc (i440fx), BIOS boot from a containerDisk, ConfigDrive user-data, the agent, the

@@ -43,6 +43,14 @@ pub enum Error {
         command: String,
         timeout: Duration,
     },
+    /// A command started by `guest-exec` had not exited when its time was up.
+    #[error("{path} (pid {pid} in the guest, agent at {socket}) did not exit within {timeout:?}")]
+    ExecTimeout {
+        socket: PathBuf,
+        path: String,
+        pid: i64,
+        timeout: Duration,
+    },
     /// The connection closed (or was already closed) before the reply arrived.
     #[error("{command} on {socket}: connection closed")]
     Disconnected { socket: PathBuf, command: String },

@@ -291,3 +291,69 @@ async fn no_agent_socket_is_a_connect_error_naming_the_socket() {
     let err = agent.time().await.unwrap_err();
     assert!(err.to_string().contains("absent.sock"), "{err}");
 }
+
+#[tokio::test]
+async fn exec_captures_output_and_polls_until_the_command_exits() {
+    init_tracing();
+    let socket = Socket::new();
+    let agent = socket.client();
+    let call = tokio::spawn(async move {
+        agent
+            .exec(
+                "/bin/cat",
+                &["/etc/hostname".into()],
+                Duration::from_secs(5),
+            )
+            .await
+    });
+    let mut peer = socket.accept().await;
+    peer.sync().await;
+    let (name, args) = peer.command().await;
+    assert_eq!(name, "guest-exec");
+    assert_eq!(
+        args,
+        json!({"path": "/bin/cat", "arg": ["/etc/hostname"], "capture-output": true})
+    );
+    peer.reply(json!({"pid": 42})).await;
+    let (name, args) = peer.command().await;
+    assert_eq!(
+        (name.as_str(), args),
+        ("guest-exec-status", json!({"pid": 42}))
+    );
+    peer.reply(json!({"exited": false})).await;
+    peer.command().await;
+    peer.reply(json!({"exited": true, "exitcode": 3, "out-data": "Z3Vlc3QwCg=="}))
+        .await;
+    let status = call.await.unwrap().unwrap();
+    assert_eq!(status.exitcode, Some(3));
+    assert_eq!(status.out_data.as_deref(), Some(&b"guest0\n"[..]));
+}
+
+#[tokio::test]
+async fn exec_of_a_command_that_does_not_exit_in_time_names_it() {
+    init_tracing();
+    let socket = Socket::new();
+    let agent = socket.client();
+    let call = tokio::spawn(async move {
+        agent
+            .exec("/bin/sleep", &["60".into()], Duration::from_millis(300))
+            .await
+    });
+    let mut peer = socket.accept().await;
+    peer.sync().await;
+    peer.command().await;
+    peer.reply(json!({"pid": 9})).await;
+    let answering = tokio::spawn(async move {
+        loop {
+            let (name, _) = peer.command().await;
+            assert_eq!(name, "guest-exec-status");
+            peer.reply(json!({"exited": false})).await;
+        }
+    });
+    let err = call.await.unwrap().unwrap_err();
+    answering.abort();
+    assert!(
+        matches!(&err, qmp::Error::ExecTimeout { pid: 9, path, .. } if path == "/bin/sleep"),
+        "{err}"
+    );
+}

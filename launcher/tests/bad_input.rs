@@ -199,3 +199,43 @@ fn guest_second_sync_with_another_uid_keeps_the_running_domain() {
     let d = l.post("/v1/kill");
     assert_eq!(d["state"], "Shutoff", "{d}");
 }
+
+/// A sync whose client goes away while QEMU starts (a virt-handler killed mid-request) still
+/// records the QEMU it starts: the domain runs it, and the next sync answers with that QEMU
+/// instead of starting another beside it.
+#[test]
+fn guest_a_sync_whose_client_goes_away_still_owns_its_qemu() {
+    use std::io::Write as _;
+    let id = uid();
+    let l = Launcher::start(&["--uid", &id]);
+    let spec = json!({
+        "domain": {"resources": {"requests": {"memory": "64Mi"}}, "devices": {}},
+    });
+    let body = serde_json::to_vec(&vmi("gone", &id, spec.clone())).unwrap();
+    let mut client = std::os::unix::net::UnixStream::connect(&l.socket).unwrap();
+    write!(
+        client,
+        "PUT /v1/sync HTTP/1.1\r\nHost: launcher\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    client.write_all(&body).unwrap();
+    // Gone once the launcher has begun (earlier, the request itself may go unread), and
+    // looked at often so that it goes while QEMU starts.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while l.domain()["state"] == "NoState" {
+        assert!(std::time::Instant::now() < deadline, "the sync never began");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(client);
+
+    let d = l.wait_state("Running", common::BOOT);
+    let pid = d["qemuPid"].as_i64().expect("a QEMU pid");
+    let (status, d) = l.sync(&vmi("gone", &id, spec));
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    assert_eq!(d["qemuPid"], pid, "{d}");
+    let qemus = common::qemus_with(&id);
+    assert_eq!(qemus, vec![u32::try_from(pid).unwrap()], "QEMUs of the VMI");
+}
+

@@ -465,6 +465,28 @@ pub fn process_alive(pid: i64) -> bool {
             .contains(") Z ")
 }
 
+/// The live QEMU processes whose command line mentions `marker` (a VMI's uid: QEMU's socket
+/// paths carry it).
+pub fn qemus_with(marker: &str) -> Vec<u32> {
+    let mut pids: Vec<u32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
+        .filter(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            cmdline
+                .split('\0')
+                .next()
+                .is_some_and(|argv0| argv0.contains("qemu-system"))
+                && cmdline.contains(marker)
+                && process_alive(i64::from(*pid))
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
 fn run_tool(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap();
     assert!(

@@ -32,6 +32,7 @@
 
 pub mod common;
 pub mod config;
+pub mod configdisk;
 pub mod crds;
 pub mod defaults;
 pub mod duration;
@@ -42,6 +43,8 @@ pub mod labels;
 pub mod metrics;
 pub mod migration;
 pub mod migrationpolicy;
+pub mod pool;
+pub mod preset;
 pub mod quantity;
 pub mod replicaset;
 pub mod status;

@@ -1,4 +1,5 @@
-//! cloud-init seed images for the `cloudInitNoCloud` and `cloudInitConfigDrive` volumes.
+//! cloud-init seed images for the `cloudInitNoCloud` and `cloudInitConfigDrive` volumes, and
+//! the ISO9660 writer under them, which the launcher also uses for config disks.
 //!
 //! KubeVirt writes the seed files to a directory and runs `xorrisofs -volid <label> -joliet
 //! -rock` on it. We build the same kind of image in Rust, with no external tool: ISO9660 with a
@@ -145,9 +146,11 @@ pub fn write_config_drive(path: &Path, seed: &ConfigDriveSeed) -> Result<(), Err
     write_image(path, CONFIG_DRIVE_LABEL, &config_drive_files(seed)?)
 }
 
-/// Builds the image next to `path` and renames it into place, so that a reader never sees a
-/// half-written seed.
-fn write_image(path: &Path, label: &str, files: &[SeedFile]) -> Result<(), Error> {
+/// Writes an ISO9660 + Joliet image of `files` with volume label `label` to `path`, replacing
+/// any file there: the seed images above, and KubeVirt's config disks (ConfigMap, Secret...).
+/// The image is built next to `path` and renamed into place, so that a reader never sees a
+/// half-written one.
+pub fn write_image(path: &Path, label: &str, files: &[SeedFile]) -> Result<(), Error> {
     let mut staging = path.as_os_str().to_owned();
     staging.push(".staging");
     let staging = PathBuf::from(staging);

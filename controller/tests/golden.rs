@@ -62,3 +62,15 @@ fn kernel_boot_launcher_pod_matches_golden() {
         &ClusterConfig::default(),
     );
 }
+
+/// Config disks and cloud-init Secret references: KubeVirt's pod volumes, mounted read-only
+/// under the private dir (`config-map/`, `secret/`, `downwardapi/`; cloud-init keys by
+/// `subPath`), and the service account's token through the pod's automount.
+#[test]
+fn config_volumes_launcher_pod_matches_golden() {
+    check(
+        "vmi-config-volumes.yaml",
+        "launcher-pod-config-volumes.yaml",
+        &ClusterConfig::default(),
+    );
+}

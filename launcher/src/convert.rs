@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use api::VirtualMachineInstance;
+use api::configdisk::{self, ConfigKind};
 use api::quantity;
 use api::vmi::{
     BootloaderKind, CloudInitNoCloudSource, Disk as VmiDisk, DiskBus, DiskCache, DiskIo,
@@ -20,7 +21,7 @@ use api::vmi::{
 };
 
 use crate::paths::Dirs;
-use crate::prepare::{Prep, Seed};
+use crate::prepare::{Prep, Seed, SeedData};
 use crate::qemu::{
     Accel, AgentChannel, Aio, CacheMode, Clock, Controllers, Cpu, Disk, DiskSource, ErrorPolicy,
     Firmware, Frontend, ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic,
@@ -991,15 +992,19 @@ pub fn disk_for(
         VolumeSource::CloudInitNoCloud(src) | VolumeSource::CloudInitConfigDrive(src) => {
             let config_drive = matches!(source, VolumeSource::CloudInitConfigDrive(_));
             let sfield = format!("{}.{}", vol.field, source.field());
-            let seed = cloud_init_seed(vmi, src, config_drive, &sfield, name, namespace)?;
+            let secrets = dirs.cloud_init_secrets(vol.name);
+            let seed = cloud_init_seed(vmi, src, config_drive, &sfield, &secrets, name, namespace)?;
             vol.cloud_init(seed, sfield, namespace, name, &mut preps)
         }
-        other => {
-            return Err(err(
-                format!("{}.{}", vol.field, other.field()),
-                "this volume source is not supported by this launcher",
-            ));
-        }
+        other => match ConfigKind::of(&other) {
+            Some(kind) => vol.config_disk(kind, &other, &mut preps),
+            None => {
+                return Err(err(
+                    format!("{}.{}", vol.field, other.field()),
+                    "this volume source is not supported by this launcher",
+                ));
+            }
+        },
     };
     let (cache, aio) = cache_and_aio(d, field, source.block_device)?;
     let share_rw = d.shareable == Some(true);
@@ -1214,6 +1219,28 @@ impl Vol<'_> {
         }
     }
 
+    /// A config disk (ConfigMap, Secret, Downward API, service account): an ISO image of the
+    /// directory the launcher pod has the volume mounted at, with KubeVirt's paths and label.
+    fn config_disk(
+        &self,
+        kind: ConfigKind,
+        source: &VolumeSource<'_>,
+        preps: &mut Vec<Prep>,
+    ) -> DiskSource {
+        let path = self.dirs.config_disk(kind, self.name);
+        preps.push(Prep::ConfigDisk {
+            source: self.dirs.config_source(kind, self.name),
+            path: path.clone(),
+            label: configdisk::volume_label(source).to_owned(),
+            field: format!("{}.{}", self.field, source.field()),
+        });
+        DiskSource {
+            path,
+            block_device: false,
+            format: ImageFormat::Raw,
+        }
+    }
+
     /// A cloud-init NoCloud or ConfigDrive seed image, written before QEMU starts.
     fn cloud_init(
         &self,
@@ -1240,16 +1267,18 @@ impl Vol<'_> {
 }
 
 /// What a cloud-init seed holds: KubeVirt's instance id (the VMI's uid for ConfigDrive,
-/// `<name>.<namespace>` for NoCloud), the hostname, and the inline user and network data.
+/// `<name>.<namespace>` for NoCloud), the hostname, and the user and network data, inline or
+/// from the Secrets the pod has mounted in `secrets`.
 fn cloud_init_seed(
     vmi: &VirtualMachineInstance,
     src: &CloudInitNoCloudSource,
     config_drive: bool,
     field: &str,
+    secrets: &Path,
     name: &str,
     namespace: &str,
 ) -> Result<Seed, ConvertError> {
-    let (user_data, network_data) = cloud_init_data(src, field)?;
+    let (user_data, network_data) = cloud_init_data(src, field, secrets)?;
     let hostname = vmi.spec.hostname.clone().unwrap_or_else(|| name.to_owned());
     let instance_id = if config_drive {
         vmi.metadata.uid.clone().unwrap_or_default()
@@ -1268,28 +1297,42 @@ fn cloud_init_seed(
 fn cloud_init_data(
     src: &CloudInitNoCloudSource,
     field: &str,
-) -> Result<(Vec<u8>, Option<Vec<u8>>), ConvertError> {
+    secrets: &Path,
+) -> Result<(SeedData, Option<SeedData>), ConvertError> {
     use base64::Engine as _;
     let b64 = |s: &str, f: &str| {
         base64::engine::general_purpose::STANDARD
             .decode(s.trim())
+            .map(SeedData::Inline)
             .map_err(|e| err(format!("{field}.{f}"), format!("is not valid base64: {e}")))
     };
-    if src.user_data_secret_ref.is_some() || src.network_data_secret_ref.is_some() {
-        return Err(err(
-            format!("{field}.secretRef"),
-            "secret references are not supported by this launcher yet: inline the data",
-        ));
-    }
-    let user = match (&src.user_data, &src.user_data_base64) {
-        (Some(u), _) => u.clone().into_bytes(),
-        (None, Some(b)) => b64(b, "userDataBase64")?,
-        (None, None) => Vec::new(),
+    let secret = |keys, f: &str| SeedData::Secret {
+        dir: secrets.to_owned(),
+        keys,
+        field: format!("{field}.{f}"),
     };
-    let network = match (&src.network_data, &src.network_data_base64) {
-        (Some(n), _) => Some(n.clone().into_bytes()),
-        (None, Some(b)) => Some(b64(b, "networkDataBase64")?),
-        (None, None) => None,
+    let user = match (
+        &src.user_data,
+        &src.user_data_base64,
+        &src.user_data_secret_ref,
+    ) {
+        (Some(u), _, _) => SeedData::Inline(u.clone().into_bytes()),
+        (None, Some(b), _) => b64(b, "userDataBase64")?,
+        (None, None, Some(_)) => secret(configdisk::USER_DATA_KEYS, "secretRef"),
+        (None, None, None) => SeedData::Inline(Vec::new()),
+    };
+    let network = match (
+        &src.network_data,
+        &src.network_data_base64,
+        &src.network_data_secret_ref,
+    ) {
+        (Some(n), _, _) => Some(SeedData::Inline(n.clone().into_bytes())),
+        (None, Some(b), _) => Some(b64(b, "networkDataBase64")?),
+        (None, None, Some(_)) => Some(secret(
+            configdisk::NETWORK_DATA_KEYS,
+            "networkDataSecretRef",
+        )),
+        (None, None, None) => None,
     };
     Ok((user, network))
 }

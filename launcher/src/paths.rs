@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use api::configdisk::{ConfigKind, SERVICE_ACCOUNT_SOURCE_DIR};
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Dirs {
     /// `--kubevirt-share-dir`: the command socket lives in `<share>/sockets/`.
@@ -110,6 +112,26 @@ impl Dirs {
             } else {
                 "noCloud.iso"
             })
+    }
+
+    /// Where the launcher pod has a config volume's files: `<private>/config-map/<volume>` and
+    /// the like, or the pod's service account mount.
+    pub fn config_source(&self, kind: ConfigKind, volume: &str) -> PathBuf {
+        kind.source_dir().map_or_else(
+            || PathBuf::from(SERVICE_ACCOUNT_SOURCE_DIR),
+            |dir| self.private.join(dir).join(volume),
+        )
+    }
+
+    /// The ISO image of a config volume: `<private>/config-map-disks/<volume>.iso` and the like.
+    pub fn config_disk(&self, kind: ConfigKind, volume: &str) -> PathBuf {
+        self.private.join(kind.disk_path(volume))
+    }
+
+    /// Where the launcher pod has the keys of a cloud-init volume's Secret references: the
+    /// Secret kind's directory of that volume, as KubeVirt mounts them.
+    pub fn cloud_init_secrets(&self, volume: &str) -> PathBuf {
+        self.config_source(ConfigKind::Secret, volume)
     }
 
     pub fn efi_vars(&self, uid: &str) -> PathBuf {

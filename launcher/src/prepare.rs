@@ -14,8 +14,23 @@ pub struct Seed {
     pub config_drive: bool,
     pub instance_id: String,
     pub hostname: String,
-    pub user_data: Vec<u8>,
-    pub network_data: Option<Vec<u8>>,
+    pub user_data: SeedData,
+    pub network_data: Option<SeedData>,
+}
+
+/// Where a seed's user or network data comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeedData {
+    /// Written in the VMI.
+    Inline(Vec<u8>),
+    /// A Secret's key, read when the seed is written: the first of `keys` that is a file in
+    /// `dir`, where the launcher pod has the Secret mounted. The content is never kept in a
+    /// plan, so it cannot reach a log. `field` names the reference.
+    Secret {
+        dir: PathBuf,
+        keys: [&'static str; 2],
+        field: String,
+    },
 }
 
 /// One preparation step. `field` names the part of the VMI that asked for it, for errors.
@@ -54,6 +69,14 @@ pub enum Prep {
         seed: Seed,
         field: String,
     },
+    /// An ISO image with volume label `label` of the files under `source` (a ConfigMap,
+    /// Secret, Downward API or service account volume of the launcher pod), written afresh.
+    ConfigDisk {
+        source: PathBuf,
+        path: PathBuf,
+        label: String,
+        field: String,
+    },
     /// The tap device for an interface must exist in this network namespace.
     RequireTap { name: String, field: String },
     /// `path` must be a hugetlbfs mount of this page size. Elsewhere QEMU would quietly back
@@ -90,6 +113,22 @@ pub enum PrepareError {
     },
     #[error("{field}: cannot write the seed image")]
     Seed {
+        field: String,
+        #[source]
+        source: cloudinit::Error,
+    },
+    #[error(
+        "{field}: the Secret has none of the keys {} (looked in {})",
+        keys.join(", "),
+        dir.display()
+    )]
+    NoSecretKey {
+        field: String,
+        dir: PathBuf,
+        keys: [&'static str; 2],
+    },
+    #[error("{field}: cannot write the disk image")]
+    ConfigDisk {
         field: String,
         #[source]
         source: cloudinit::Error,
@@ -202,6 +241,12 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
             }
         }
         Prep::CloudInit { path, seed, field } => cloud_init(path, seed, field)?,
+        Prep::ConfigDisk {
+            source,
+            path,
+            label,
+            field,
+        } => config_disk(source, path, label, field)?,
         Prep::RequireTap { name, field } => {
             // Asked of the kernel in our network namespace: /sys/class/net shows the namespace
             // of whoever mounted sysfs, which in a pod without its own sysfs is the host's.
@@ -299,14 +344,16 @@ async fn create_qcow2(bin: &Path, args: &[&std::ffi::OsStr]) -> Result<(), Strin
 /// The cloud-init seed image, written afresh every start.
 fn cloud_init(path: &Path, seed: &Seed, field: &str) -> Result<(), PrepareError> {
     ensure_parent(path, field)?;
+    let user_data = seed_data(&seed.user_data)?;
+    let network_data = seed.network_data.as_ref().map(seed_data).transpose()?;
     let r = if seed.config_drive {
         cloudinit::write_config_drive(
             path,
             &cloudinit::ConfigDriveSeed {
                 instance_id: seed.instance_id.clone(),
                 hostname: seed.hostname.clone(),
-                user_data: seed.user_data.clone(),
-                network_data: seed.network_data.clone(),
+                user_data,
+                network_data,
             },
         )
     } else {
@@ -315,8 +362,8 @@ fn cloud_init(path: &Path, seed: &Seed, field: &str) -> Result<(), PrepareError>
             &cloudinit::NoCloudSeed {
                 instance_id: seed.instance_id.clone(),
                 hostname: seed.hostname.clone(),
-                user_data: seed.user_data.clone(),
-                network_config: seed.network_data.clone(),
+                user_data,
+                network_config: network_data,
             },
         )
     };
@@ -324,6 +371,69 @@ fn cloud_init(path: &Path, seed: &Seed, field: &str) -> Result<(), PrepareError>
         field: field.to_owned(),
         source,
     })
+}
+
+/// The bytes of a seed's user or network data. A Secret's key is read as KubeVirt reads it: the
+/// first of the keys that can be read as a file (a key the Secret lacks is an empty directory
+/// where the pod mounts it with `subPath`).
+fn seed_data(data: &SeedData) -> Result<Vec<u8>, PrepareError> {
+    match data {
+        SeedData::Inline(bytes) => Ok(bytes.clone()),
+        SeedData::Secret { dir, keys, field } => keys
+            .iter()
+            .find_map(|key| std::fs::read(dir.join(key)).ok())
+            .ok_or_else(|| PrepareError::NoSecretKey {
+                field: field.clone(),
+                dir: dir.clone(),
+                keys: *keys,
+            }),
+    }
+}
+
+/// A config disk, rebuilt every start from what the pod has mounted now, as KubeVirt does.
+fn config_disk(source: &Path, path: &Path, label: &str, field: &str) -> Result<(), PrepareError> {
+    if !source.is_dir() {
+        return Err(PrepareError::Missing {
+            field: field.to_owned(),
+            path: source.to_owned(),
+        });
+    }
+    let mut files = Vec::new();
+    config_files(source, "", &mut files).map_err(io(field, source))?;
+    ensure_parent(path, field)?;
+    cloudinit::write_image(path, label, &files).map_err(|source| PrepareError::ConfigDisk {
+        field: field.to_owned(),
+        source,
+    })
+}
+
+/// The files under `dir`, symbolic links followed (the kubelet's atomic writer links every key
+/// to its current version), paths relative to the volume. Names starting with `..` are that
+/// writer's bookkeeping (`..data`, `..<timestamp>`, `..<key>.tmp`), not keys: left out.
+fn config_files(
+    dir: &Path,
+    prefix: &str,
+    out: &mut Vec<cloudinit::SeedFile>,
+) -> std::io::Result<()> {
+    let mut entries = std::fs::read_dir(dir)?.collect::<Result<Vec<_>, _>>()?;
+    entries.sort_by_key(std::fs::DirEntry::file_name);
+    for entry in entries {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("..") {
+            continue;
+        }
+        let path = entry.path();
+        let rel = format!("{prefix}{name}");
+        if std::fs::metadata(&path)?.is_dir() {
+            config_files(&path, &format!("{rel}/"), out)?;
+        } else {
+            out.push(cloudinit::SeedFile {
+                path: rel,
+                content: std::fs::read(&path)?,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `path` must be a hugetlbfs mount of `page_size`-byte pages.
@@ -472,5 +582,118 @@ mod tests {
         std::fs::write(&path, b"kept").unwrap();
         run(&qemu_img_bin(), &[prep]).await.unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), b"kept");
+    }
+
+    /// A config disk holds the volume's keys as the pod has them (links followed, nested
+    /// paths kept), not the kubelet's `..data` bookkeeping, under the volume's label.
+    #[tokio::test]
+    async fn config_disk_is_an_iso_of_the_mounted_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("config-map/cm");
+        let data = source.join("..2026_11_27_21_00_00.1");
+        std::fs::create_dir_all(data.join("nested")).unwrap();
+        std::fs::write(data.join("app.conf"), b"mode=fast\n").unwrap();
+        std::fs::write(data.join("nested/b"), b"B").unwrap();
+        std::os::unix::fs::symlink("..2026_11_27_21_00_00.1", source.join("..data")).unwrap();
+        std::os::unix::fs::symlink("..data/app.conf", source.join("app.conf")).unwrap();
+        std::os::unix::fs::symlink("..data/nested", source.join("nested")).unwrap();
+        let iso = dir.path().join("config-map-disks/cm.iso");
+        let prep = Prep::ConfigDisk {
+            source: source.clone(),
+            path: iso.clone(),
+            label: "appcfg".into(),
+            field: "spec.volumes[1].configMap".into(),
+        };
+        run(&qemu_img_bin(), &[prep]).await.unwrap();
+        let want = dir.path().join("want.iso");
+        cloudinit::write_image(
+            &want,
+            "appcfg",
+            &[
+                cloudinit::SeedFile {
+                    path: "app.conf".into(),
+                    content: b"mode=fast\n".to_vec(),
+                },
+                cloudinit::SeedFile {
+                    path: "nested/b".into(),
+                    content: b"B".to_vec(),
+                },
+            ],
+        )
+        .unwrap();
+        assert!(std::fs::read(&iso).unwrap() == std::fs::read(&want).unwrap());
+
+        let e = run(
+            &qemu_img_bin(),
+            &[Prep::ConfigDisk {
+                source: dir.path().join("secret/absent"),
+                path: dir.path().join("secret-disks/absent.iso"),
+                label: "cfgdata".into(),
+                field: "spec.volumes[2].secret".into(),
+            }],
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            e.to_string().starts_with("spec.volumes[2].secret: ")
+                && e.to_string().contains("absent"),
+            "{e}"
+        );
+    }
+
+    /// A cloud-init Secret reference reads the first key the pod has as a file (a key the
+    /// Secret lacks is an empty directory under `subPath`); none names the reference.
+    #[tokio::test]
+    async fn cloud_init_secret_keys_are_read_in_kubevirts_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let secrets = dir.path().join("secret/ci");
+        std::fs::create_dir_all(secrets.join("userdata")).unwrap();
+        std::fs::write(secrets.join("userData"), b"#cloud-config\n").unwrap();
+        std::fs::create_dir_all(secrets.join("networkdata")).unwrap();
+        std::fs::create_dir_all(secrets.join("networkData")).unwrap();
+        let seed = |network: bool| Seed {
+            config_drive: false,
+            instance_id: "vm1.ns".into(),
+            hostname: "vm1".into(),
+            user_data: SeedData::Secret {
+                dir: secrets.clone(),
+                keys: api::configdisk::USER_DATA_KEYS,
+                field: "spec.volumes[0].cloudInitNoCloud.secretRef".into(),
+            },
+            network_data: network.then(|| SeedData::Secret {
+                dir: secrets.clone(),
+                keys: api::configdisk::NETWORK_DATA_KEYS,
+                field: "spec.volumes[0].cloudInitNoCloud.networkDataSecretRef".into(),
+            }),
+        };
+        let path = dir.path().join("noCloud.iso");
+        let prep = |network| Prep::CloudInit {
+            path: path.clone(),
+            seed: seed(network),
+            field: "spec.volumes[0].cloudInitNoCloud".into(),
+        };
+        run(&qemu_img_bin(), &[prep(false)]).await.unwrap();
+        let want = dir.path().join("want.iso");
+        cloudinit::write_nocloud(
+            &want,
+            &cloudinit::NoCloudSeed {
+                instance_id: "vm1.ns".into(),
+                hostname: "vm1".into(),
+                user_data: b"#cloud-config\n".to_vec(),
+                network_config: None,
+            },
+        )
+        .unwrap();
+        assert!(std::fs::read(&path).unwrap() == std::fs::read(&want).unwrap());
+
+        let e = run(&qemu_img_bin(), &[prep(true)]).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "spec.volumes[0].cloudInitNoCloud.networkDataSecretRef: the Secret has none of \
+                 the keys networkdata, networkData (looked in {})",
+                secrets.display()
+            )
+        );
     }
 }

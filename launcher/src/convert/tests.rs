@@ -108,7 +108,10 @@ fn full_vmi_converts() {
         seed.0,
         &PathBuf::from("/e/cloud-init-data/ns/vm1/noCloud.iso")
     );
-    assert_eq!(seed.1.user_data, b"#!/bin/sh\necho hi\n");
+    assert_eq!(
+        seed.1.user_data,
+        SeedData::Inline(b"#!/bin/sh\necho hi\n".to_vec())
+    );
 
     let argv = c.argv();
     let joined = argv.join(" ");
@@ -1186,14 +1189,132 @@ fn cloud_init_network_data_and_base64_forms_reach_the_seed() {
             }),
         );
         for s in [&inline, &encoded] {
-            assert_eq!(s.user_data, b"#cloud-config\n", "{source}");
             assert_eq!(
-                s.network_data.as_deref(),
-                Some(&b"version: 2\n"[..]),
+                s.user_data,
+                SeedData::Inline(b"#cloud-config\n".to_vec()),
+                "{source}"
+            );
+            assert_eq!(
+                s.network_data,
+                Some(SeedData::Inline(b"version: 2\n".to_vec())),
                 "{source}"
             );
         }
+        // Secret references: read at start from where the pod mounts them, KubeVirt's keys.
+        let referenced = seed(
+            source,
+            serde_json::json!({
+                "secretRef": {"name": "ud"}, "networkDataSecretRef": {"name": "nd"},
+            }),
+        );
+        let path = format!("spec.volumes[3].{source}");
+        assert_eq!(
+            referenced.user_data,
+            SeedData::Secret {
+                dir: "/p/secret/ci".into(),
+                keys: ["userdata", "userData"],
+                field: format!("{path}.secretRef"),
+            }
+        );
+        assert_eq!(
+            referenced.network_data,
+            Some(SeedData::Secret {
+                dir: "/p/secret/ci".into(),
+                keys: ["networkdata", "networkData"],
+                field: format!("{path}.networkDataSecretRef"),
+            })
+        );
     }
+}
+
+/// ConfigMap, Secret, Downward API and service account volumes become raw images at KubeVirt's
+/// paths, built from the directories the pod mounts them at, with the volume's label or
+/// `cfgdata`; the disk target decides the device and whether it is read-only.
+#[test]
+fn config_volumes_become_iso_disks_at_kubevirts_paths() {
+    let mut s = base_spec();
+    let disks = s["domain"]["devices"]["disks"].as_array_mut().unwrap();
+    disks.extend([
+        serde_json::json!({"name": "cm", "disk": {"bus": "virtio"}}),
+        serde_json::json!({"name": "sec", "cdrom": {"bus": "sata"}}),
+        serde_json::json!({"name": "dapi", "disk": {"bus": "virtio"}}),
+        serde_json::json!({"name": "sa", "disk": {"bus": "virtio"}}),
+    ]);
+    s["volumes"].as_array_mut().unwrap().extend([
+        serde_json::json!({"name": "cm", "configMap": {"name": "app"}}),
+        serde_json::json!({"name": "sec", "secret": {"secretName": "creds", "volumeLabel": "creds"}}),
+        serde_json::json!({"name": "dapi", "downwardAPI": {"volumeLabel": "podinfo", "fields": [
+            {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}}),
+        serde_json::json!({"name": "sa", "serviceAccount": {"serviceAccountName": "robot"}}),
+    ]);
+    let plan = conv(s).unwrap();
+    let want = [
+        (
+            "cm",
+            "/p/config-map",
+            "/p/config-map-disks/cm.iso",
+            "cfgdata",
+            4,
+            "configMap",
+        ),
+        (
+            "sec",
+            "/p/secret",
+            "/p/secret-disks/sec.iso",
+            "creds",
+            5,
+            "secret",
+        ),
+        (
+            "dapi",
+            "/p/downwardapi",
+            "/p/downwardapi-disks/dapi.iso",
+            "podinfo",
+            6,
+            "downwardAPI",
+        ),
+        (
+            "sa",
+            "",
+            "/p/service-account-disk/service-account.iso",
+            "cfgdata",
+            7,
+            "serviceAccount",
+        ),
+    ];
+    for (name, source_dir, iso, label, index, field) in want {
+        let source = if source_dir.is_empty() {
+            PathBuf::from("/var/run/secrets/kubernetes.io/serviceaccount")
+        } else {
+            Path::new(source_dir).join(name)
+        };
+        assert!(
+            plan.preps.contains(&Prep::ConfigDisk {
+                source,
+                path: iso.into(),
+                label: label.into(),
+                field: format!("spec.volumes[{index}].{field}"),
+            }),
+            "{name}: {:#?}",
+            plan.preps
+        );
+        let disk = plan.config.disks.iter().find(|d| d.name == name).unwrap();
+        assert_eq!(disk.source.path, PathBuf::from(iso));
+        assert_eq!(disk.source.format, ImageFormat::Raw);
+    }
+    let read_only: Vec<_> = plan.config.disks[4..]
+        .iter()
+        .map(|d| (d.name.as_str(), d.read_only))
+        .collect();
+    assert_eq!(
+        read_only,
+        [("cm", false), ("sec", true), ("dapi", false), ("sa", false)]
+    );
+    let argv = plan.config.argv().join(" ");
+    assert!(
+        argv.contains("/p/config-map-disks/cm.iso"),
+        "the image reaches QEMU: {argv}"
+    );
 }
 
 #[test]

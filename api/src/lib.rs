@@ -43,8 +43,6 @@ pub mod labels;
 pub mod metrics;
 pub mod migration;
 pub mod migrationpolicy;
-pub mod pool;
-pub mod preset;
 pub mod quantity;
 pub mod replicaset;
 pub mod status;

@@ -238,4 +238,3 @@ fn guest_a_sync_whose_client_goes_away_still_owns_its_qemu() {
     let qemus = common::qemus_with(&id);
     assert_eq!(qemus, vec![u32::try_from(pid).unwrap()], "QEMUs of the VMI");
 }
-

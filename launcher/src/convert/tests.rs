@@ -405,9 +405,9 @@ fn bad_input_names_the_field() {
         ),
         (
             Box::new(|s| {
-                s["volumes"][1] = serde_json::json!({"name": "cd", "configMap": {"name": "x"}});
+                s["volumes"][1] = serde_json::json!({"name": "cd", "sysprep": {}});
             }),
-            "spec.volumes[1].configMap",
+            "spec.volumes[1].sysprep",
         ),
         (
             Box::new(|s| {

@@ -498,7 +498,7 @@ pub const IMPLEMENTED: &[Implemented] = &[
     ),
     field(
         "spec.livenessProbe",
-        "tests/hw/tests/stack.rs::guest_vm_applied_with_kubectl_boots_and_halts",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
     ),
     field(
         "spec.livenessProbe.exec",
@@ -542,7 +542,7 @@ pub const IMPLEMENTED: &[Implemented] = &[
     ),
     field(
         "spec.readinessProbe",
-        "tests/hw/tests/stack.rs::guest_vm_applied_with_kubectl_boots_and_halts",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
     ),
     field(
         "spec.readinessProbe.exec",
@@ -558,7 +558,7 @@ pub const IMPLEMENTED: &[Implemented] = &[
     ),
     field(
         "spec.readinessProbe.guestAgentPing",
-        "tests/hw/tests/stack.rs::guest_vm_applied_with_kubectl_boots_and_halts",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
     ),
     subtree(
         "spec.readinessProbe.httpGet",

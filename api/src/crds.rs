@@ -11,6 +11,8 @@ use crate::instancetype::{
     VirtualMachinePreference,
 };
 use crate::migrationpolicy::MigrationPolicy;
+use crate::pool::VirtualMachinePool;
+use crate::preset::{DEPRECATION_WARNING, VirtualMachineInstancePreset};
 use crate::{
     KubeVirt, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
     VirtualMachineInstanceReplicaSet,
@@ -24,11 +26,18 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     for version in &mut vmi.spec.versions {
         version.subresources = None;
     }
+    // Deprecated and served for old manifests, as KubeVirt serves it.
+    let mut preset = VirtualMachineInstancePreset::crd();
+    for version in &mut preset.spec.versions {
+        version.deprecated = Some(true);
+        version.deprecation_warning = Some(DEPRECATION_WARNING.to_owned());
+    }
     let mut out = vec![
         vmi,
         VirtualMachine::crd(),
         VirtualMachineInstanceReplicaSet::crd(),
         VirtualMachineInstanceMigration::crd(),
+        preset,
     ];
     for crd in &mut out {
         label(crd, "kubevirt.io");
@@ -48,7 +57,20 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         label(&mut crd, "kubevirt.io");
         out.push(crd);
     }
+    out.push(pool_crd());
     out
+}
+
+/// The pool CRD serves `v1alpha1` beside the stored `v1beta1`, as KubeVirt's does: one schema,
+/// so the API server converts between them by rewriting `apiVersion` alone.
+fn pool_crd() -> CustomResourceDefinition {
+    let mut crd = VirtualMachinePool::crd();
+    let mut old = crd.spec.versions[0].clone();
+    crate::pool::OLD_VERSION.clone_into(&mut old.name);
+    old.storage = false;
+    crd.spec.versions.insert(0, old);
+    label(&mut crd, "kubevirt.io");
+    crd
 }
 
 fn label(crd: &mut CustomResourceDefinition, key: &str) {

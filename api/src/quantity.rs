@@ -28,6 +28,18 @@ pub enum QuantityError {
 
 const NANO: i128 = 1_000_000_000;
 
+/// Quantities compared by value, as KubeVirt's `Quantity.Equal` (`1Gi` = `1024Mi`); ones
+/// that do not parse are compared as written.
+pub fn same(a: &Quantity, b: &Quantity) -> bool {
+    match (
+        ParsedQuantity::from_quantity(a),
+        ParsedQuantity::from_quantity(b),
+    ) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
 /// A parsed quantity: an exact value in units of 10^-9.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ParsedQuantity {

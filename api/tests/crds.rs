@@ -133,6 +133,14 @@ fn names_columns_and_subresources_are_kubevirts() {
             scale: false,
         },
         Expect {
+            kind: "VirtualMachineInstancePreset",
+            plural: "virtualmachineinstancepresets",
+            short: &["vmipreset", "vmipresets"],
+            columns: &[],
+            status: false,
+            scale: false,
+        },
+        Expect {
             kind: "KubeVirt",
             plural: "kubevirts",
             short: &["kv", "kvs"],
@@ -205,6 +213,49 @@ fn names_columns_and_subresources_are_kubevirts() {
         ("migrations.kubevirt.io", "migrationpolicies", "Cluster")
     );
     assert_eq!(policy.spec.versions[0].name, "v1alpha1");
+    let pool = others
+        .iter()
+        .find(|c| c.spec.group == "pool.kubevirt.io")
+        .expect("the VirtualMachinePool CRD");
+    let n = &pool.spec.names;
+    assert_eq!(
+        (
+            n.plural.as_str(),
+            n.short_names.clone(),
+            pool.spec.scope.as_str()
+        ),
+        (
+            "virtualmachinepools",
+            Some(vec!["vmpool".to_owned(), "vmpools".to_owned()]),
+            "Namespaced"
+        )
+    );
+    // KubeVirt serves v1alpha1 and stores v1beta1, with one schema.
+    let versions: Vec<_> = pool
+        .spec
+        .versions
+        .iter()
+        .map(|v| (v.name.as_str(), v.served, v.storage))
+        .collect();
+    assert_eq!(
+        versions,
+        [("v1alpha1", true, false), ("v1beta1", true, true)]
+    );
+    assert_eq!(pool.spec.versions[0].schema, pool.spec.versions[1].schema);
+    let scale = pool.spec.versions[1]
+        .subresources
+        .as_ref()
+        .and_then(|s| s.scale.as_ref())
+        .expect("the scale subresource");
+    assert_eq!(
+        scale.label_selector_path.as_deref(),
+        Some(".status.labelSelector")
+    );
+    let preset = core
+        .iter()
+        .find(|c| c.spec.names.kind == "VirtualMachineInstancePreset")
+        .unwrap();
+    assert_eq!(preset.spec.versions[0].deprecated, Some(true));
     for (crd, want) in core.into_iter().zip(expect) {
         let names = &crd.spec.names;
         assert_eq!(names.kind, want.kind);

@@ -1,6 +1,6 @@
 //! virt-controller: the cluster-wide controllers of kubevirt-rs (VM, VMI, ReplicaSet, Node,
 //! migration, evacuation, disruption budget), as pure decision functions ([`vm`], [`vmi`],
-//! [`finalizers`], [`replicaset`], [`node`], [`migration`], [`evacuation`],
+//! [`finalizers`], [`replicaset`], [`pool`], [`node`], [`migration`], [`evacuation`],
 //! [`disruptionbudget`], [`template`],
 //! [`cache`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
 
@@ -14,6 +14,7 @@ pub mod instancetype;
 pub mod metrics;
 pub mod migration;
 pub mod node;
+pub mod pool;
 pub mod replicaset;
 pub mod run;
 pub mod template;

@@ -10,6 +10,7 @@ use api::{
     VirtualMachineInstanceReplicaSetStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use kube::Resource;
 use kube::core::{Selector, SelectorExt as _};
 
 use crate::vmi::{is_final, phase_of};
@@ -55,8 +56,8 @@ pub fn selector_string(selector: &LabelSelector) -> String {
         .unwrap_or_default()
 }
 
-fn controlled_by(meta: &ObjectMeta, rs: &VirtualMachineInstanceReplicaSet) -> bool {
-    let Some(uid) = rs.metadata.uid.as_deref() else {
+fn controlled_by(meta: &ObjectMeta, owner: &ObjectMeta) -> bool {
+    let Some(uid) = owner.uid.as_deref() else {
         return false;
     };
     meta.owner_references
@@ -70,10 +71,20 @@ pub fn owned<'a>(
     rs: &VirtualMachineInstanceReplicaSet,
     vmis: &'a [VirtualMachineInstance],
 ) -> Vec<&'a VirtualMachineInstance> {
-    let selector = parse_selector(&rs.spec.selector);
-    vmis.iter()
-        .filter(|v| controlled_by(&v.metadata, rs))
-        .filter(|v| labels_match(selector.as_ref(), v.metadata.labels.as_ref()))
+    owned_by(&rs.metadata, &rs.spec.selector, vmis)
+}
+
+/// The objects the owner with `owner` metadata and `selector` manages: controlled by it and
+/// matching the selector (a ReplicaSet's VMIs, a pool's VMs).
+pub fn owned_by<'a, K: Resource>(
+    owner: &ObjectMeta,
+    selector: &LabelSelector,
+    objs: &'a [K],
+) -> Vec<&'a K> {
+    let selector = parse_selector(selector);
+    objs.iter()
+        .filter(|o| controlled_by(o.meta(), owner))
+        .filter(|o| labels_match(selector.as_ref(), o.meta().labels.as_ref()))
         .collect()
 }
 
@@ -88,36 +99,49 @@ fn active(vmi: &VirtualMachineInstance) -> bool {
     vmi.metadata.deletion_timestamp.is_none() && !is_final(vmi)
 }
 
-/// VMIs whose ownership changes (KubeVirt's controller-ref manager): orphans matching the
+/// Objects whose ownership changes (KubeVirt's controller-ref manager): orphans matching the
 /// selector are adopted, controlled ones that no longer match are released.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Claims {
     /// Names of orphans to adopt.
     pub adopt: Vec<String>,
-    /// Names of VMIs to release.
+    /// Names of objects to release.
     pub release: Vec<String>,
 }
 
 /// The ownership changes `rs` makes among `vmis` (all in its namespace). A ReplicaSet being
 /// deleted adopts nothing.
 pub fn claims(rs: &VirtualMachineInstanceReplicaSet, vmis: &[VirtualMachineInstance]) -> Claims {
+    claims_of(&rs.metadata, &rs.spec.selector, vmis, true)
+}
+
+/// The ownership changes of the owner with `owner` metadata and `selector` among `objs`;
+/// orphans are adopted only when `adopt` (a pool only releases, as KubeVirt's
+/// `ReleaseDetachedVirtualMachines`).
+pub fn claims_of<K: Resource>(
+    owner: &ObjectMeta,
+    selector: &LabelSelector,
+    objs: &[K],
+    adopt: bool,
+) -> Claims {
     let mut out = Claims::default();
-    let selector = parse_selector(&rs.spec.selector);
-    for v in vmis {
-        let matches = labels_match(selector.as_ref(), v.metadata.labels.as_ref());
-        let has_controller = v
-            .metadata
+    let selector = parse_selector(selector);
+    for o in objs {
+        let meta = o.meta();
+        let matches = labels_match(selector.as_ref(), meta.labels.as_ref());
+        let has_controller = meta
             .owner_references
             .iter()
             .flatten()
             .any(|o| o.controller == Some(true));
-        let name = v.metadata.name.clone().unwrap_or_default();
-        if controlled_by(&v.metadata, rs) && !matches {
+        let name = meta.name.clone().unwrap_or_default();
+        if controlled_by(meta, owner) && !matches {
             out.release.push(name);
-        } else if !has_controller
+        } else if adopt
+            && !has_controller
             && matches
-            && v.metadata.deletion_timestamp.is_none()
-            && rs.metadata.deletion_timestamp.is_none()
+            && meta.deletion_timestamp.is_none()
+            && owner.deletion_timestamp.is_none()
         {
             out.adopt.push(name);
         }

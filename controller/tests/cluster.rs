@@ -543,6 +543,211 @@ async fn replicaset_scales_0_3_1() {
     );
 }
 
+fn memory_of(v: &VirtualMachine) -> Option<String> {
+    let spec = v.spec.template.spec.as_ref()?;
+    Some(spec.domain.resources.requests.get("memory")?.0.clone())
+}
+
+fn revision_of<K: kube::Resource>(o: &K) -> Option<String> {
+    o.meta()
+        .labels
+        .as_ref()?
+        .get(api::pool::REVISION_NAME_LABEL)
+        .cloned()
+}
+
+#[tokio::test]
+async fn pool_scales_0_3_1_with_kubevirts_names_and_rolls_out_a_new_template() {
+    use api::pool::VirtualMachinePool;
+    use k8s_openapi::api::apps::v1::ControllerRevision;
+    let (server, client) = cluster().await;
+    let kubeconfig = server.kubeconfig_path();
+    let _c = start(&client, "a", false);
+    let pools: Api<VirtualMachinePool> = Api::default_namespaced(client.clone());
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let revisions: Api<ControllerRevision> = Api::default_namespaced(client.clone());
+    let pool: VirtualMachinePool = serde_json::from_value(json!({
+        "apiVersion": "pool.kubevirt.io/v1beta1", "kind": "VirtualMachinePool",
+        "metadata": {"name": "pool", "namespace": "default"},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": {"app": "pool"}},
+            "virtualMachineTemplate": {
+                "metadata": {"labels": {"app": "pool"}},
+                "spec": {"runStrategy": "Always", "template": {
+                    "metadata": {"labels": {"app": "pool"}}, "spec": vmi_spec()}},
+            },
+        },
+    }))
+    .unwrap();
+    let created = pools.create(&PostParams::default(), &pool).await.unwrap();
+    let uid = created.metadata.uid.clone().unwrap();
+    let live = || async {
+        let mut names: Vec<String> = vms
+            .list(&ListParams::default().labels("app=pool"))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|v| v.metadata.deletion_timestamp.is_none())
+            .map(|v| v.name_any())
+            .collect();
+        names.sort();
+        names
+    };
+    wait_for("the pool's finalizer and status.replicas 0", || async {
+        let p = pools.get("pool").await.unwrap();
+        let fin = p.metadata.finalizers.unwrap_or_default();
+        (fin.iter().any(|f| f == api::pool::FINALIZER) && p.status?.replicas == Some(0))
+            .then_some(())
+    })
+    .await;
+
+    common::kubectl(&kubeconfig, &["scale", "vmpool", "pool", "--replicas=3"]).await;
+    wait_for("VMs pool-0, pool-1, pool-2 and their VMIs", || async {
+        let names = live().await;
+        let vmi_count = vmis
+            .list(&ListParams::default().labels("app=pool"))
+            .await
+            .unwrap()
+            .items
+            .len();
+        (names == ["pool-0", "pool-1", "pool-2"] && vmi_count == 3).then_some(())
+    })
+    .await;
+    let first = vms.get("pool-0").await.unwrap();
+    let revision = revision_of(&first).expect("the VM's revision label");
+    for n in ["pool-0", "pool-1", "pool-2"] {
+        let v = vms.get(n).await.unwrap();
+        let owner = kube::ResourceExt::owner_references(&v)[0].clone();
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("VirtualMachinePool", uid.as_str(), Some(true)),
+            "{n} is controlled by the pool"
+        );
+        assert_eq!(revision_of(&v).as_ref(), Some(&revision), "{n}'s revision");
+        assert!(v.finalizers().iter().any(|f| f == api::pool::FINALIZER));
+        assert_eq!(
+            revision_of(&vmis.get(n).await.unwrap()).as_ref(),
+            Some(&revision)
+        );
+    }
+    let rev = revisions.get(&revision).await.unwrap();
+    assert_eq!(kube::ResourceExt::owner_references(&rev)[0].uid, uid);
+
+    // A new template: every VM is rewritten from it, and (proactive, KubeVirt's default) its
+    // running instance restarted to take it.
+    let old_vmi_uids: Vec<String> = vmis
+        .list(&ListParams::default().labels("app=pool"))
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(kube::ResourceExt::uid)
+        .collect();
+    pools
+        .patch(
+            "pool",
+            &PatchParams::default(),
+            &Patch::Merge(
+                json!({"spec": {"virtualMachineTemplate": {"spec": {"template": {"spec":
+                {"domain": {"resources": {"requests": {"memory": "128Mi"}}}}}}}}}),
+            ),
+        )
+        .await
+        .unwrap();
+    let updated = wait_for("VMs and VMIs on the new template", || async {
+        let list = vmis
+            .list(&ListParams::default().labels("app=pool"))
+            .await
+            .unwrap()
+            .items;
+        let restarted = list.len() == 3
+            && list.iter().all(|v| {
+                !old_vmi_uids.contains(&v.uid().unwrap_or_default())
+                    && v.spec
+                        .domain
+                        .resources
+                        .requests
+                        .get("memory")
+                        .map(|q| q.0.as_str())
+                        == Some("128Mi")
+            });
+        let vm_list = vms
+            .list(&ListParams::default().labels("app=pool"))
+            .await
+            .unwrap()
+            .items;
+        let rewritten = vm_list.len() == 3
+            && vm_list.iter().all(|v| {
+                memory_of(v).as_deref() == Some("128Mi") && revision_of(v) != Some(revision.clone())
+            });
+        let new_revision = revision_of(&vm_list[0])?;
+        (restarted
+            && rewritten
+            && list
+                .iter()
+                .all(|v| revision_of(v).as_ref() == Some(&new_revision)))
+        .then_some(new_revision)
+    })
+    .await;
+    // The old template's revision goes once nothing uses it.
+    wait_for("the unused revision pruned", || async {
+        revisions
+            .get_opt(&revision)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+
+    common::kubectl(&kubeconfig, &["scale", "vmpool", "pool", "--replicas=1"]).await;
+    wait_for("one VM left, the others gone", || async {
+        let all = vms
+            .list(&ListParams::default().labels("app=pool"))
+            .await
+            .unwrap()
+            .items;
+        (all.len() == 1 && live().await.len() == 1).then_some(())
+    })
+    .await;
+    wait_for("status.replicas 1", || async {
+        (pools.get("pool").await.unwrap().status?.replicas == Some(1)).then_some(())
+    })
+    .await;
+    let scale = pools.get_scale("pool").await.unwrap();
+    let status = scale.status.unwrap();
+    assert_eq!(
+        (status.replicas, status.selector.as_deref()),
+        (1, Some("app=pool"))
+    );
+
+    // A new VM takes the lowest free index, on the new template.
+    let kept = live().await;
+    common::kubectl(&kubeconfig, &["scale", "vmpool", "pool", "--replicas=2"]).await;
+    let lowest = ["pool-0", "pool-1"]
+        .into_iter()
+        .find(|n| !kept.iter().any(|k| k == n))
+        .unwrap();
+    let added = wait_for("a second VM", || async {
+        let names = live().await;
+        (names.len() == 2).then_some(names)
+    })
+    .await;
+    assert!(
+        added.iter().any(|n| n == lowest),
+        "{added:?} holds {lowest}"
+    );
+    let v = vms.get(lowest).await.unwrap();
+    assert_eq!(memory_of(&v).as_deref(), Some("128Mi"));
+    // Scaling changed the pool's generation: a revision of its own, with the same template.
+    let new_revision = revision_of(&v).unwrap();
+    assert_ne!(new_revision, revision);
+    assert!(new_revision == updated || revisions.get_opt(&new_revision).await.unwrap().is_some());
+}
+
 #[tokio::test]
 async fn leader_failover_creates_no_duplicate_pod() {
     let (_server, client) = cluster().await;

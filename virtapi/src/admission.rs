@@ -40,7 +40,8 @@ use api::defaults;
 use api::labels;
 use api::migration::VirtualMachineInstanceMigrationPhase;
 use api::migrationpolicy::MigrationPolicy;
-use api::quantity::ParsedQuantity;
+use api::pool::VirtualMachinePool;
+use api::preset::{self, VirtualMachineInstancePreset};
 use api::validation::{self, FieldError};
 use api::{
     ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
@@ -49,7 +50,6 @@ use api::{
 use informer::instancetype::Found;
 use jiff::Timestamp;
 use k8s_openapi::ByteString;
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -123,6 +123,10 @@ pub enum Webhook {
     VmValidator,
     /// Validation of a VMI ReplicaSet (its template defaulted first).
     ReplicaSetValidator,
+    /// Validation of a VirtualMachinePool (its VM template as a VM).
+    PoolValidator,
+    /// Validation of a VirtualMachineInstancePreset.
+    PresetValidator,
     /// Validation of a new migration; only virt-controller sets its priority.
     MigrationCreateValidator,
     /// Migration spec immutability; the selector label of an in-flight migration.
@@ -205,7 +209,7 @@ const CREATE_UPDATE: &[Operation] = &[Operation::Create, Operation::Update];
 
 /// Every webhook, in the order of `manifests/install/55-virt-api-webhooks.yaml` (mutating
 /// configuration first), which is KubeVirt's order.
-pub static WEBHOOKS: [WebhookSpec; 11] = [
+pub static WEBHOOKS: [WebhookSpec; 13] = [
     row(
         Webhook::VmMutator,
         "virtualmachines-mutator.kubevirt.io",
@@ -281,6 +285,26 @@ pub static WEBHOOKS: [WebhookSpec; 11] = [
         CREATE_UPDATE,
         Admission::Validating,
     ),
+    WebhookSpec {
+        group: api::pool::GROUP,
+        version: api::pool::VERSION,
+        ..row(
+            Webhook::PoolValidator,
+            "virtualmachinepool-validator.kubevirt.io",
+            "/virtualmachinepool-validate",
+            "virtualmachinepools",
+            CREATE_UPDATE,
+            Admission::Validating,
+        )
+    },
+    row(
+        Webhook::PresetValidator,
+        "virtualmachinepreset-validator.kubevirt.io",
+        "/vmipreset-validate",
+        "virtualmachineinstancepresets",
+        CREATE_UPDATE,
+        Admission::Validating,
+    ),
     row(
         Webhook::MigrationCreateValidator,
         "migration-create-validator.kubevirt.io",
@@ -337,7 +361,7 @@ const fn row(
 
 impl Webhook {
     /// Every webhook, in [`WEBHOOKS`] order.
-    pub const ALL: [Self; 11] = [
+    pub const ALL: [Self; 13] = [
         Self::VmMutator,
         Self::VmiMutator,
         Self::MigrationMutator,
@@ -346,6 +370,8 @@ impl Webhook {
         Self::VmiUpdateValidator,
         Self::VmValidator,
         Self::ReplicaSetValidator,
+        Self::PoolValidator,
+        Self::PresetValidator,
         Self::MigrationCreateValidator,
         Self::MigrationUpdateValidator,
         Self::MigrationPolicyValidator,
@@ -379,6 +405,8 @@ pub struct Context {
     pub new_id: Arc<dyn Fn() -> String + Send + Sync>,
     /// The clock for the VMI's `Pending` phase transition timestamp.
     pub now: Arc<dyn Fn() -> Timestamp + Send + Sync>,
+    /// The VirtualMachineInstancePresets a new VMI may match (KubeVirt's preset informer).
+    pub presets: Vec<VirtualMachineInstancePreset>,
     /// The instance type and preference the reviewed VM names, as found for this review
     /// (KubeVirt's VM admitter ignores a lookup that fails: the controller reports it).
     pub instancetypes: Found,
@@ -405,6 +433,7 @@ impl Context {
             hotplug: HotplugGates::default(),
             new_id: Arc::new(|| uuid::Uuid::new_v4().to_string()),
             now: Arc::new(Timestamp::now),
+            presets: Vec::new(),
             instancetypes: Found::default(),
         }
     }
@@ -694,6 +723,8 @@ enum Refusal {
     Internal(String),
     /// KubeVirt's pod-eviction answer: 429 `TooManyRequests`, which `kubectl drain` retries.
     TooManyRequests(String),
+    /// A 422 with a message and no causes (KubeVirt's answer to conflicting presets).
+    Unprocessable(String),
 }
 
 impl Refusal {
@@ -756,6 +787,9 @@ fn response(uid: &str, outcome: Outcome) -> Value {
         }
         Refusal::TooManyRequests(message) => {
             json!({"status": "Failure", "code": 429, "reason": "TooManyRequests", "message": message})
+        }
+        Refusal::Unprocessable(message) => {
+            json!({"status": "Failure", "code": 422, "message": message})
         }
         Refusal::Invalid(mut causes) => {
             let more = causes.len().saturating_sub(MAX_CAUSES);
@@ -821,6 +855,8 @@ fn decide(hook: Webhook, req: &Request, ctx: &Context) -> Outcome {
         Webhook::VmiUpdateValidator => validate_vmi_update(req, ctx),
         Webhook::VmValidator => validate_vm(req, ctx),
         Webhook::ReplicaSetValidator => validate_replicaset(req, ctx),
+        Webhook::PoolValidator => validate_pool(req, ctx),
+        Webhook::PresetValidator => validate_preset(req),
         Webhook::MigrationCreateValidator => validate_migration_create(req, ctx),
         Webhook::MigrationUpdateValidator => validate_migration_update(req),
         Webhook::MigrationPolicyValidator => validate_migration_policy(req),
@@ -860,6 +896,11 @@ fn mutate_vmi(req: &Request, ctx: &Context) -> Outcome {
     match req.operation {
         Operation::Create => {
             let mut vmi = original.clone();
+            let applied = preset::apply_presets(&mut vmi, &ctx.presets)
+                .map_err(|e| Refusal::Unprocessable(e.to_string()))?;
+            for skipped in &applied.skipped {
+                tracing::warn!(vmi = ?vmi.metadata.name, "VirtualMachineInstancePreset {skipped}");
+            }
             defaults::apply_vmi(&mut vmi, &ctx.cluster).map_err(|e| defaults_refusal(&e))?;
             let status = vmi.status.get_or_insert_with(Default::default);
             // KubeVirt sets Pending whatever the creator wrote, and records the transition.
@@ -870,7 +911,19 @@ fn mutate_vmi(req: &Request, ctx: &Context) -> Outcome {
                     phase: Some(VirtualMachineInstancePhase::Pending),
                     phase_transition_timestamp: Some(Time((ctx.now)())),
                 });
-            patch_between(&original, &vmi)
+            let mut allowed = patch_between(&original, &vmi)?;
+            let annotated = vmi
+                .metadata
+                .annotations
+                .iter()
+                .flatten()
+                .any(|(k, _)| k.contains("virtualmachinepreset"));
+            if annotated {
+                allowed
+                    .warnings
+                    .push(preset::DEPRECATION_WARNING.to_owned());
+            }
+            Ok(allowed)
         }
         Operation::Update => {
             // The VMI has no status subresource (as KubeVirt), so users could write its status;
@@ -1062,7 +1115,7 @@ fn hotplug(
     }
     let max_guest = |v: &VirtualMachineInstance| v.spec.domain.memory.as_ref()?.max_guest.clone();
     if let (Some(new_max), Some(old_max)) = (max_guest(new), max_guest(old))
-        && !same_quantity(&new_max, &old_max)
+        && !api::quantity::same(&new_max, &old_max)
     {
         return Err(Refusal::one(
             FIELD_VALUE_INVALID,
@@ -1071,17 +1124,6 @@ fn hotplug(
         ));
     }
     storage::admit_hotplug(new, old, gates.declarative)
-}
-
-/// Quantities compared by value, as KubeVirt's `Quantity.Equal` (`1Gi` = `1024Mi`).
-fn same_quantity(a: &Quantity, b: &Quantity) -> bool {
-    match (
-        ParsedQuantity::from_quantity(a),
-        ParsedQuantity::from_quantity(b),
-    ) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => a == b,
-    }
 }
 
 fn validate_vm(req: &Request, ctx: &Context) -> Outcome {
@@ -1142,6 +1184,35 @@ fn validate_replicaset(req: &Request, ctx: &Context) -> Outcome {
     }
     refuse_any(
         validation::validate_replicaset(&rs, &ctx.cluster)
+            .into_iter()
+            .map(Cause::from)
+            .collect(),
+    )
+}
+
+fn validate_pool(req: &Request, ctx: &Context) -> Outcome {
+    let pool: VirtualMachinePool = req.object()?;
+    let old: Option<VirtualMachinePool> = match req.operation {
+        Operation::Update => Some(req.old_object()?),
+        Operation::Create => None,
+    };
+    // Its VMs' templates are validated defaulted, as their VMIs will be.
+    let mut defaulted = pool.clone();
+    if let Some(spec) = &mut defaulted.spec.virtual_machine_template.spec.template.spec {
+        defaults::apply(spec, &ctx.cluster).map_err(|e| defaults_refusal(&e))?;
+    }
+    refuse_any(
+        api::pool::validate_pool(&defaulted, old.as_ref(), &ctx.cluster)
+            .into_iter()
+            .map(Cause::from)
+            .collect(),
+    )
+}
+
+fn validate_preset(req: &Request) -> Outcome {
+    let p: VirtualMachineInstancePreset = req.object()?;
+    refuse_any(
+        preset::validate_preset(&p)
             .into_iter()
             .map(Cause::from)
             .collect(),

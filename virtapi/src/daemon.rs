@@ -86,6 +86,14 @@ impl VirtApi {
             informer::keep_all,
             |_| {},
         );
+        // KubeVirt's VMI mutator reads presets from an informer too.
+        let presets = informer::reflect(
+            &mut tasks,
+            Api::<api::preset::VirtualMachineInstancePreset>::all(client.clone()),
+            watcher::Config::default(),
+            informer::keep_all,
+            |_| {},
+        );
         tracing::info!("waiting for {AUTH_CONFIGMAP_NAMESPACE}/{AUTH_CONFIGMAP}");
         let data = loop {
             if let Some(d) = auth_rx.borrow_and_update().clone() {
@@ -145,9 +153,14 @@ impl VirtApi {
             .wait_until_ready()
             .await
             .context("the KubeVirt CR watch")?;
+        presets
+            .wait_until_ready()
+            .await
+            .context("the VirtualMachineInstancePreset watch")?;
         let webhooks = Arc::new(webhooks::Webhooks::new(
             client.clone(),
             kubevirts,
+            presets,
             f.namespace,
         ));
         Ok(VirtApi {

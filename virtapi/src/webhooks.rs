@@ -3,6 +3,7 @@
 //! through [`eviction`](crate::eviction), which reads the pod and VMI with virt-api's client.
 
 use api::KubeVirt;
+use api::preset::VirtualMachineInstancePreset;
 use kube::runtime::reflector::Store;
 use serde_json::Value;
 
@@ -15,6 +16,7 @@ use crate::server::{Admission, AdmitFuture};
 pub struct Webhooks {
     client: kube::Client,
     kubevirts: Store<KubeVirt>,
+    presets: Store<VirtualMachineInstancePreset>,
     namespace: String,
 }
 
@@ -27,10 +29,16 @@ impl std::fmt::Debug for Webhooks {
 }
 
 impl Webhooks {
-    pub fn new(client: kube::Client, kubevirts: Store<KubeVirt>, namespace: String) -> Self {
+    pub fn new(
+        client: kube::Client,
+        kubevirts: Store<KubeVirt>,
+        presets: Store<VirtualMachineInstancePreset>,
+        namespace: String,
+    ) -> Self {
         Webhooks {
             client,
             kubevirts,
+            presets,
             namespace,
         }
     }
@@ -60,6 +68,9 @@ impl Admission for Webhooks {
             return Box::pin(std::future::ready(None));
         };
         let mut ctx = self.context();
+        if hook == Webhook::VmiMutator {
+            ctx.presets = self.presets.state().iter().map(|p| (**p).clone()).collect();
+        }
         if hook == Webhook::VmValidator {
             return Box::pin(async move {
                 ctx.instancetypes = instancetypes(&self.client, review).await;

@@ -1,7 +1,7 @@
 //! The thin I/O shells: reflectors feeding work queues, a few workers per controller (never
 //! two on one key) calling the pure decisions, writes through the API, Events, leader election.
 //! This module holds the wiring the controllers share; each controller's watch handlers and
-//! sync are in its own module ([`vm`], [`vmi`], [`replicaset`], [`node`], [`migration`],
+//! sync are in its own module ([`vm`], [`vmi`], [`replicaset`], [`pool`], [`node`], [`migration`],
 //! [`evacuation`], [`disruptionbudget`]).
 //!
 //! kube-runtime's `Controller` is not used: expectations must be observed by the very cache
@@ -14,6 +14,7 @@ mod evacuation;
 mod instancetype;
 mod migration;
 mod node;
+mod pool;
 mod replicaset;
 mod vm;
 mod vmi;
@@ -23,12 +24,14 @@ use std::time::Duration;
 
 use api::migration::VirtualMachineInstanceMigration;
 use api::migrationpolicy::MigrationPolicy;
+use api::pool::VirtualMachinePool;
 use api::{
     ClusterConfig, KubeVirt, VirtualMachine, VirtualMachineInstance,
     VirtualMachineInstanceReplicaSet,
 };
 use informer::events::{Publisher, Reporter};
 use informer::{Seen, obj_key, reflect};
+use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, Patch, PatchParams};
@@ -92,6 +95,8 @@ impl Default for Options {
 const VMI_WORKERS: usize = 10;
 const VM_WORKERS: usize = 3;
 const RS_WORKERS: usize = 3;
+/// KubeVirt's `--pool-controller-threads` (`defaultControllerThreads`).
+const POOL_WORKERS: usize = 3;
 const NODE_WORKERS: usize = 3;
 /// KubeVirt's `defaultMigrationControllerThreads`.
 const MIGRATION_WORKERS: usize = 3;
@@ -132,6 +137,9 @@ struct Shared {
     attachment_index: Arc<Mutex<OwnerIndex>>,
     pvcs: Store<PersistentVolumeClaim>,
     replicasets: Store<VirtualMachineInstanceReplicaSet>,
+    pools: Store<VirtualMachinePool>,
+    /// ControllerRevisions: the pools' snapshots of their spec.
+    revisions: Store<ControllerRevision>,
     nodes: Store<Node>,
     kubevirts: Store<KubeVirt>,
     vmims: Store<VirtualMachineInstanceMigration>,
@@ -143,9 +151,11 @@ struct Shared {
     pod_exp: Arc<UidTrackingExpectations>,
     vm_exp: Arc<UidTrackingExpectations>,
     rs_exp: Arc<UidTrackingExpectations>,
+    pool_exp: Arc<UidTrackingExpectations>,
     vm_q: Arc<Queue>,
     vmi_q: Arc<Queue>,
     rs_q: Arc<Queue>,
+    pool_q: Arc<Queue>,
     node_q: Arc<Queue>,
     mig_q: Arc<Queue>,
     /// The evacuation controller's queue: node names.
@@ -184,6 +194,8 @@ async fn start_caches(
     let pod_exp = Arc::new(UidTrackingExpectations::default());
     let vm_exp = Arc::new(UidTrackingExpectations::default());
     let rs_exp = Arc::new(UidTrackingExpectations::default());
+    let pool_exp = Arc::new(UidTrackingExpectations::default());
+    let pool_q = Arc::new(Queue::default());
     let (vm_q, vmi_q, rs_q, node_q) = (
         Arc::new(Queue::default()),
         Arc::new(Queue::default()),
@@ -203,7 +215,12 @@ async fn start_caches(
         Api::all(client.clone()),
         wc(),
         trim_meta,
-        vm::on_vm(vm_q.clone(), vmi_q.clone()),
+        vm::on_vm(
+            vm_q.clone(),
+            vmi_q.clone(),
+            pool_q.clone(),
+            pool_exp.clone(),
+        ),
     );
     let vmis = reflect(
         tasks,
@@ -216,6 +233,7 @@ async fn start_caches(
             rs_q: rs_q.clone(),
             vm_exp: vm_exp.clone(),
             rs_exp: rs_exp.clone(),
+            pool_q: pool_q.clone(),
             vms: vms.clone(),
             mig_q: mig_q.clone(),
             mig_index: mig_index.clone(),
@@ -254,6 +272,17 @@ async fn start_caches(
     let replicasets = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, move |s| {
         q.add(&obj_key(s.object()));
     });
+    let q = pool_q.clone();
+    let pools = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, move |s| {
+        q.add(&obj_key(s.object()));
+    });
+    let revisions = reflect(
+        tasks,
+        Api::all(client.clone()),
+        wc(),
+        trim_meta,
+        pool::on_revision(pool_q.clone(), pool_exp.clone()),
+    );
     let q = node_q.clone();
     let eq = evac_q.clone();
     let nodes = reflect(
@@ -321,6 +350,11 @@ async fn start_caches(
             "VirtualMachineInstanceReplicaSet",
             replicasets.wait_until_ready().await.is_ok(),
         ),
+        ("VirtualMachinePool", pools.wait_until_ready().await.is_ok()),
+        (
+            "ControllerRevision",
+            revisions.wait_until_ready().await.is_ok(),
+        ),
         ("Node", nodes.wait_until_ready().await.is_ok()),
         ("KubeVirt", kubevirts.wait_until_ready().await.is_ok()),
         (
@@ -358,6 +392,8 @@ async fn start_caches(
         attachment_index,
         pvcs,
         replicasets,
+        pools,
+        revisions,
         nodes,
         kubevirts,
         vmims,
@@ -367,9 +403,11 @@ async fn start_caches(
         pod_exp,
         vm_exp,
         rs_exp,
+        pool_exp,
         vm_q,
         vmi_q,
         rs_q,
+        pool_q,
         node_q,
         mig_q,
         evac_q,
@@ -408,6 +446,15 @@ fn spawn_workers(tasks: &mut JoinSet<()>, shared: &Arc<Shared>) {
         |s| &s.rs_q,
         |s, k| async move {
             Box::pin(replicaset::sync_rs(&s, &k)).await;
+        },
+    );
+    spawn_pool(
+        tasks,
+        POOL_WORKERS,
+        shared,
+        |s| &s.pool_q,
+        |s, k| async move {
+            Box::pin(pool::sync_pool(&s, &k)).await;
         },
     );
     spawn_pool(
@@ -501,6 +548,7 @@ fn snapshot(s: &Shared) -> Snapshot {
             queue_stat("virt-controller-vm", &s.vm_q),
             queue_stat("virt-controller-vmi", &s.vmi_q),
             queue_stat("virt-controller-replicaset", &s.rs_q),
+            queue_stat("virt-controller-pool", &s.pool_q),
             queue_stat("virt-controller-node", &s.node_q),
             queue_stat("virt-controller-migration", &s.mig_q),
             queue_stat("virt-controller-evacuation", &s.evac_q),

@@ -1,8 +1,11 @@
 //! The ReplicaSet controller's shell: claims (adopt / release), scaling by `replicaset::scale`,
 //! and the status.
 
+use std::sync::Arc;
+
 use api::{VirtualMachineInstance, VirtualMachineInstanceReplicaSet};
 use informer::{key_of, split_key, status_patch};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -11,6 +14,7 @@ use serde_json::json;
 
 use super::{Shared, event, retry_later};
 use crate::{events, replicaset};
+use workqueue::Queue;
 use workqueue::expectations::EXPECTATION_TTL;
 
 pub(super) async fn sync_rs(s: &Shared, key: &str) {
@@ -32,7 +36,18 @@ pub(super) async fn sync_rs(s: &Shared, key: &str) {
         .filter(|v| v.namespace().as_deref() == Some(ns))
         .map(|v| (**v).clone())
         .collect();
-    let claimed_all = claim(s, key, &rs, &mut all, &vmi_api).await;
+    let claims = replicaset::claims(&rs, &all);
+    let owner_ref = replicaset::controller_ref(&rs);
+    let claimed_all = claim(
+        &s.rs_q,
+        key,
+        &rs.metadata,
+        &owner_ref,
+        &claims,
+        &mut all,
+        &vmi_api,
+    )
+    .await;
     let owned = replicaset::owned(&rs, &all);
     // Scaling on a cache that may still show a VMI we failed to claim could overshoot.
     if claimed_all && rs.spec.paused != Some(true) && rs.metadata.deletion_timestamp.is_none() {
@@ -54,62 +69,60 @@ pub(super) async fn sync_rs(s: &Shared, key: &str) {
     }
 }
 
-/// Adopts and releases VMIs as `replicaset::claims` says, updating `all` with what was written;
-/// false when a claim failed.
-async fn claim(
-    s: &Shared,
+/// Adopts and releases objects as `claims` says for the owner with metadata `owner` (its
+/// controller reference `owner_ref`), updating `all` with what was written; false when a claim
+/// failed, and the owner's `key` is queued again on `q`.
+pub(super) async fn claim<K>(
+    q: &Arc<Queue>,
     key: &str,
-    rs: &VirtualMachineInstanceReplicaSet,
-    all: &mut [VirtualMachineInstance],
-    vmi_api: &Api<VirtualMachineInstance>,
-) -> bool {
-    let claims = replicaset::claims(rs, all);
+    owner: &ObjectMeta,
+    owner_ref: &OwnerReference,
+    claims: &replicaset::Claims,
+    all: &mut [K],
+    api: &Api<K>,
+) -> bool
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let mut claimed_all = true;
-    for (vmi_name, adopt) in claims
+    for (name, adopt) in claims
         .adopt
         .iter()
         .map(|n| (n, true))
         .chain(claims.release.iter().map(|n| (n, false)))
     {
-        let Some(v) = all
-            .iter()
-            .find(|v| v.metadata.name.as_deref() == Some(vmi_name))
-        else {
+        let Some(o) = all.iter().find(|o| o.meta().name.as_deref() == Some(name)) else {
             continue;
         };
-        let mut refs: Vec<_> = v
-            .metadata
+        let mut refs: Vec<_> = o
+            .meta()
             .owner_references
             .clone()
             .unwrap_or_default()
             .into_iter()
-            .filter(|r| Some(&r.uid) != rs.metadata.uid.as_ref())
+            .filter(|r| Some(&r.uid) != owner.uid.as_ref())
             .collect();
         if adopt {
-            refs.push(replicaset::controller_ref(rs));
+            refs.push(owner_ref.clone());
         }
         // The resourceVersion makes this a compare-and-swap against a concurrent claim.
-        let patch = json!({"metadata": {"ownerReferences": refs, "resourceVersion": v.metadata.resource_version}});
-        match vmi_api
-            .patch(vmi_name, &PatchParams::default(), &Patch::Merge(patch))
+        let patch = json!({"metadata": {"ownerReferences": refs, "resourceVersion": o.meta().resource_version}});
+        match api
+            .patch(name, &PatchParams::default(), &Patch::Merge(patch))
             .await
         {
             Ok(updated) => {
                 if let Some(slot) = all
                     .iter_mut()
-                    .find(|x| x.metadata.name.as_deref() == Some(vmi_name))
+                    .find(|x| x.meta().name.as_deref() == Some(name))
                 {
                     *slot = updated;
                 }
             }
             Err(e) => {
                 claimed_all = false;
-                let what = if adopt {
-                    "adopting a VMI"
-                } else {
-                    "releasing a VMI"
-                };
-                retry_later(&s.rs_q, key, what, &e);
+                let what = if adopt { "adopting" } else { "releasing" };
+                retry_later(q, key, what, &e);
             }
         }
     }

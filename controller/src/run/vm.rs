@@ -14,6 +14,7 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 use workqueue::Queue;
+use workqueue::expectations::UidTrackingExpectations;
 
 use super::{Shared, cluster_config, event, retry_later, set_finalizers};
 use crate::vm::{StatusInputs, VmAction};
@@ -21,16 +22,21 @@ use crate::{events, finalizers, vm, vmi};
 
 /// The VM watch: every VM to the VM queue; a deleted VM's instance (same name) to the VMI queue
 /// too, since it may hold the VM controller's finalizer, which only the VMI controller
-/// releases once the VM is gone.
+/// releases once the VM is gone; a pool's VM to its pool.
 pub(super) fn on_vm(
     vm_q: Arc<Queue>,
     vmi_q: Arc<Queue>,
+    pool_q: Arc<Queue>,
+    pool_exp: Arc<UidTrackingExpectations>,
 ) -> impl Fn(Seen<'_, VirtualMachine>) + Send + 'static {
-    move |s| match s {
-        Seen::Added(o) | Seen::Changed(o) => vm_q.add(&obj_key(o)),
-        Seen::Deleted(o) => {
-            vm_q.add(&obj_key(o));
-            vmi_q.add(&obj_key(o));
+    move |s| {
+        super::pool::vm_changed(&pool_q, &pool_exp, &s);
+        match s {
+            Seen::Added(o) | Seen::Changed(o) => vm_q.add(&obj_key(o)),
+            Seen::Deleted(o) => {
+                vm_q.add(&obj_key(o));
+                vmi_q.add(&obj_key(o));
+            }
         }
     }
 }

@@ -29,6 +29,8 @@ pub(super) struct VmiWatch {
     pub rs_q: Arc<Queue>,
     pub vm_exp: Arc<UidTrackingExpectations>,
     pub rs_exp: Arc<UidTrackingExpectations>,
+    /// The pools, queued when an instance of one of their VMs changes.
+    pub pool_q: Arc<Queue>,
     pub vms: Store<VirtualMachine>,
     pub mig_q: Arc<Queue>,
     pub mig_index: Arc<Mutex<super::migration::MigrationIndex>>,
@@ -58,6 +60,15 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
                 w.vm_exp.deletion_observed(&vm_key, &key);
             }
             w.vm_q.add(&vm_key);
+            // KubeVirt's pool controller follows its VMs' instances (readiness, revisions).
+            if let Some(p) = w
+                .vms
+                .get(&ObjectRef::new(vm).within(ns.as_deref().unwrap_or_default()))
+                .as_deref()
+                .and_then(|v| controller_owner(v, "VirtualMachinePool"))
+            {
+                w.pool_q.add(&key_of(ns.as_deref(), p));
+            }
         } else if w
             .vms
             .get(&ObjectRef::new(&o.name_any()).within(ns.as_deref().unwrap_or_default()))

@@ -28,6 +28,7 @@ fn ctx() -> Context {
         hotplug: HotplugGates::default(),
         new_id: Arc::new(move || format!("id-{}", counter.fetch_add(1, Ordering::SeqCst))),
         now: Arc::new(|| NOW.parse().unwrap()),
+        presets: Vec::new(),
         instancetypes: Found::default(),
     }
 }
@@ -1576,4 +1577,193 @@ fn vm_validator_applies_instancetype_and_preference() {
             want,
         );
     }
+}
+
+fn preset(
+    name: &str,
+    selector: &Value,
+    domain: &Value,
+) -> api::preset::VirtualMachineInstancePreset {
+    serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstancePreset",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"selector": selector, "domain": domain},
+    }))
+    .unwrap()
+}
+
+#[test]
+fn vmi_create_applies_matching_presets_and_warns_they_are_deprecated() {
+    let mut ctx = ctx();
+    ctx.presets = vec![
+        preset(
+            "cores",
+            &json!({"matchLabels": {"app": "demo"}}),
+            &json!({"cpu": {"cores": 3}, "devices": {}}),
+        ),
+        preset(
+            "elsewhere",
+            &json!({"matchLabels": {"app": "other"}}),
+            &json!({"cpu": {"cores": 5}, "devices": {}}),
+        ),
+    ];
+    let object = vmi();
+    let create = |object: &Value| review("virtualmachineinstances", "CREATE", USER, object, None);
+    let response = run_with(Webhook::VmiMutator, &create(&object), &ctx);
+    assert_eq!(
+        response["warnings"],
+        json!([api::preset::DEPRECATION_WARNING])
+    );
+    let stored = patched(&object, &response);
+    assert_eq!(stored["spec"]["domain"]["cpu"]["cores"], 3);
+    assert_eq!(
+        stored["metadata"]["annotations"]["virtualmachinepreset.kubevirt.io/cores"],
+        "kubevirt.io/v1"
+    );
+    assert!(
+        stored["metadata"]["annotations"]
+            .get("virtualmachinepreset.kubevirt.io/elsewhere")
+            .is_none()
+    );
+
+    // Excluded: nothing applied, no warning.
+    let mut excluded = vmi();
+    excluded["metadata"]["annotations"] = json!({api::preset::EXCLUSION_ANNOTATION: "true"});
+    let response = run_with(Webhook::VmiMutator, &create(&excluded), &ctx);
+    assert!(response.get("warnings").is_none());
+    assert!(
+        patched(&excluded, &response)["metadata"]["annotations"]
+            .get("virtualmachinepreset.kubevirt.io/cores")
+            .is_none()
+    );
+
+    // Two matching presets that disagree refuse the VMI, with KubeVirt's 422.
+    ctx.presets.push(preset(
+        "more-cores",
+        &json!({"matchLabels": {"app": "demo"}}),
+        &json!({"cpu": {"cores": 4}, "devices": {}}),
+    ));
+    let response = run_with(Webhook::VmiMutator, &create(&object), &ctx);
+    assert_eq!(response["allowed"], false);
+    assert_eq!(response["status"]["code"], 422);
+    assert_eq!(
+        response["status"]["message"],
+        r#"VirtualMachinePresets cannot be applied due to conflicts: presets 'more-cores' and 'cores' conflict: [spec.cpu: {"cores":4} != {"cores":3}]"#
+    );
+}
+
+#[test]
+fn preset_validator_requires_a_domain() {
+    for (case, domain, want) in [
+        ("with a domain", json!({"devices": {}}), Ok(())),
+        ("without", Value::Null, Err("spec.domain: missing domain.")),
+    ] {
+        let mut object = serde_json::to_value(preset("p", &json!({}), &json!({}))).unwrap();
+        object["spec"]["domain"] = domain;
+        let review = review(
+            "virtualmachineinstancepresets",
+            "CREATE",
+            USER,
+            &object,
+            None,
+        );
+        expect(
+            case,
+            &verdict(&run(Webhook::PresetValidator, &review)),
+            want,
+        );
+    }
+}
+
+#[test]
+fn pool_validator() {
+    let pool = |edit: Edit| {
+        let mut p = json!({
+            "apiVersion": "pool.kubevirt.io/v1beta1",
+            "kind": "VirtualMachinePool",
+            "metadata": {"name": "demo", "namespace": "default"},
+            "spec": {
+                "replicas": 2,
+                "selector": {"matchLabels": {"app": "demo"}},
+                "virtualMachineTemplate": {
+                    "metadata": {"labels": {"app": "demo"}},
+                    "spec": {"runStrategy": "Always", "template": {"spec": vmi()["spec"].clone()}},
+                },
+            },
+        });
+        edit(&mut p);
+        p
+    };
+    let pool_review = |op: &str, object: &Value, old: Option<&Value>| {
+        let mut r = review("virtualmachinepools", op, USER, object, old);
+        r["request"]["resource"]["group"] = json!("pool.kubevirt.io");
+        r["request"]["resource"]["version"] = json!("v1beta1");
+        r
+    };
+    let cases: [(&str, Edit, Want); 7] = [
+        ("valid", |_| {}, Ok(())),
+        (
+            "selector not matching the template",
+            |p| p["spec"]["selector"] = json!({"matchLabels": {"app": "other"}}),
+            Err("spec.selector: selector does not match labels."),
+        ),
+        (
+            "VM template validated as a VM's",
+            |p| {
+                p["spec"]["virtualMachineTemplate"]["spec"]["template"]["spec"]["domain"]["devices"]
+                    ["gpus"] = json!([{"name": "g", "deviceName": "x"}]);
+            },
+            Err(
+                "spec.virtualMachineTemplate.spec.template.spec.domain.devices.gpus: not supported by kubevirt-rs yet",
+            ),
+        ),
+        (
+            "maxUnavailable percentage",
+            |p| p["spec"]["maxUnavailable"] = json!("0%"),
+            Err("spec.maxUnavailable: maxUnavailable percentage value 0 must be between 1 and 100"),
+        ),
+        (
+            "two update strategies",
+            |p| p["spec"]["updateStrategy"] = json!({"unmanaged": {}, "opportunistic": {}}),
+            Err(
+                "spec.updateStrategy: only one of unmanaged, opportunistic, or proactive can be specified",
+            ),
+        ),
+        (
+            "state preservation",
+            |p| {
+                p["spec"]["scaleInStrategy"] =
+                    json!({"proactive": {"statePreservation": "Offline"}});
+            },
+            Err(
+                "spec.scaleInStrategy.proactive.statePreservation: Offline: not supported by kubevirt-rs yet",
+            ),
+        ),
+        (
+            "autohealing",
+            |p| p["spec"]["autohealing"] = json!({"startUpFailureThreshold": 2}),
+            Err("spec.autohealing: not supported by kubevirt-rs yet"),
+        ),
+    ];
+    for (case, edit, want) in cases {
+        let object = pool(edit);
+        let response = run(
+            Webhook::PoolValidator,
+            &pool_review("CREATE", &object, None),
+        );
+        expect(case, &verdict(&response), want);
+    }
+    let old = pool(|_| {});
+    let moved = pool(|p| {
+        p["spec"]["selector"] = json!({"matchLabels": {"app": "demo", "tier": "x"}});
+        p["spec"]["virtualMachineTemplate"]["metadata"]["labels"]["tier"] = json!("x");
+    });
+    expect(
+        "selector changed",
+        &verdict(&run(
+            Webhook::PoolValidator,
+            &pool_review("UPDATE", &moved, Some(&old)),
+        )),
+        Err("spec.selector: selector is immutable after creation."),
+    );
 }

@@ -40,25 +40,8 @@ pub const KERNEL_BOOT_NAME: &str = "kernel-boot";
 /// KubeVirt's `containerdisk.KernelBootVolumeName`; the container is `volumekernel-boot-volume`.
 pub const KERNEL_BOOT_VOLUME: &str = "kernel-boot-volume";
 
-/// Memory overhead constants, in MiB. They come from the launcher benchmarks: the
-/// launcher's resident set goal is 8 MiB, and QEMU's own footprint beyond guest RAM (code,
-/// heap, device models, I/O buffers) measured on QEMU 7.2 for a small q35 guest. KubeVirt
-/// budgets ~240 MiB here for virt-launcher + libvirt + virtqemud + virtlogd; we run none of
-/// those. `docs/controller.md` documents the formula.
-pub mod overhead {
-    /// virt-launcher's resident set (benchmark goal).
-    pub const LAUNCHER_MIB: u64 = 8;
-    /// QEMU with no guest RAM touched: binary, libraries, heap, device models.
-    pub const QEMU_BASE_MIB: u64 = 48;
-    /// Per vCPU: thread stack, vCPU state, KVM/TCG per-CPU structures (KubeVirt uses 8 too).
-    pub const PER_VCPU_MIB: u64 = 8;
-    /// The VGA framebuffer and its shadow, when a graphics device is attached.
-    pub const VIDEO_MIB: u64 = 16;
-    /// TCG's translated-code cache (QEMU's `tb-size`), when running emulated.
-    pub const TCG_MIB: u64 = 128;
-    /// Guest page tables: 1 byte per 512 bytes of guest RAM (KubeVirt's ratio).
-    pub const PAGE_TABLE_DIVISOR: u64 = 512;
-}
+/// The overhead constants, shared with virt-launcher (which caps TCG's code cache at its budget).
+pub use api::overhead;
 
 /// How the template service renders pods.
 #[derive(Debug, Clone)]

@@ -121,7 +121,7 @@ fn full_vmi_converts() {
     );
     assert!(joined.contains("-device ahci,id=sata0"));
     assert!(joined.contains("-machine q35"));
-    assert!(joined.contains("-accel tcg"));
+    assert!(joined.contains("-accel tcg,tb-size=128"), "{joined}");
     assert!(argv.contains(&"-S".to_owned()));
     assert!(joined.contains("pcie-root-port,id=hotplug-port0"));
     assert!(joined.contains("path=/p/0b3d1c52-5a8e-4d4e-9a61-4b1f8e0c2a11/qmp.sock"));

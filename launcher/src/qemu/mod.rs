@@ -962,7 +962,13 @@ impl QemuConfig {
         push(&mut a, "-display", "none".to_owned());
         push(&mut a, "-vga", "none".to_owned());
         push(&mut a, "-msg", "timestamp=on".to_owned());
-        push(&mut a, "-accel", self.machine.accel.to_string());
+        let accel = match self.machine.accel {
+            Accel::Kvm => "kvm".to_owned(),
+            // The translated code within what the pod's memory budgets for it: QEMU's default
+            // cache (1 GiB in 7.2) grows with a busy guest past any budget.
+            Accel::Tcg => format!("tcg,tb-size={}", api::overhead::TCG_MIB),
+        };
+        push(&mut a, "-accel", accel);
         push(
             &mut a,
             "-machine",

@@ -1,0 +1,238 @@
+//! Per-VM memory overhead, measured (issue 21, item 4); figures are printed, never asserted.
+//!
+//! ```text
+//! cargo build --release -p launcher --bins --examples
+//! target/release/examples/overhead            # needs the test guest (hack/guest/build.sh)
+//! ```
+//!
+//! For guests of 128 MiB, 1 GiB and 4 GiB with 1 and 4 vCPUs, boots the test guest (kernel
+//! boot) through virt-launcher until its guest agent answers, then reads QEMU's
+//! `/proc/<pid>/smaps`: the overhead is QEMU's resident set less the resident part of the
+//! guest's RAM block (the pages the guest has touched), next to the launcher's own resident set.
+//! Under TCG (this machine) QEMU's translated-code cache is in the figure; under KVM it is not.
+//! docs/controller.md sets these against the pod overhead the controller budgets.
+
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+
+const MIB: u64 = 1 << 20;
+
+/// How long a guest may take to boot under TCG on a busy two-core machine.
+const BOOT: Duration = Duration::from_mins(6);
+
+struct Proc(Child);
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn launcher_bin() -> anyhow::Result<PathBuf> {
+    // Examples live in target/<profile>/examples/; the binary one level up.
+    let exe = std::env::current_exe()?;
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .context("no target dir")?
+        .join("virt-launcher");
+    if !bin.exists() {
+        bail!(
+            "{} is missing: build it with the same profile first",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn request(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> anyhow::Result<serde_json::Value> {
+    let mut s = UnixStream::connect(socket)?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: l\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    )?;
+    s.write_all(body)?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    let (_, payload) = out.split_once("\r\n\r\n").context("no HTTP head")?;
+    Ok(serde_json::from_str(payload)?)
+}
+
+/// Resident KiB of a process (`VmRSS`).
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// What QEMU has resident, in KiB.
+struct QemuMemory {
+    total: u64,
+    /// The guest's RAM block (`pc.ram`): one private read-write anonymous mapping of the guest's
+    /// size (QEMU adds at most a guard page and its alignment).
+    guest: u64,
+    /// TCG's translated code: private executable anonymous mappings.
+    tcg: u64,
+}
+
+fn qemu_memory(pid: u32, guest_bytes: u64) -> anyhow::Result<QemuMemory> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
+    let mut memory = QemuMemory {
+        total: 0,
+        guest: 0,
+        tcg: 0,
+    };
+    let mut guest_found = false;
+    let (mut is_guest_ram, mut is_code_cache) = (false, false);
+    for line in smaps.lines() {
+        let field = |name: &str| -> Option<u64> {
+            line.strip_prefix(name)?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()
+        };
+        let header: Vec<&str> = line.split_whitespace().collect();
+        if header.first().is_some_and(|range| range.contains('-')) && header.len() >= 5 {
+            let (perms, anonymous) = (header[1], header.len() == 5);
+            is_guest_ram = perms == "rw-p" && anonymous;
+            is_code_cache = perms.contains('x') && anonymous;
+        } else if let Some(kib) = field("Size:") {
+            let size = kib * 1024;
+            is_guest_ram &= size >= guest_bytes && size <= guest_bytes + 4 * MIB;
+        } else if let Some(kib) = field("Rss:") {
+            memory.total += kib;
+            if is_guest_ram && !guest_found {
+                memory.guest = kib;
+                guest_found = true;
+            } else if is_code_cache {
+                memory.tcg += kib;
+            }
+        }
+    }
+    if !guest_found {
+        bail!("QEMU {pid} has no read-write mapping of {guest_bytes} bytes (its RAM block)");
+    }
+    Ok(memory)
+}
+
+fn vmi(uid: &str, memory: &str, vcpus: u32) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "overhead", "namespace": "default", "uid": uid},
+        "spec": {"domain": {
+            "cpu": {"cores": vcpus},
+            "resources": {"requests": {"memory": memory}},
+            "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
+                "image": "g", "kernelPath": "/vmlinuz", "initrdPath": "/initrd.img"}}},
+            "devices": {},
+        }},
+    })
+}
+
+/// Boots one guest and returns what QEMU has resident and the launcher's RSS in KiB.
+fn measure(bin: &Path, memory: &str, guest: u64, vcpus: u32) -> anyhow::Result<(QemuMemory, u64)> {
+    let root = tempfile::tempdir()?;
+    let kernels = root.path().join("cd/kernel-boot");
+    std::fs::create_dir_all(&kernels)?;
+    for file in ["vmlinuz", "initrd.img"] {
+        std::fs::copy(testguest::dir().join(file), kernels.join(file))?;
+    }
+    let socket = root.path().join("share/sockets/launcher-sock");
+    let launcher = Proc(
+        Command::new(bin)
+            .args(["--allow-emulation", "--kubevirt-share-dir"])
+            .arg(root.path().join("share"))
+            .arg("--private-dir")
+            .arg(root.path().join("private"))
+            .arg("--ephemeral-disk-dir")
+            .arg(root.path().join("ephemeral"))
+            .arg("--container-disk-dir")
+            .arg(root.path().join("cd"))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let started = Instant::now();
+    while !socket.exists() {
+        if started.elapsed() > Duration::from_secs(10) {
+            bail!("no launcher socket after 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let uid = uuid::Uuid::new_v4().to_string();
+    let body = serde_json::to_vec(&vmi(&uid, memory, vcpus))?;
+    let domain = request(&socket, "PUT", "/v1/sync", &body)?;
+    if domain["state"] != "Running" {
+        bail!("sync failed: {domain}");
+    }
+    let pid = domain["qemuPid"]
+        .as_u64()
+        .and_then(|p| u32::try_from(p).ok())
+        .context("no QEMU pid")?;
+    // Booted: the guest agent (started last by the guest's init) answers.
+    let booted = Instant::now();
+    while request(&socket, "GET", "/v1/domain", &[])?["agentConnected"] != true {
+        if booted.elapsed() > BOOT {
+            bail!("the guest agent did not connect within {BOOT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    Ok((qemu_memory(pid, guest)?, rss_kib(launcher.0.id())))
+}
+
+fn main() -> anyhow::Result<()> {
+    let bin = launcher_bin()?;
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    println!(
+        "launcher: {} ({profile} build), accelerator tcg",
+        bin.display()
+    );
+    println!(
+        "{:>6} {:>5} {:>9} {:>12} {:>10} {:>14} {:>9}",
+        "guest", "vCPUs", "QEMU RSS", "guest pages", "TCG code", "QEMU overhead", "launcher"
+    );
+    for (memory, guest) in [
+        ("128Mi", 128 * MIB),
+        ("1Gi", 1024 * MIB),
+        ("4Gi", 4096 * MIB),
+    ] {
+        for vcpus in [1, 4] {
+            let (qemu, launcher) = measure(&bin, memory, guest, vcpus)
+                .with_context(|| format!("{memory} with {vcpus} vCPUs"))?;
+            // Beyond guest RAM, with the translated code (TCG's cost) and without (KVM's).
+            let overhead = qemu.total - qemu.guest;
+            println!(
+                "{memory:>6} {vcpus:>5} {:>5} MiB {:>8} MiB {:>6} MiB {:>4} MiB ({:>3} MiB) {:>5} MiB",
+                qemu.total / 1024,
+                qemu.guest / 1024,
+                qemu.tcg / 1024,
+                overhead / 1024,
+                (overhead - qemu.tcg) / 1024,
+                launcher / 1024
+            );
+        }
+    }
+    Ok(())
+}

@@ -267,7 +267,8 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
             "virtualmachines/status",
             true,
         ),
-        (controller, "default", "update", "virtualmachines", false),
+        // The pool controller creates, rewrites and deletes its VMs, as KubeVirt's does.
+        (controller, "default", "update", "virtualmachines", true),
         (controller, "default", "create", "pods", true),
         (controller, "default", "patch", "pods/status", true),
         (controller, "default", "update", "pods", false),
@@ -356,8 +357,10 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
         v
     };
     let controller_everywhere = [
-        "virtualmachines.kubevirt.io [get list watch patch]",
+        "virtualmachines.kubevirt.io [get list watch patch create update delete]",
         "virtualmachines.kubevirt.io/status [patch]",
+        "virtualmachinepools.pool.kubevirt.io [get list watch patch]",
+        "virtualmachinepools.pool.kubevirt.io/status [patch]",
         "virtualmachineinstances.kubevirt.io [get list watch create delete patch]",
         "virtualmachineinstancereplicasets.kubevirt.io [get list watch patch]",
         "virtualmachineinstancereplicasets.kubevirt.io/status [patch]",
@@ -367,7 +370,7 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
         "virtualmachineclusterinstancetypes.instancetype.kubevirt.io [get]",
         "virtualmachinepreferences.instancetype.kubevirt.io [get]",
         "virtualmachineclusterpreferences.instancetype.kubevirt.io [get]",
-        "controllerrevisions.apps [get create]",
+        "controllerrevisions.apps [get create list watch delete]",
         "migrationpolicies.migrations.kubevirt.io [get list watch]",
         "namespaces [get list watch]",
         "poddisruptionbudgets.policy [list watch delete]",

@@ -575,8 +575,8 @@ mod tests {
                 .iter()
                 .filter(|k| **k == "CustomResourceDefinition")
                 .count(),
-            9,
-            "the four kubevirt.io kinds but KubeVirt, MigrationPolicy and the four instancetype.kubevirt.io kinds"
+            11,
+            "the five kubevirt.io kinds but KubeVirt (presets included), MigrationPolicy, the pool and the four instancetype.kubevirt.io kinds"
         );
         assert!(!a.objects.iter().any(|o| name(o) == "kubevirts.kubevirt.io"));
         assert!(!kinds.contains(&"Namespace"));

@@ -383,17 +383,15 @@ pub fn validate_pool(
         _ => {}
     }
     if let Some(s) = &spec.update_strategy {
-        let set = [
-            s.unmanaged.is_some(),
-            s.opportunistic.is_some(),
-            s.proactive.is_some(),
-        ];
-        if set.iter().filter(|b| **b).count() > 1 {
-            add(
-                "spec.updateStrategy",
-                "only one of unmanaged, opportunistic, or proactive can be specified".to_owned(),
-            );
-        }
+        only_one_kind(
+            [
+                s.unmanaged.is_some(),
+                s.opportunistic.is_some(),
+                s.proactive.is_some(),
+            ],
+            "spec.updateStrategy",
+            &mut add,
+        );
         if let Some(p) = &s.proactive {
             selection(
                 p.selection_policy.as_ref(),
@@ -403,17 +401,15 @@ pub fn validate_pool(
         }
     }
     if let Some(s) = &spec.scale_in_strategy {
-        let set = [
-            s.unmanaged.is_some(),
-            s.opportunistic.is_some(),
-            s.proactive.is_some(),
-        ];
-        if set.iter().filter(|b| **b).count() > 1 {
-            add(
-                "spec.scaleInStrategy",
-                "only one of unmanaged, opportunistic, or proactive can be specified".to_owned(),
-            );
-        }
+        only_one_kind(
+            [
+                s.unmanaged.is_some(),
+                s.opportunistic.is_some(),
+                s.proactive.is_some(),
+            ],
+            "spec.scaleInStrategy",
+            &mut add,
+        );
         if let Some(p) = &s.proactive {
             selection(
                 p.selection_policy.as_ref(),
@@ -443,6 +439,16 @@ pub fn validate_pool(
         message: e.message,
     }));
     out
+}
+
+/// KubeVirt's rule for the update and scale-in strategies: at most one of their three kinds.
+fn only_one_kind(set: [bool; 3], path: &str, add: &mut impl FnMut(&str, String)) {
+    if set.iter().filter(|b| **b).count() > 1 {
+        add(
+            path,
+            "only one of unmanaged, opportunistic, or proactive can be specified".to_owned(),
+        );
+    }
 }
 
 fn selection(policy: Option<&SelectionPolicy>, base: &str, add: &mut impl FnMut(&str, String)) {

@@ -12,50 +12,19 @@
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
+use common::{Proc, launcher_bin, rss_kib};
+
+mod common;
 
 const RUNS: usize = 7;
-
-fn launcher_bin() -> anyhow::Result<PathBuf> {
-    // Examples live in target/<profile>/examples/; the binary one level up.
-    let exe = std::env::current_exe()?;
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .context("no target dir")?
-        .join("virt-launcher");
-    if !bin.exists() {
-        bail!(
-            "{} is missing: build it with the same profile first",
-            bin.display()
-        );
-    }
-    Ok(bin)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
-}
-
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn start_launcher(bin: &Path, root: &Path) -> anyhow::Result<(Proc, PathBuf, Duration)> {

@@ -14,41 +14,19 @@
 
 use std::io::{Read as _, Write as _};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
+use common::{Proc, launcher_bin, rss_kib};
+
+mod common;
 
 const MIB: u64 = 1 << 20;
 
 /// How long a guest may take to boot under TCG on a busy two-core machine.
 const BOOT: Duration = Duration::from_mins(6);
-
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn launcher_bin() -> anyhow::Result<PathBuf> {
-    // Examples live in target/<profile>/examples/; the binary one level up.
-    let exe = std::env::current_exe()?;
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .context("no target dir")?
-        .join("virt-launcher");
-    if !bin.exists() {
-        bail!(
-            "{} is missing: build it with the same profile first",
-            bin.display()
-        );
-    }
-    Ok(bin)
-}
 
 fn request(
     socket: &Path,
@@ -68,16 +46,6 @@ fn request(
     s.read_to_string(&mut out)?;
     let (_, payload) = out.split_once("\r\n\r\n").context("no HTTP head")?;
     Ok(serde_json::from_str(payload)?)
-}
-
-/// Resident KiB of a process (`VmRSS`).
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// What QEMU has resident, in KiB.

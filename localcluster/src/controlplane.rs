@@ -300,12 +300,7 @@ fn tail(path: &Path, lines: usize) -> String {
 }
 
 fn free_port(ip: IpAddr) -> Result<u16, ControlPlaneError> {
-    let listener =
-        std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(ControlPlaneError::Port)?;
-    Ok(listener
-        .local_addr()
-        .map_err(ControlPlaneError::Port)?
-        .port())
+    crate::ports::free_port(ip).map_err(ControlPlaneError::Port)
 }
 
 /// What a kubelet needs to join: its kubeconfig (a `system:node:<name>` client certificate,

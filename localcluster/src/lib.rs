@@ -10,6 +10,7 @@ pub mod kubectl;
 pub mod kubelet;
 pub mod nsexec;
 pub mod pki;
+pub mod ports;
 pub mod storage;
 pub mod tls;
 

@@ -243,10 +243,7 @@ impl Drop for VirtApiProcess {
 #[ignore = "benchmark: prints figures; runs the virt-api binary against the local API server"]
 async fn bench_virt_api_rss() {
     let c = Cluster::start().await;
-    let port = std::net::TcpListener::bind((c.host, 0))
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let port = localcluster::ports::free_port(c.host).expect("a free port");
     let dir = c.dir.path();
     let log = dir.join("virt-api.log");
     let child = Command::new(env!("CARGO_BIN_EXE_virt-api"))

@@ -280,10 +280,7 @@ pub fn fake_kubelet(
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+    localcluster::ports::free_port(std::net::Ipv4Addr::LOCALHOST.into()).expect("a free port")
 }
 
 /// A test CA (rcgen), as virt-operator's self-signed one.

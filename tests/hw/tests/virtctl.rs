@@ -279,24 +279,24 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
     );
 
     // Port-forward: a local port reaches the guest's listener through virt-api and virt-handler.
-    let local = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free local port");
+    let loopback = std::net::Ipv4Addr::LOCALHOST.into();
+    let local_port = localcluster::ports::free_port(loopback).expect("a free local port");
     let mut forward = KillOnDrop(
         Command::new(bin_dir().join("virtctl"))
             .arg("--kubeconfig")
             .arg(&kubeconfig)
-            .args(["port-forward", "vm/demo", &format!("{}:8080", local.port())])
+            .args(["port-forward", "vm/demo", &format!("{local_port}:8080")])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("virtctl port-forward starts"),
     );
-    let greeting = e2e::greeting(local, CHANGE).unwrap_or_else(|e| {
-        let exited = forward.0.try_wait().ok().flatten();
-        panic!("{e}; virtctl port-forward exited: {exited:?}")
-    });
+    let greeting = e2e::greeting(std::net::SocketAddr::new(loopback, local_port), CHANGE)
+        .unwrap_or_else(|e| {
+            let exited = forward.0.try_wait().ok().flatten();
+            panic!("{e}; virtctl port-forward exited: {exited:?}")
+        });
     assert_eq!(greeting, "hello from the demo VM over the pod network");
     drop(forward);
 

@@ -38,6 +38,7 @@ pub mod defaults;
 pub mod duration;
 pub mod hotplug;
 pub mod instancetype;
+pub mod interfaces;
 pub mod kubevirt;
 pub mod labels;
 pub mod metrics;

@@ -161,6 +161,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
     ),
     field(
+        "spec.domain.clock.timezone",
+        "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
+    ),
+    field(
         "spec.domain.clock.utc",
         "launcher/src/convert/tests.rs::clock_and_timers_render_as_libvirt_renders_them",
     ),
@@ -769,6 +773,18 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::full_vmi_converts",
     ),
     field(
+        "spec.volumes[].ephemeral",
+        "launcher/tests/guest.rs::guest_q35_pvc_filesystem_and_block_on_hugepages",
+    ),
+    field(
+        "spec.volumes[].ephemeral.persistentVolumeClaim.claimName",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    field(
+        "spec.volumes[].ephemeral.persistentVolumeClaim.readOnly",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
+    ),
+    field(
         "spec.volumes[].persistentVolumeClaim",
         "launcher/src/convert/tests.rs::pvcs_are_files_or_block_devices_and_hotpluggable_ones_get_a_port",
     ),
@@ -844,7 +860,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.clock.timer.hyperv.present"),
     refused_value("spec.domain.clock.timer.pit.present", "false"),
     refused_value("spec.domain.clock.timer.rtc.present", "false"),
-    refused("spec.domain.clock.timezone"),
     refused("spec.domain.cpu.dedicatedCpuPlacement"),
     refused("spec.domain.cpu.features"),
     refused("spec.domain.cpu.isolateEmulatorThread"),
@@ -869,7 +884,7 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.interfaces[].portRanges"),
     discontinued("spec.domain.devices.interfaces[].slirp"),
     refused("spec.domain.devices.interfaces[].sriov"),
-    refused_value("spec.domain.devices.interfaces[].state", r#""down""#),
+    refused_value("spec.domain.devices.interfaces[].state", r#""absent""#),
     refused("spec.domain.devices.interfaces[].tag"),
     refused("spec.domain.devices.logSerialConsole"),
     refused("spec.domain.devices.networkInterfaceMultiqueue"),
@@ -895,7 +910,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.volumes[].containerPath"),
     refused("spec.volumes[].dataVolume"),
     refused("spec.volumes[].downwardMetrics"),
-    refused("spec.volumes[].ephemeral"),
     refused("spec.volumes[].hostDisk.shared"),
     refused("spec.volumes[].memoryDump"),
     refused("spec.volumes[].sysprep"),
@@ -931,4 +945,5 @@ pub const CONTAINERS: &[&str] = &[
     "spec.domain.machine",
     "spec.domain.memory",
     "spec.domain.resources",
+    "spec.volumes[].ephemeral.persistentVolumeClaim",
 ];

@@ -425,7 +425,15 @@ fn pci_address(field: String, a: &str, e: &mut Errors) {
 /// The clock values QEMU (through libvirt) cannot honour, KubeVirt's tick policies and tracks
 /// named where the value is unknown.
 fn clock(c: &crate::vmi::Clock, path: &str, e: &mut Errors) {
-    e.unsupported(format!("{path}.timezone"), c.timezone.as_ref());
+    if c.timezone.is_some() && c.utc.is_some() {
+        e.add(
+            format!("{path}.timezone"),
+            "only one of utc and timezone may be set",
+        );
+    }
+    if let Err(message) = c.utc_offset_at(std::time::SystemTime::now()) {
+        e.add(format!("{path}.timezone"), message);
+    }
     let Some(t) = &c.timer else { return };
     let mut policy = |timer: &str, value: Option<&str>, known: &[&str]| {
         if let Some(p) = value
@@ -1236,11 +1244,20 @@ fn volumes(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e
         for source in sources {
             let spath = format!("{vpath}.{}", source.field());
             match source {
-                VolumeSource::Unsupported(..)
-                | VolumeSource::DataVolume(_)
-                | VolumeSource::Ephemeral(_) => {
+                VolumeSource::Unsupported(..) | VolumeSource::DataVolume(_) => {
                     e.add(spath, UNSUPPORTED);
                 }
+                VolumeSource::Ephemeral(eph) => match &eph.persistent_volume_claim {
+                    None => e.add(
+                        format!("{spath}.persistentVolumeClaim"),
+                        "required: the claim the overlay is based on",
+                    ),
+                    Some(c) if c.claim_name.is_empty() => e.add(
+                        format!("{spath}.persistentVolumeClaim.claimName"),
+                        "required",
+                    ),
+                    Some(_) => {}
+                },
                 VolumeSource::ConfigMap(c) => {
                     if c.name.as_deref().unwrap_or_default().is_empty() {
                         e.add(format!("{spath}.name"), "required");
@@ -1588,8 +1605,8 @@ fn interface<'a>(
     }
     e.unsupported(format!("{ipath}.tag"), iface.tag.as_ref());
     match iface.state.as_deref() {
-        None | Some("up" | "") => {}
-        Some(s @ ("down" | "absent")) => {
+        None | Some("" | crate::vmi::INTERFACE_STATE_UP | crate::vmi::INTERFACE_STATE_DOWN) => {}
+        Some(s @ crate::vmi::INTERFACE_STATE_ABSENT) => {
             e.add(format!("{ipath}.state"), format!("{s}: {UNSUPPORTED}"));
         }
         Some(s) => e.add(

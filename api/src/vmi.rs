@@ -421,6 +421,29 @@ pub struct Clock {
     pub timer: Option<Timer>,
 }
 
+impl Clock {
+    /// Seconds the guest's clock starts ahead of UTC (negative: behind) at `at`, or `None` for
+    /// UTC: `utc.offsetSeconds`, or the offset `timezone` has at that instant. libvirt starts a
+    /// time zone clock at the zone's local time (QEMU's `-rtc base=localtime` under `TZ`); from
+    /// there the clock runs on, so a daylight saving change later does not move it. Zones come
+    /// from the IANA database built into this binary, so neither a node's nor an image's
+    /// `/usr/share/zoneinfo` decides which names exist.
+    pub fn utc_offset_at(&self, at: std::time::SystemTime) -> Result<Option<i64>, String> {
+        if let Some(zone) = &self.timezone {
+            let tz = jiff::tz::db().get(zone).map_err(|_| {
+                format!("unknown time zone {zone:?} (an IANA name such as Europe/Paris)")
+            })?;
+            let at = jiff::Timestamp::try_from(at).map_err(|e| e.to_string())?;
+            return Ok(Some(i64::from(tz.to_offset(at).seconds())));
+        }
+        Ok(self
+            .utc
+            .as_ref()
+            .and_then(|u| u.offset_seconds)
+            .map(i64::from))
+    }
+}
+
 /// UTC clock offset.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -1404,7 +1427,18 @@ impl InterfaceBinding<'_> {
     }
 }
 
+/// `state` values (KubeVirt's `InterfaceStateLinkUp`, `...LinkDown`, `...Absent`).
+pub const INTERFACE_STATE_UP: &str = "up";
+pub const INTERFACE_STATE_DOWN: &str = "down";
+pub const INTERFACE_STATE_ABSENT: &str = "absent";
+
 impl Interface {
+    /// Whether the guest sees this NIC's link down (`state: down`): the NIC is there, its cable
+    /// is out.
+    pub fn link_down(&self) -> bool {
+        self.state.as_deref() == Some(INTERFACE_STATE_DOWN)
+    }
+
     /// Every binding that is set.
     pub fn bindings(&self) -> Vec<InterfaceBinding<'_>> {
         let mut out = Vec::new();

@@ -608,6 +608,30 @@ fn mistakes() -> Vec<Mistake> {
             "not a multiple of the page size 1Gi",
         ),
         m(
+            "a time zone that does not exist",
+            vec![(
+                "/spec/domain/clock",
+                json!({"timezone": "Mars/Olympus_Mons"}),
+            )],
+            "spec.domain.clock.timezone",
+            "unknown time zone \"Mars/Olympus_Mons\"",
+        ),
+        m(
+            "a clock in UTC and in a time zone",
+            vec![(
+                "/spec/domain/clock",
+                json!({"utc": {}, "timezone": "Europe/Paris"}),
+            )],
+            "spec.domain.clock.timezone",
+            "only one of utc and timezone",
+        ),
+        m(
+            "an ephemeral volume without its claim",
+            vec![("/spec/volumes/0", json!({"name": "root", "ephemeral": {}}))],
+            "spec.volumes[0].ephemeral.persistentVolumeClaim",
+            "required",
+        ),
+        m(
             "paused start with a liveness probe",
             vec![
                 ("/spec/startStrategy", json!("Paused")),

@@ -25,6 +25,8 @@ pub const ERR_IMAGE_PULL: &str = "ErrImagePull";
 pub const IMAGE_PULL_BACK_OFF: &str = "ImagePullBackOff";
 /// KubeVirt's `hotplugVolumeErrorReason` (the VM's Failure condition).
 pub const HOTPLUG_VOLUME_ERROR: &str = "HotPlugVolumeError";
+/// KubeVirt's `hotPlugNetworkInterfaceErrorReason`: an interface change could not reach the VMI.
+pub const HOTPLUG_NETWORK_INTERFACE_ERROR: &str = "HotPlugNetworkInterfaceError";
 /// A PVC a volume names does not exist.
 pub const FAILED_PVC_NOT_FOUND: &str = "FailedPvcNotFound";
 /// A ReplicaSet was paused.

@@ -405,6 +405,19 @@ pub fn render_launcher_pod(
                     &format!("{}/vmi-disks/{}", cfg.private_dir, v.name),
                 ));
             }
+            // KubeVirt mounts an ephemeral volume's claim as it is; the launcher writes the
+            // guest's changes to an overlay in the ephemeral-disks dir, never to the claim.
+            Some(VolumeSource::Ephemeral(eph)) => {
+                volumes.push(Volume {
+                    name: v.name.clone(),
+                    persistent_volume_claim: eph.persistent_volume_claim.clone(),
+                    ..Volume::default()
+                });
+                compute_mounts.push(mount(
+                    &v.name,
+                    &format!("{}/vmi-disks/{}", cfg.private_dir, v.name),
+                ));
+            }
             Some(VolumeSource::HostDisk(hd)) => {
                 let dir = std::path::Path::new(&hd.path)
                     .parent()

@@ -1274,6 +1274,43 @@ async fn always_vm_replaces_a_finished_vmi() {
     assert_eq!(failure, None, "instances that ran are no start failures");
 }
 
+/// KubeVirt's network VM controller: an interface switched down (and up again) in a VM reaches
+/// its running VMI's spec, where virt-handler's next sync has the launcher set the link.
+#[tokio::test]
+async fn an_interface_state_changed_in_the_vm_reaches_its_running_vmi() {
+    let (_server, client) = cluster().await;
+    let _controller = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let interfaces = |state: &str| json!([{"name": "default", "masquerade": {}, "state": state}]);
+    let mut spec = vmi_spec();
+    spec["domain"]["devices"]["interfaces"] = interfaces("up");
+    spec["networks"] = json!([{"name": "default", "pod": {}}]);
+    let vm: VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "link", "namespace": "default"},
+        "spec": {"runStrategy": "Always", "template": {"spec": spec}},
+    }))
+    .unwrap();
+    vms.create(&PostParams::default(), &vm).await.unwrap();
+    let first = run_guest(&client, "link", None).await;
+    for state in ["down", "up"] {
+        let patch = json!({"spec": {"template": {"spec": {"domain": {"devices": {
+            "interfaces": interfaces(state)}}}}}});
+        vms.patch("link", &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .unwrap();
+        wait_for(&format!("the VMI's link {state}"), || async {
+            let vmi = vmis.get("link").await.unwrap();
+            let now = vmi.spec.domain.devices.interfaces[0].state.clone();
+            (now.as_deref() == Some(state)).then_some(vmi)
+        })
+        .await;
+    }
+    let last = vmis.get("link").await.unwrap();
+    assert_eq!(last.uid(), first.uid(), "the VMI was changed, not replaced");
+}
+
 #[tokio::test]
 async fn rerun_on_failure_restarts_after_failure_not_after_success() {
     // Bound by name, so the cluster and controller live until the test ends.

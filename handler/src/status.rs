@@ -267,7 +267,10 @@ fn interfaces(
                 interface_name: prev.and_then(|p| p.interface_name.clone()),
                 pod_interface_name: prev.and_then(|p| p.pod_interface_name.clone()),
                 queue_count: prev.and_then(|p| p.queue_count),
-                link_state: prev.and_then(|p| p.link_state.clone()),
+                link_state: i
+                    .link_state
+                    .clone()
+                    .or_else(|| prev.and_then(|p| p.link_state.clone())),
             }
         })
         .collect()
@@ -281,6 +284,7 @@ fn domain_interfaces(domain: &Domain) -> Vec<DomainInterface> {
             name: i.name.clone(),
             mac: i.mac.clone(),
             pod_interface: None,
+            link_state: i.link_state.clone(),
         })
         .collect()
 }
@@ -884,12 +888,14 @@ mod tests {
                 tap: "tap0".into(),
                 mac: Some("52:54:00:00:00:01".into()),
                 model: "virtio-net-pci".into(),
+                link_state: Some("up".into()),
             },
             InterfaceStatus {
                 name: "second".into(),
                 tap: "tap1".into(),
                 mac: Some("52:54:00:00:00:02".into()),
                 model: "e1000".into(),
+                link_state: Some("down".into()),
             },
         ]
     }
@@ -956,6 +962,8 @@ mod tests {
         assert_eq!(ifs[0].interface_name.as_deref(), Some("eth0"));
         assert_eq!(ifs[1].info_source.as_deref(), Some("domain"));
         assert_eq!(ifs[1].ip, None);
+        assert_eq!(ifs[0].link_state.as_deref(), Some("up"));
+        assert_eq!(ifs[1].link_state.as_deref(), Some("down"));
     }
 
     #[test]

@@ -41,6 +41,9 @@ pub struct InterfaceStatus {
     pub tap: String,
     pub mac: Option<String>,
     pub model: String,
+    /// `up` or `down`, as the guest sees the link (absent from a launcher older than the field).
+    #[serde(default)]
+    pub link_state: Option<String>,
 }
 
 /// `guest-fsfreeze-status`: whether the guest agent holds the guest's filesystems frozen.

@@ -79,8 +79,9 @@ pub enum Probe {
     Fails(String),
 }
 
-/// Runs the probe firmware under `accel` and reports whether it reached the exit port.
-pub async fn probe(qemu: &Path, accel: Accel) -> Probe {
+/// Runs the probe firmware under `accel` and reports whether it reached the exit port
+/// `within` that long.
+pub async fn probe(qemu: &Path, accel: Accel, within: Duration) -> Probe {
     if accel == Accel::Kvm
         && let Err(e) = std::fs::OpenOptions::new()
             .read(true)
@@ -117,10 +118,8 @@ pub async fn probe(qemu: &Path, accel: Accel) -> Probe {
     inherit_in_child(&mut cmd, firmware.as_raw_fd());
     let result = match cmd.spawn() {
         Err(e) => Probe::Fails(format!("cannot run {}: {e}", qemu.display())),
-        Ok(child) => match tokio::time::timeout(PROBE_TIMEOUT, child.wait_with_output()).await {
-            Err(_) => Probe::Fails(format!(
-                "the probe guest did not finish within {PROBE_TIMEOUT:?}"
-            )),
+        Ok(child) => match tokio::time::timeout(within, child.wait_with_output()).await {
+            Err(_) => Probe::Fails(format!("the probe guest did not finish within {within:?}")),
             Ok(Err(e)) => Probe::Fails(format!("waiting for the probe: {e}")),
             Ok(Ok(out)) if out.status.code() == Some(PROBE_EXIT) => Probe::Works,
             Ok(Ok(out)) => Probe::Fails(format!(
@@ -160,7 +159,7 @@ fn inherit_in_child(cmd: &mut Command, fd: RawFd) {
 
 /// KVM when it runs guest code, else TCG when emulation is allowed.
 pub async fn choose(qemu: &Path, allow_emulation: bool) -> Result<(Accel, Option<String>), String> {
-    match probe(qemu, Accel::Kvm).await {
+    match probe(qemu, Accel::Kvm, PROBE_TIMEOUT).await {
         Probe::Works => Ok((Accel::Kvm, None)),
         Probe::Fails(why) if allow_emulation => Ok((Accel::Tcg, Some(why))),
         Probe::Fails(why) => Err(why),
@@ -180,15 +179,20 @@ mod tests {
     }
 
     /// The payload itself is proven under TCG, so a KVM failure means KVM, not the payload.
+    /// Its correctness, not its speed: on a loaded machine QEMU alone can take seconds to start
+    /// (the 3 s of a real probe ran out once under a full test run).
     #[tokio::test]
     async fn probe_payload_runs_under_tcg() {
         let qemu = Path::new("qemu-system-x86_64");
-        assert_eq!(probe(qemu, Accel::Tcg).await, Probe::Works);
+        assert_eq!(
+            probe(qemu, Accel::Tcg, Duration::from_mins(2)).await,
+            Probe::Works
+        );
     }
 
     #[tokio::test]
     async fn missing_binary_is_reported() {
-        match probe(Path::new("/nonexistent/qemu"), Accel::Tcg).await {
+        match probe(Path::new("/nonexistent/qemu"), Accel::Tcg, PROBE_TIMEOUT).await {
             Probe::Fails(why) => assert!(why.contains("/nonexistent/qemu"), "{why}"),
             Probe::Works => panic!("a missing binary cannot work"),
         }

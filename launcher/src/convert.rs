@@ -384,8 +384,8 @@ struct Timers {
     kvmclock: Option<bool>,
 }
 
-/// `clock` as libvirt renders KubeVirt's `<clock>` for QEMU: UTC with an optional offset on
-/// `-rtc`, the RTC's track and catch-up there too, the PIT's lost tick policy on KVM's
+/// `clock` as libvirt renders KubeVirt's `<clock>` for QEMU: UTC with an optional offset, or a
+/// time zone's local time, on `-rtc`, the RTC's track and catch-up there too, the PIT's lost tick policy on KVM's
 /// in-kernel PIT, the HPET on the machine, kvmclock on the CPU. What QEMU cannot do on this node
 /// is refused by name, and so is the Hyper-V clock, an enlightenment like those of
 /// `features.hyperv`, which this launcher does not give.
@@ -394,16 +394,12 @@ fn timers(vmi: &VirtualMachineInstance, accel: Accel) -> Result<Timers, ConvertE
         return Ok(Timers::default());
     };
     let field = "spec.domain.clock";
-    if c.timezone.is_some() {
-        return Err(err(
-            format!("{field}.timezone"),
-            "a guest clock in a time zone is not supported by this launcher: use utc",
-        ));
-    }
     let t = c.timer.clone().unwrap_or_default();
     let present = |p: Option<bool>| p.unwrap_or(true);
     let mut clock = Clock {
-        utc_offset: c.utc.as_ref().and_then(|u| u.offset_seconds).map(i64::from),
+        utc_offset: c
+            .utc_offset_at(std::time::SystemTime::now())
+            .map_err(|message| err(format!("{field}.timezone"), message))?,
         ..Clock::default()
     };
     if let Some(rtc) = &t.rtc {
@@ -1423,6 +1419,7 @@ fn nic(
         pci_bus: pci_addr.as_ref().map(|_| kind.root_bus()),
         pci_addr,
         acpi_index,
+        link_up: !iface.link_down(),
     })
 }
 

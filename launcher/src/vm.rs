@@ -1,7 +1,7 @@
 //! The supervisor: starts QEMU paused, checks it over QMP, lets it run, follows its events and
 //! its exit, and applies what a later sync may change (hotplugged disks).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::os::fd::{AsRawFd as _, RawFd};
 use std::os::unix::fs::FileTypeExt as _;
 use std::path::{Path, PathBuf};
@@ -83,6 +83,8 @@ struct Vm {
     disks: Vec<Disk>,
     hotpluggable: BTreeSet<String>,
     hotplug_ports: Vec<String>,
+    /// Each NIC's link as the guest sees it now: up (`true`) or down.
+    links: BTreeMap<String, bool>,
     requested: Arc<StdMutex<Option<Requested>>>,
     exit: watch::Receiver<Option<ExitStatus>>,
     /// Source: tells the running migration's task to cancel, with the reason.
@@ -109,13 +111,50 @@ impl Vm {
     }
 }
 
-fn interface_status(n: &Nic) -> InterfaceStatus {
+fn interface_status(n: &Nic, link_up: bool) -> InterfaceStatus {
     InterfaceStatus {
         name: n.name.clone(),
         tap: n.tap.clone(),
         mac: n.mac.clone(),
         model: format!("{:?}", n.model).to_lowercase(),
+        link_state: Some(link_state(link_up).to_owned()),
     }
+}
+
+fn link_state(up: bool) -> &'static str {
+    if up {
+        api::vmi::INTERFACE_STATE_UP
+    } else {
+        api::vmi::INTERFACE_STATE_DOWN
+    }
+}
+
+/// Sets the link of the NIC named `name` (QMP `set_link` on its device, which takes its
+/// backend with it).
+async fn set_link(qmp: &qmp::QmpClient, name: &str, up: bool) -> Result<(), Error> {
+    qmp.execute(qmp::qapi::qmp::set_link {
+        name: crate::qemu::device_id(name),
+        up,
+    })
+    .await
+    .map(drop)
+    .map_err(Error::from)
+}
+
+/// Applies the interface states of a later sync (KubeVirt's VM controller copies a changed
+/// `state` from the VM into the running VMI): the links that should change, change.
+async fn set_links(vm: &mut Vm, vmi: &VirtualMachineInstance) -> Result<(), Error> {
+    for iface in &vmi.spec.domain.devices.interfaces {
+        let up = !iface.link_down();
+        match vm.links.get_mut(&iface.name) {
+            Some(now) if *now != up => {
+                set_link(&vm.qmp, &iface.name, up).await?;
+                *now = up;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// A QEMU process just started: its pid, its exit status once it has one, and the last lines
@@ -291,15 +330,24 @@ impl Launcher {
         let live = ops.vm.as_ref().is_some_and(|vm| !vm.exited());
         if live {
             let vm = ops.vm.as_mut().expect("checked");
-            let result = self.hotplug(vm, vmi).await;
+            let mut result = self.hotplug(vm, vmi).await;
+            if result.is_ok() {
+                result = set_links(vm, vmi).await;
+            }
             let disks: Vec<_> = vm
                 .disks
                 .iter()
                 .map(|d| disk_status(d, &vm.hotpluggable))
                 .collect();
+            let links = vm.links.clone();
             let sync_error = result.as_ref().err().map(ToString::to_string);
             self.update(|d| {
                 d.disks = disks;
+                for i in &mut d.interfaces {
+                    if let Some(up) = links.get(&i.name) {
+                        i.link_state = Some(link_state(*up).to_owned());
+                    }
+                }
                 d.sync_error = sync_error;
             });
             result?;
@@ -512,6 +560,14 @@ impl Launcher {
         };
 
         let paused = incoming.is_none() && vmi.spec.starts_paused();
+        // Before the guest's first instruction (a migration target too: the link is not part
+        // of the migrated state), so a guest never sees a `state: down` NIC's link up.
+        for nic in config.nics.iter().filter(|n| !n.link_up) {
+            if let Err(e) = set_link(&qmp, &nic.name, false).await {
+                let _ = kill(pid, Signal::SIGKILL);
+                return Err(e);
+            }
+        }
         let began = match incoming {
             // QEMU was started with -S: the guest stays before its first instruction until
             // an unpause, as libvirt's VIR_DOMAIN_START_PAUSED leaves it.
@@ -536,7 +592,16 @@ impl Launcher {
             .iter()
             .map(|d| disk_status(d, &plan.hotpluggable))
             .collect();
-        let interfaces = config.nics.iter().map(interface_status).collect();
+        let interfaces = config
+            .nics
+            .iter()
+            .map(|n| interface_status(n, n.link_up))
+            .collect();
+        let links = config
+            .nics
+            .iter()
+            .map(|n| (n.name.clone(), n.link_up))
+            .collect();
         let pid_u32 = u32::try_from(pid.as_raw()).unwrap_or_default();
         self.update(|d| {
             // A target stays paused until its migration finishes, as libvirt's does; a paused
@@ -569,6 +634,7 @@ impl Launcher {
             disks: config.disks,
             hotpluggable: plan.hotpluggable,
             hotplug_ports: config.controllers.hotplug_ports,
+            links,
             requested,
             exit: exit_rx,
             cancel_migration: None,

@@ -596,8 +596,10 @@ fn device_with_serial(console: &mut Console, serial: &str) -> String {
 }
 
 /// Persistent volume claims in both volume modes, on a guest whose RAM is hugepages: a
-/// filesystem claim (`disk.img` in the claim's directory) that the guest reads, and a block
-/// claim (a loop device) that the guest writes; QEMU's RAM comes from the hugetlbfs mount.
+/// filesystem claim (`disk.img` in the claim's directory) that the guest reads, a block
+/// claim (a loop device) that the guest writes, and an `ephemeral` volume whose claim the
+/// guest's writes never reach (they land in an overlay); QEMU's RAM comes from the hugetlbfs
+/// mount.
 #[test]
 fn guest_q35_pvc_filesystem_and_block_on_hugepages() {
     // 256Mi of 2Mi pages.
@@ -629,6 +631,11 @@ fn guest_q35_pvc_filesystem_and_block_on_hugepages() {
             let f = std::fs::File::create(claim.join("disk.img")).unwrap();
             std::io::Write::write_all(&mut &f, b"PVC-FS-DATA").unwrap();
             f.set_len(16 << 20).unwrap();
+            let base = root.join("private/vmi-disks/eph");
+            std::fs::create_dir_all(&base).unwrap();
+            let f = std::fs::File::create(base.join("disk.img")).unwrap();
+            std::io::Write::write_all(&mut &f, b"EPH-BASE-DATA").unwrap();
+            f.set_len(16 << 20).unwrap();
         },
     );
     let id = uid();
@@ -644,11 +651,13 @@ fn guest_q35_pvc_filesystem_and_block_on_hugepages() {
                 "devices": {"disks": [
                     {"name": "fs", "disk": {"bus": "virtio"}, "serial": "PVCFS1"},
                     {"name": "blk", "disk": {"bus": "virtio"}, "serial": "PVCBLK1"},
+                    {"name": "eph", "disk": {"bus": "virtio"}, "serial": "PVCEPH1"},
                 ]},
             },
             "volumes": [
                 {"name": "fs", "persistentVolumeClaim": {"claimName": "fs-claim"}},
                 {"name": "blk", "persistentVolumeClaim": {"claimName": "blk-claim"}},
+                {"name": "eph", "ephemeral": {"persistentVolumeClaim": {"claimName": "golden", "readOnly": true}}},
             ],
         }),
     );
@@ -660,6 +669,8 @@ fn guest_q35_pvc_filesystem_and_block_on_hugepages() {
         d["disks"][0]["source"],
         l.dir("private/vmi-disks/fs/disk.img").display().to_string()
     );
+    let overlay = l.dir("ephemeral/disk-data/eph/disk.qcow2");
+    assert_eq!(d["disks"][2]["source"], overlay.display().to_string());
     // prealloc=on: every page of guest RAM is taken before the guest runs.
     let taken = common::Hugepages::in_use() - before;
     assert!(taken >= 128, "QEMU took {taken} hugepages, not 128");
@@ -694,6 +705,29 @@ fn guest_q35_pvc_filesystem_and_block_on_hugepages() {
         std::io::Read::read_exact(&mut f, &mut head).unwrap();
         (&head == b"PVC-BLOCK-WRITTEN").then_some(())
     });
+    let eph = device_with_serial(&mut console, "PVCEPH1");
+    assert_eq!(
+        console.run(&format!("head -c 13 /dev/{eph}"), BOOT),
+        "EPH-BASE-DATA"
+    );
+    console.run(
+        &format!("printf EPH-GUEST-DATA > /dev/{eph}; sync; echo 3 > /proc/sys/vm/drop_caches"),
+        BOOT,
+    );
+    assert_eq!(
+        console.run(&format!("head -c 14 /dev/{eph}"), BOOT),
+        "EPH-GUEST-DATA"
+    );
+    let mut head = [0u8; 13];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open(l.dir("private/vmi-disks/eph/disk.img")).unwrap(),
+        &mut head,
+    )
+    .unwrap();
+    assert_eq!(
+        &head, b"EPH-BASE-DATA",
+        "the guest wrote through to the claim"
+    );
     let d = l.post("/v1/kill");
     assert_eq!(d["state"], "Shutoff", "{d}");
 }

@@ -170,6 +170,7 @@ fn domain_interfaces(l: &Launcher) -> Vec<network::status::DomainInterface> {
             name: i["name"].as_str().unwrap().to_owned(),
             mac: i["mac"].as_str().map(str::to_owned),
             pod_interface: Some("eth0".into()),
+            link_state: i["linkState"].as_str().map(str::to_owned),
         })
         .collect()
 }
@@ -285,16 +286,36 @@ fn guest_masquerade_ipv6_router_advertisements_and_nat() {
     assert!(String::from_utf8_lossy(&tables.stdout).trim().is_empty());
 }
 
+/// The guest's eth0 flags once `wanted` is among them (`NO-CARRIER`: its link is down).
+fn wait_link_flags(console: &mut Console, wanted: &str, absent: &str) -> String {
+    common::wait_until(BOOT, &format!("{wanted} on the guest's eth0"), || {
+        let out = console.run("ip -o link show eth0", Duration::from_mins(1));
+        (out.contains(wanted) && !out.contains(absent)).then_some(out)
+    })
+}
+
+/// The bridge binding, on a NIC that starts with `state: down`: the guest sees no carrier
+/// until a later sync brings the link up, then gets the pod's address.
 #[test]
 fn guest_bridge_gets_the_pod_address() {
     let pod = Pod::new("lbrdg");
     let l = launcher_in(&pod);
     let id = uid();
     let v = guest_vmi(&id, &json!({"name": "default", "bridge": {}}));
+    let down = guest_vmi(
+        &id,
+        &json!({"name": "default", "bridge": {}, "state": "down"}),
+    );
     let pod_mac = pod.netns.ip(&["-o", "link", "show", "eth0"]);
-    let cached = phase1(&l, &v);
+    let cached = phase1(&l, &down);
     assert!(pod_mac.contains(&cached[0].pod_mac), "{pod_mac}");
-    let mut console = boot(&l, &id, &v);
+    let mut console = boot(&l, &id, &down);
+    wait_link_flags(&mut console, "NO-CARRIER", "LOWER_UP");
+    assert_eq!(l.domain()["interfaces"][0]["linkState"], "down");
+    let (status, d) = l.sync(&v);
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(d["interfaces"][0]["linkState"], "up", "{d}");
+    wait_link_flags(&mut console, "LOWER_UP", "NO-CARRIER");
     wait_address(&mut console, &format!("{POD_IP}/24"));
     let link = console.run("ip -o link show eth0", Duration::from_mins(1));
     assert!(

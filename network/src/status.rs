@@ -24,6 +24,9 @@ pub struct DomainInterface {
     /// The pod interface behind it (`eth0` for the pod network), if known.
     #[serde(default)]
     pub pod_interface: Option<String>,
+    /// `up` or `down`, as the guest sees the link.
+    #[serde(default)]
+    pub link_state: Option<String>,
 }
 
 fn same_mac(a: &str, b: &str) -> bool {
@@ -71,6 +74,7 @@ pub fn merge(
             name: Some(d.name.clone()),
             mac: d.mac.clone(),
             pod_interface_name: d.pod_interface.clone(),
+            link_state: d.link_state.clone(),
             info_source: Some(INFO_SOURCE_DOMAIN.to_owned()),
             ..Default::default()
         };
@@ -126,11 +130,13 @@ mod tests {
                 name: "default".into(),
                 mac: Some("52:54:00:aa:bb:cc".into()),
                 pod_interface: Some("eth0".into()),
+                link_state: Some("down".into()),
             },
             DomainInterface {
                 name: "other".into(),
                 mac: Some("52:54:00:00:00:01".into()),
                 pod_interface: None,
+                link_state: None,
             },
         ];
         let a = agent();
@@ -142,6 +148,7 @@ mod tests {
         assert_eq!(s[0].interface_name.as_deref(), Some("eth0"));
         assert_eq!(s[0].info_source.as_deref(), Some("domain, guest-agent"));
         assert_eq!(s[0].pod_interface_name.as_deref(), Some("eth0"));
+        assert_eq!(s[0].link_state.as_deref(), Some("down"));
         assert_eq!(s[1].info_source.as_deref(), Some("domain"));
         assert_eq!(s[1].ip, None);
         assert_eq!(s[2].name, None);
@@ -155,9 +162,11 @@ mod tests {
             name: "default".into(),
             mac: None,
             pod_interface: None,
+            link_state: Some("up".into()),
         }];
         let s = merge(&d, None);
         assert_eq!(s.len(), 1);
         assert_eq!(s[0].info_source.as_deref(), Some("domain"));
+        assert_eq!(s[0].link_state.as_deref(), Some("up"));
     }
 }

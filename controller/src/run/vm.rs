@@ -250,7 +250,41 @@ async fn act(
             &e,
         );
     }
+    if let Some(v) = vmi.filter(|v| {
+        v.metadata.deletion_timestamp.is_none() && vmi::phase_of(v) == Some(Phase::Running)
+    }) && let Some(interfaces) = api::interfaces::link_state_sync(vm, v)
+        && let Err(e) = patch_interfaces(vmi_api, v, &interfaces).await
+    {
+        out.sync_error = Some((
+            events::HOTPLUG_NETWORK_INTERFACE_ERROR.into(),
+            e.to_string(),
+        ));
+        retry_later(
+            &s.vm_q,
+            key,
+            "copying the VM's interface states into its VMI",
+            &e,
+        );
+    }
     out
+}
+
+/// KubeVirt's `vmiInterfacesPatch`: the VMI's interfaces replaced, guarded by a test of the
+/// list this was computed from.
+async fn patch_interfaces(
+    vmi_api: &Api<VirtualMachineInstance>,
+    vmi: &VirtualMachineInstance,
+    interfaces: &[api::vmi::Interface],
+) -> Result<(), kube::Error> {
+    let path = "/spec/domain/devices/interfaces";
+    let patch: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": path, "value": vmi.spec.domain.devices.interfaces},
+        {"op": "replace", "path": path, "value": interfaces},
+    ]))
+    .map_err(kube::Error::SerdeError)?;
+    informer::patch::json_patch(vmi_api, &vmi.name_any(), &PatchParams::default(), patch)
+        .await
+        .map(|_| ())
 }
 
 /// KubeVirt's `patchHotplugVolumes`: the VMI's volumes and disks replaced, guarded by tests

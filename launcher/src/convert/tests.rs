@@ -615,30 +615,36 @@ fn clock_and_timers_render_as_libvirt_renders_them() {
     assert!(args.contains(&arg("-machine", "q35,hpet=on")), "{args:?}");
 
     // An offset clock starts at the UTC time that far from now, which the argv carries as a
-    // date: an hour ahead of the time around the conversion.
-    let fmt = |t: std::time::SystemTime| {
-        crate::qemu::Clock {
-            utc_offset: Some(3600),
-            ..crate::qemu::Clock::default()
-        }
-        .rtc(t)
-    };
-    let before = fmt(std::time::SystemTime::now());
-    let args = clock_args(
-        with_clock(serde_json::json!({"utc": {"offsetSeconds": 3600}})),
-        Accel::Tcg,
-    )
-    .unwrap();
-    let after = fmt(std::time::SystemTime::now());
-    let rtc = &args.iter().find(|a| a[0] == "-rtc").unwrap()[1];
-    assert!(
-        before.as_str() <= rtc.as_str() && rtc.as_str() <= after.as_str(),
-        "{before} <= {rtc} <= {after}"
-    );
+    // date: an hour ahead of the time around the conversion. A time zone clock starts at the
+    // zone's local time: India has kept +05:30 all year since 1945, so the offset does not
+    // depend on the day this runs.
+    for (clock, offset) in [
+        (serde_json::json!({"utc": {"offsetSeconds": 3600}}), 3600),
+        (
+            serde_json::json!({"timezone": "Asia/Kolkata"}),
+            5 * 3600 + 1800,
+        ),
+    ] {
+        let fmt = |t: std::time::SystemTime| {
+            crate::qemu::Clock {
+                utc_offset: Some(offset),
+                ..crate::qemu::Clock::default()
+            }
+            .rtc(t)
+        };
+        let before = fmt(std::time::SystemTime::now());
+        let args = clock_args(with_clock(clock), Accel::Tcg).unwrap();
+        let after = fmt(std::time::SystemTime::now());
+        let rtc = &args.iter().find(|a| a[0] == "-rtc").unwrap()[1];
+        assert!(
+            before.as_str() <= rtc.as_str() && rtc.as_str() <= after.as_str(),
+            "{before} <= {rtc} <= {after}"
+        );
+    }
 
     for (clock, field) in [
         (
-            serde_json::json!({"timezone": "Europe/Paris"}),
+            serde_json::json!({"timezone": "Mars/Olympus_Mons"}),
             "spec.domain.clock.timezone",
         ),
         (

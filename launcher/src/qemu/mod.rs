@@ -664,6 +664,9 @@ pub struct Nic {
     pub pci_addr: Option<String>,
     /// The guest names the NIC after this ACPI index (`acpi-index`; `eno<n>` on Linux).
     pub acpi_index: Option<u32>,
+    /// `false` for `state: down`. QEMU has no option for it: the launcher sets the link with
+    /// QMP's `set_link` before the guest's first instruction, as libvirt does.
+    pub link_up: bool,
 }
 
 impl Args for Nic {

@@ -189,7 +189,7 @@ pub(super) async fn run(
             // gone nothing of the pod is left on the node.
             w.teardown().await;
             w.publish().await;
-            w.delete_object().await;
+            w.delete_object(&mut halt).await;
             return;
         }
         w.step().await;
@@ -219,6 +219,23 @@ pub(super) async fn run(
             }
             Action::Tick => {}
         }
+    }
+}
+
+/// Runs `attempt` until it succeeds, waiting longer after each failure (up to 5 s), or until
+/// the kubelet is told to halt.
+async fn until_done<F, Fut, E>(mut attempt: F, halt: &mut watch::Receiver<Halt>)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), E>>,
+{
+    let mut wait = Duration::from_millis(200);
+    while attempt().await.is_err() {
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            _ = halt.wait_for(|h| *h != Halt::Run) => return,
+        }
+        wait = (wait * 2).min(Duration::from_secs(5));
     }
 }
 
@@ -1175,7 +1192,11 @@ impl Worker {
         tracing::info!(pod = %self.name, "pod torn down");
     }
 
-    async fn delete_object(&self) {
+    /// Deletes the pod object once its containers are gone, until kube-apiserver takes it or
+    /// the kubelet stops (a restarted kubelet deletes it then). Giving up at the first error
+    /// left a deleted pod Terminating for good: kube-apiserver was restarting (chaos round 66),
+    /// and a restarted one refuses nodes (403) until its Node authorizer has caught up.
+    async fn delete_object(&self, halt: &mut watch::Receiver<Halt>) {
         let params = DeleteParams {
             grace_period_seconds: Some(0),
             preconditions: Some(Preconditions {
@@ -1184,11 +1205,17 @@ impl Worker {
             }),
             ..DeleteParams::default()
         };
-        match self.api.delete(&self.name, &params).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
-            Err(e) => tracing::warn!(pod = %self.name, error = %e, "deleting the pod object"),
-        }
+        let delete = || async {
+            match self.api.delete(&self.name, &params).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+                Err(e) => {
+                    tracing::warn!(pod = %self.name, error = %e, "deleting the pod object; retrying");
+                    Err(e)
+                }
+            }
+        };
+        until_done(delete, halt).await;
     }
 
     async fn publish(&mut self) {
@@ -1367,6 +1394,29 @@ fn next_backoff(current: Duration, base: Duration, since_last: Option<Duration>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pod object's deletion is tried again until kube-apiserver takes it, and given up
+    /// only when the kubelet halts.
+    #[tokio::test]
+    async fn failed_attempts_are_retried_until_done_or_halted() {
+        let (tx, mut halt) = watch::channel(Halt::Run);
+        let tries = std::cell::Cell::new(0);
+        let attempt = || async {
+            tries.set(tries.get() + 1);
+            if tries.get() < 4 { Err(()) } else { Ok(()) }
+        };
+        until_done(attempt, &mut halt).await;
+        assert_eq!(tries.get(), 4);
+
+        tries.set(0);
+        tx.send(Halt::Stop).unwrap();
+        let never = || async {
+            tries.set(tries.get() + 1);
+            Err::<(), ()>(())
+        };
+        until_done(never, &mut halt).await;
+        assert_eq!(tries.get(), 1);
+    }
 
     #[test]
     fn commands_follow_kubernetes_over_the_image() {

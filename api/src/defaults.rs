@@ -35,6 +35,44 @@ pub enum DefaultsError {
 pub const DEFAULT_NETWORK_NAME: &str = "default";
 /// The CPU model used when neither the VMI nor the cluster names one.
 pub const DEFAULT_CPU_MODEL: &str = "host-model";
+/// KubeVirt's `DefaultObsoleteCPUModels`: models the node labeller does not offer unless the
+/// KubeVirt CR's `obsoleteCPUModels` says otherwise.
+pub const OBSOLETE_CPU_MODELS: [&str; 34] = [
+    "486",
+    "486-v1",
+    "pentium",
+    "pentium-v1",
+    "pentium2",
+    "pentium2-v1",
+    "pentium3",
+    "pentium3-v1",
+    "pentiumpro",
+    "pentiumpro-v1",
+    "coreduo",
+    "coreduo-v1",
+    "n270",
+    "n270-v1",
+    "core2duo",
+    "core2duo-v1",
+    "Conroe",
+    "Conroe-v1",
+    "athlon",
+    "athlon-v1",
+    "phenom",
+    "phenom-v1",
+    "qemu64",
+    "qemu64-v1",
+    "qemu32",
+    "qemu32-v1",
+    "kvm64",
+    "kvm64-v1",
+    "kvm32",
+    "kvm32-v1",
+    "Opteron_G1",
+    "Opteron_G1-v1",
+    "Opteron_G2",
+    "Opteron_G2-v1",
+];
 /// Finalizer KubeVirt puts on every VMI.
 pub const VMI_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
 /// Annotation recording the PCI topology a VMI was created with.

@@ -15,6 +15,23 @@ pub const DOMAIN: &str = "kubevirt.io/domain";
 pub const NODE_SCHEDULABLE: &str = "kubevirt.io/schedulable";
 /// `VirtHandlerHeartbeat`: node annotation, virt-handler's last heartbeat.
 pub const VIRT_HANDLER_HEARTBEAT: &str = "kubevirt.io/heartbeat";
+/// `CPUModelLabel`: node label prefix, a CPU model guests can have on the node.
+pub const CPU_MODEL: &str = "cpu-model.node.kubevirt.io/";
+/// `CPUFeatureLabel`: node label prefix, a CPU feature guests can have on the node.
+pub const CPU_FEATURE: &str = "cpu-feature.node.kubevirt.io/";
+/// `SupportedHostModelMigrationCPU`: node label prefix, a CPU model the node knows.
+pub const SUPPORTED_HOST_MODEL_MIGRATION_CPU: &str = "cpu-model-migration.node.kubevirt.io/";
+/// `CPUModelVendorLabel`: node label prefix, the vendor of the node's CPU.
+pub const CPU_MODEL_VENDOR: &str = "cpu-vendor.node.kubevirt.io/";
+/// `HostModelCPULabel`: node label prefix, the model `host-model` stands for on the node.
+pub const HOST_MODEL_CPU: &str = "host-model-cpu.node.kubevirt.io/";
+/// `HostModelRequiredFeaturesLabel`: node label prefix, a feature the node's CPU has beyond its
+/// host model.
+pub const HOST_MODEL_REQUIRED_FEATURES: &str = "host-model-required-features.node.kubevirt.io/";
+/// `NodeHostModelIsObsoleteLabel`: node label, the host model is an obsolete one.
+pub const NODE_HOST_MODEL_IS_OBSOLETE: &str = "node-labeller.kubevirt.io/obsolete-host-model";
+/// `LabellerSkipNodeAnnotation`: node annotation, the node labeller leaves the node alone.
+pub const LABELLER_SKIP_NODE: &str = "node-labeller.kubevirt.io/skip-node";
 /// `CPUManager`: node label, whether the kubelet's static CPU manager policy is on.
 pub const CPU_MANAGER: &str = "kubevirt.io/cpumanager";
 /// `DeprecatedCPUManager`: the older spelling of [`CPU_MANAGER`]; KubeVirt still sets both.
@@ -109,6 +126,18 @@ pub const MIGRATION_FINALIZER: &str = "kubevirt.io/migrationJobFinalize";
 /// `VirtOperatorComponentFinalizer`: finalizer virt-operator puts on the KubeVirt CR.
 pub const OPERATOR_FINALIZER: &str = "kubevirt.io/virtOperatorFinalizer";
 
+/// Whether `s` can be the name part of a label key (Kubernetes' qualified name: at most 63
+/// characters, alphanumerics, `-`, `_` and `.`, alphanumeric at both ends). CPU model and
+/// feature names become such names in the node labeller's labels.
+pub fn is_label_name(s: &str) -> bool {
+    let alnum = |c: Option<u8>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    s.len() <= 63
+        && alnum(s.bytes().next())
+        && alnum(s.bytes().last())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
 /// KubeVirt's `CalculateVirtualMachineInstanceID`, the value of [`VMI_ID`]: the VMI's name, or
 /// for a name longer than a DNS label (63) its first 54 characters, `-` and the first 8 hex
 /// digits of its SHA-1.
@@ -131,6 +160,30 @@ pub fn vmi_id(name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn label_names_are_kubernetes_qualified_names() {
+        for ok in [
+            "sse4.1",
+            "lahf_lm",
+            "Skylake-Client-v4",
+            "a",
+            &"x".repeat(63),
+        ] {
+            assert!(super::is_label_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "-pcid",
+            "pcid.",
+            "kvm=off",
+            "a,b",
+            "a/b",
+            &"x".repeat(64),
+        ] {
+            assert!(!super::is_label_name(bad), "{bad}");
+        }
+    }
+
     #[test]
     fn the_vmi_id_label_is_kubevirts() {
         assert_eq!(super::vmi_id("testvmi"), "testvmi");

@@ -177,6 +177,18 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::host_cpu_models_map_to_max_under_tcg_and_host_under_kvm",
     ),
     field(
+        "spec.domain.cpu.features",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
+    ),
+    field(
+        "spec.domain.cpu.features[].name",
+        "launcher/src/convert/tests.rs::cpu_features_render_on_the_cpu_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.cpu.features[].policy",
+        "launcher/src/convert/tests.rs::cpu_features_render_on_the_cpu_as_libvirt_renders_them",
+    ),
+    field(
         "spec.domain.cpu.model",
         "launcher/src/convert/tests.rs::host_cpu_models_map_to_max_under_tcg_and_host_under_kvm",
     ),
@@ -861,7 +873,6 @@ pub const REFUSED: &[Refused] = &[
     refused_value("spec.domain.clock.timer.pit.present", "false"),
     refused_value("spec.domain.clock.timer.rtc.present", "false"),
     refused("spec.domain.cpu.dedicatedCpuPlacement"),
-    refused("spec.domain.cpu.features"),
     refused("spec.domain.cpu.isolateEmulatorThread"),
     refused("spec.domain.cpu.numa"),
     refused("spec.domain.cpu.realtime"),

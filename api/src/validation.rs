@@ -316,9 +316,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         let path = format!("{base}.domain.cpu");
         e.unsupported(format!("{path}.numa"), cpu.numa.as_ref());
         e.unsupported(format!("{path}.realtime"), cpu.realtime.as_ref());
-        if !cpu.features.is_empty() {
-            e.add(format!("{path}.features"), UNSUPPORTED);
-        }
         e.unsupported_true(
             format!("{path}.dedicatedCpuPlacement"),
             cpu.dedicated_cpu_placement,
@@ -787,8 +784,18 @@ fn cpu(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         );
     }
     for (i, f) in cpu.features.iter().enumerate() {
+        // The name goes onto QEMU's -cpu and into a node label (`cpu-feature.node.kubevirt.io/`).
+        if !crate::labels::is_label_name(&f.name) {
+            e.add(
+                format!("{path}.features[{i}].name"),
+                format!(
+                    "{:?} is not a CPU feature name (letters, digits, '-', '_', '.')",
+                    f.name
+                ),
+            );
+        }
         if let Some(p) = f.policy.as_deref()
-            && !["force", "require", "optional", "disable", "forbid"].contains(&p)
+            && !["", "force", "require", "optional", "disable", "forbid"].contains(&p)
         {
             e.add(
                 format!("{path}.features[{i}].policy"),

@@ -105,6 +105,24 @@ fn mistakes() -> Vec<Mistake> {
             r#""t,help": may only contain"#,
         ),
         m(
+            "CPU feature name that is no QEMU property",
+            vec![(
+                "/spec/domain/cpu",
+                json!({"features": [{"name": "pcid"}, {"name": "avx,kvm=off"}]}),
+            )],
+            "spec.domain.cpu.features[1].name",
+            r#""avx,kvm=off" is not a CPU feature name"#,
+        ),
+        m(
+            "CPU feature with an unknown policy",
+            vec![(
+                "/spec/domain/cpu",
+                json!({"features": [{"name": "pcid", "policy": "demand"}]}),
+            )],
+            "spec.domain.cpu.features[0].policy",
+            "CPU feature pcid uses policy demand that is not supported",
+        ),
+        m(
             "CPU model with a comma",
             vec![("/spec/domain/cpu", json!({"model": "Skylake,kvm=off"}))],
             "spec.domain.cpu.model",

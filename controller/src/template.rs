@@ -526,6 +526,9 @@ pub fn render_launcher_pod(
 
     let mut node_selector = spec.node_selector.clone();
     node_selector.insert(labels::NODE_SCHEDULABLE.into(), "true".into());
+    for label in cpu_node_labels(spec) {
+        node_selector.insert(label, "true".into());
+    }
     if let Some(s) = &cfg.image_pull_secret {
         pull_secrets.push(s.clone());
     }
@@ -837,6 +840,30 @@ fn compute_resources(
     })
 }
 
+/// KubeVirt's CPU node selectors (`NodeSelectorRenderer`): a named model (not `host-model` or
+/// `host-passthrough`) needs a node its labeller labelled with it, and each feature the VMI
+/// requires (policy `require`, or none) one labelled with that feature. Both only when the
+/// VMI names a model, which KubeVirt's defaults always do.
+fn cpu_node_labels(spec: &api::vmi::VirtualMachineInstanceSpec) -> Vec<String> {
+    let Some(cpu) = &spec.domain.cpu else {
+        return Vec::new();
+    };
+    let Some(model) = cpu.model.as_deref().filter(|m| !m.is_empty()) else {
+        return Vec::new();
+    };
+    let named = !matches!(model, "host-model" | "host-passthrough");
+    named
+        .then(|| format!("{}{model}", labels::CPU_MODEL))
+        .into_iter()
+        .chain(
+            cpu.features
+                .iter()
+                .filter(|f| matches!(f.policy.as_deref(), None | Some("" | "require")))
+                .map(|f| format!("{}{}", labels::CPU_FEATURE, f.name)),
+        )
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1103,5 +1130,51 @@ spec: {nodeSelector: {disk: ssd}, domain: {resources: {requests: {memory: 64Mi}}
             (sel["disk"].as_str(), sel[labels::NODE_SCHEDULABLE].as_str()),
             ("ssd", "true")
         );
+    }
+
+    #[test]
+    fn cpu_models_and_required_features_select_labelled_nodes() {
+        let selector = |cpu: &str| {
+            let v = vmi(&format!(
+                "
+metadata: {{name: a, namespace: default}}
+spec: {{domain: {{cpu: {cpu}, resources: {{requests: {{memory: 64Mi}}}}, devices: {{}}}}}}
+"
+            ));
+            let pod =
+                render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default())
+                    .unwrap();
+            let mut keys: Vec<String> = pod
+                .spec
+                .unwrap()
+                .node_selector
+                .unwrap()
+                .into_keys()
+                .collect();
+            keys.retain(|k| k != labels::NODE_SCHEDULABLE);
+            keys
+        };
+        let features = "[{name: pcid}, {name: avx, policy: require}, {name: mpx, policy: disable},
+            {name: x2apic, policy: force}, {name: ssse3, policy: optional}, {name: tsc, policy: forbid}]";
+        assert_eq!(
+            selector(&format!(
+                "{{model: Skylake-Client-IBRS, features: {features}}}"
+            )),
+            [
+                "cpu-feature.node.kubevirt.io/avx",
+                "cpu-feature.node.kubevirt.io/pcid",
+                "cpu-model.node.kubevirt.io/Skylake-Client-IBRS",
+            ]
+        );
+        assert_eq!(
+            selector(&format!("{{model: host-model, features: {features}}}")),
+            [
+                "cpu-feature.node.kubevirt.io/avx",
+                "cpu-feature.node.kubevirt.io/pcid",
+            ]
+        );
+        assert!(selector("{model: host-passthrough}").is_empty());
+        // No model, no selector: KubeVirt's defaults always set one (`host-model`).
+        assert!(selector(&format!("{{features: {features}}}")).is_empty());
     }
 }

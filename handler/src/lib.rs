@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod migration;
 pub mod mounts;
 pub mod node;
+pub mod nodelabeller;
 pub mod rest;
 pub mod server;
 pub mod shutdown;

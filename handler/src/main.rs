@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use handler::deviceplugin::{self, Config as PluginConfig};
 use handler::heartbeat::{self, NodePatcher};
-use handler::{metrics, node, server, vmistore};
+use handler::{metrics, node, nodelabeller, server, vmistore};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
@@ -27,6 +27,10 @@ struct Flags {
     /// How many devices each device plugin advertises.
     #[arg(long, default_value_t = deviceplugin::DEFAULT_COUNT)]
     max_devices: usize,
+    /// The QEMU the node labeller asks for this node's CPU models and features (the launcher's
+    /// flag of the same name).
+    #[arg(long, default_value = "qemu-system-x86_64")]
+    qemu_binary: PathBuf,
     /// Seconds between heartbeats (before jitter).
     #[arg(long, default_value_t = heartbeat::INTERVAL.as_secs())]
     heartbeat_interval_seconds: u64,
@@ -181,6 +185,13 @@ async fn main() -> anyhow::Result<()> {
         stop.clone(),
     ));
 
+    let labeller = tokio::spawn(nodelabeller::run(
+        client.clone(),
+        flags.hostname_override.clone(),
+        flags.qemu_binary.clone(),
+        stop.clone(),
+    ));
+
     let slot: metrics::NodeSlot = Arc::new(OnceLock::new());
     // KubeVirt's virt-handler serves its metrics with its server certificate and verifies a
     // client certificate only when one is offered (`SetupPromTLS`): Prometheus and the kubelet's
@@ -233,6 +244,7 @@ async fn main() -> anyhow::Result<()> {
     };
     stop.cancel();
     beat.await.context("heartbeat task")?;
+    labeller.await.context("node labeller task")?;
     plugins.await.context("device plugin task")?;
     if let Some(r) = failed {
         r.context("node loop task")??;

@@ -39,6 +39,17 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
     let (dir, kubeconfig) = (&cluster.dir, &cluster.kubeconfig);
     let nodes: Api<Node> = Api::all(cluster.client.clone());
 
+    // A label a former CPU left: the node labeller removes it.
+    let stale = "cpu-model.node.kubevirt.io/Stale";
+    nodes
+        .patch(
+            "node-a",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"metadata": {"labels": {stale: "true"}}})),
+        )
+        .await
+        .expect("label the node");
+
     let plugins = dir.path().join("kubelet/device-plugins");
     std::fs::create_dir_all(&plugins).expect("mkdir");
     let stop = CancellationToken::new();
@@ -73,6 +84,33 @@ async fn binary_registers_plugins_heartbeats_and_leaves_unschedulable_on_sigterm
         ]
     );
     wait_label(&nodes, "true").await;
+
+    // The node labeller asked this machine's QEMU (`nodelabeller::probe`) and labelled the node.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let labels = loop {
+        let labels = nodes.get("node-a").await.expect("get node").metadata.labels;
+        let labels = labels.unwrap_or_default();
+        let has_host_model = labels
+            .keys()
+            .any(|k| k.starts_with("host-model-cpu.node.kubevirt.io/"));
+        if has_host_model && !labels.contains_key(stale) {
+            break labels;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not labelled: {labels:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        labels["cpu-feature.node.kubevirt.io/sse2"], "true",
+        "{labels:?}"
+    );
+    // Usable, but obsolete in KubeVirt's default list.
+    assert!(
+        !labels.contains_key("cpu-model.node.kubevirt.io/qemu64"),
+        "{labels:?}"
+    );
 
     // Without its certificate the handler serves no metrics at all, in particular not in clear.
     assert_eq!(common::http_get(port, "/healthz").await.0, 0);

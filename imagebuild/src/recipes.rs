@@ -200,24 +200,31 @@ fn component(name: &str, layers: Vec<Tree>, naming: &Naming) -> Result<ImageSpec
 /// The component images.
 pub fn components(inputs: &Inputs, naming: &Naming) -> Result<Vec<ImageSpec>, RecipeError> {
     let base = base_layer(inputs)?;
+    let qemu = qemu_layer(&base)?;
     let mut out = Vec::new();
-    for name in [
-        "virt-operator",
-        "virt-api",
-        "virt-controller",
-        "virt-handler",
-    ] {
+    for name in ["virt-operator", "virt-api", "virt-controller"] {
         out.push(component(
             name,
             vec![base.clone(), program_layer(inputs, name, &base)?],
             naming,
         )?);
     }
+    // virt-handler's node labeller asks the node's QEMU for its CPU models and features, as
+    // KubeVirt's asks libvirt in an init container of the launcher image: the same QEMU layer,
+    // stored once.
+    out.push(component(
+        "virt-handler",
+        vec![
+            base.clone(),
+            qemu.clone(),
+            program_layer(inputs, "virt-handler", &base)?,
+        ],
+        naming,
+    )?);
     files::check_static(&inputs.container_disk)?;
     let disk = Source::Path(inputs.container_disk.clone());
     let mut launcher = program_layer(inputs, "virt-launcher", &base)?;
     launcher.file("/usr/bin/container-disk", disk.clone(), 0o755);
-    let qemu = qemu_layer(&base)?;
     out.push(component(
         "virt-launcher",
         vec![base, qemu, launcher],

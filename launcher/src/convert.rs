@@ -23,10 +23,10 @@ use api::vmi::{
 use crate::paths::Dirs;
 use crate::prepare::{Prep, Seed, SeedData};
 use crate::qemu::{
-    Accel, AgentChannel, Aio, CacheMode, Clock, Controllers, Cpu, Disk, DiskSource, ErrorPolicy,
-    Firmware, Frontend, ImageFormat, KernelBoot, Machine, MachineKind, Memory, Monitor, Nic,
-    NicModel, QemuConfig, SATA_PORTS, SerialPort, Smbios, Tablet, VirtioModel, Vnc, Watchdog,
-    video_device,
+    Accel, AgentChannel, Aio, CacheMode, Clock, Controllers, Cpu, CpuFeature, Disk, DiskSource,
+    ErrorPolicy, Firmware, Frontend, ImageFormat, KernelBoot, Machine, MachineKind, Memory,
+    Monitor, Nic, NicModel, QemuConfig, SATA_PORTS, SerialPort, Smbios, Tablet, VirtioModel, Vnc,
+    Watchdog, video_device,
 };
 
 /// A VMI the launcher cannot run, with the field that says why.
@@ -131,6 +131,9 @@ pub fn convert(
     let features = vmi.spec.domain.features.clone().unwrap_or_default();
     cpu.kvm_hidden = features.kvm.as_ref().and_then(|k| k.hidden) == Some(true);
     cpu.pv_unhalt = pv_unhalt(&features, host.accel)?;
+    if let Some(c) = &vmi.spec.domain.cpu {
+        cpu.features = cpu_features(c)?;
+    }
     let machine = Machine {
         kind,
         accel: host.accel,
@@ -356,10 +359,50 @@ fn cpu(vmi: &VirtualMachineInstance, accel: Accel) -> Cpu {
         kvm_hidden: false,
         kvmclock: None,
         pv_unhalt: None,
+        features: Vec::new(),
         sockets: c.sockets.unwrap_or(1).max(1),
         cores: c.cores.unwrap_or(1).max(1),
         threads: c.threads.unwrap_or(1).max(1),
     }
+}
+
+/// `cpu.features` as libvirt renders KubeVirt's `<feature policy=...>` on `-cpu`
+/// (`qemuBuildCpuModelArgStr`): `require` (KubeVirt's default, an empty policy) and `force`
+/// turn the feature on, `disable` and `forbid` off. libvirt resolves `optional` against the
+/// host's CPU before it starts QEMU, leaving the feature on where the host has it; QEMU
+/// itself drops a feature the accelerator cannot give (with a warning), so `optional` is
+/// rendered on. That QEMU dropped a `require`d one is found after start
+/// (`vm::missing_required_features`), as libvirt checks.
+fn cpu_features(c: &api::vmi::Cpu) -> Result<Vec<CpuFeature>, ConvertError> {
+    c.features
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let field = format!("spec.domain.cpu.features[{i}]");
+            if !api::labels::is_label_name(&f.name) {
+                return Err(err(
+                    format!("{field}.name"),
+                    format!("{:?} is not a CPU feature name", f.name),
+                ));
+            }
+            let enabled = match f.policy.as_deref() {
+                None | Some("" | "require" | "force" | "optional") => true,
+                Some("disable" | "forbid") => false,
+                Some(other) => {
+                    return Err(err(
+                        format!("{field}.policy"),
+                        format!(
+                            "unknown policy {other:?} (force, require, optional, disable, forbid)"
+                        ),
+                    ));
+                }
+            };
+            Ok(CpuFeature {
+                name: f.name.clone(),
+                enabled,
+            })
+        })
+        .collect()
 }
 
 /// Paravirtual spinlocks as libvirt renders KubeVirt's `<pvspinlock>`: `kvm-pv-unhalt` on or

@@ -568,6 +568,10 @@ impl Launcher {
                 return Err(e);
             }
         }
+        if let Err(e) = missing_required_feature(&qmp, vmi).await {
+            let _ = kill(pid, Signal::SIGKILL);
+            return Err(e);
+        }
         let began = match incoming {
             // QEMU was started with -S: the guest stays before its first instruction until
             // an unpause, as libvirt's VIR_DOMAIN_START_PAUSED leaves it.
@@ -1369,6 +1373,48 @@ fn disk_stats<'a>(
             })
         })
         .collect()
+}
+
+/// libvirt refuses to run a guest whose CPU lacks a feature the domain requires (policy
+/// `require`, KubeVirt's default); QEMU only warns when it drops a feature the accelerator
+/// cannot give. So the launcher asks the first vCPU, before the guest's first instruction,
+/// whether it got each required feature, and names the first it did not get.
+async fn missing_required_feature(
+    qmp: &qmp::QmpClient,
+    vmi: &VirtualMachineInstance,
+) -> Result<(), Error> {
+    let required: Vec<(usize, &str)> = vmi
+        .spec
+        .domain
+        .cpu
+        .iter()
+        .flat_map(|c| c.features.iter().enumerate())
+        .filter(|(_, f)| matches!(f.policy.as_deref(), None | Some("" | "require")))
+        .map(|(i, f)| (i, f.name.as_str()))
+        .collect();
+    if required.is_empty() {
+        return Ok(());
+    }
+    let cpus = qmp.execute_raw("query-cpus-fast", json!({})).await?;
+    let Some(path) = cpus[0]["qom-path"].as_str() else {
+        return Err(Error::QemuExited(format!(
+            "query-cpus-fast named no vCPU: {cpus}"
+        )));
+    };
+    for (i, name) in required {
+        let got = qmp
+            .execute_raw("qom-get", json!({"path": path, "property": name}))
+            .await?;
+        if got.as_bool() != Some(true) {
+            return Err(Error::InvalidVmi(convert::ConvertError {
+                field: format!("spec.domain.cpu.features[{i}]"),
+                message: format!(
+                    "{name} is required, and this node's CPU cannot give it to the guest"
+                ),
+            }));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

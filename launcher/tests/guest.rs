@@ -42,6 +42,7 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
     let mut spec = json!({
         "domain": {
             "machine": {"type": "q35"},
+            "cpu": {"features": [{"name": "pdpe1gb", "policy": "disable"}, {"name": "smep"}]},
             "resources": {"requests": {"memory": "256Mi"}},
             "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
                 "image": "guest", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}},
@@ -110,6 +111,14 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
         assert!(s.contains(want), "{want} not in guest serials {s:?}");
     }
     assert_eq!(console.run("echo $((6*7))", BOOT), "42");
+    // cpu.features: the disabled flag is gone from the guest's CPU (TCG's `max` has it), the
+    // required one is there.
+    let flags = console.run("grep -m1 '^flags' /proc/cpuinfo", BOOT);
+    let flags: Vec<&str> = flags.split_whitespace().collect();
+    assert!(
+        flags.contains(&"smep") && !flags.contains(&"pdpe1gb"),
+        "{flags:?}"
+    );
     // The ConfigMap's key, from its disk found by the volume's label.
     assert_eq!(
         console.run(
@@ -529,6 +538,14 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
             ],
         }),
     );
+    // A required feature TCG cannot give, which QEMU would only warn about and drop: refused
+    // by name before the guest's first instruction, as libvirt refuses it.
+    let mut lacking = v.clone();
+    lacking["spec"]["domain"]["cpu"]["features"] = json!([{"name": "avx512f"}]);
+    let (status, e) = l.sync(&lacking);
+    assert_eq!(status, 422, "{e}");
+    assert_eq!(e["code"], "InvalidVMI", "{e}");
+    assert!(e.to_string().contains("spec.domain.cpu.features[0]"), "{e}");
     let (status, d) = l.sync(&v);
     assert_eq!(status, 200, "{d}\n{}", l.log());
     assert_eq!(d["state"], "Running");

@@ -140,6 +140,38 @@ fn host_cpu_models_map_to_max_under_tcg_and_host_under_kvm() {
     assert_eq!(p.config.cpu.model, "host");
 }
 
+/// `cpu.features` on `-cpu` as libvirt renders them, after the CPU's other switches so that
+/// they have the last word; a policy or a name QEMU cannot take is named at its field.
+#[test]
+fn cpu_features_render_on_the_cpu_as_libvirt_renders_them() {
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"model": "Penryn", "features": [
+        {"name": "pcid"},
+        {"name": "x2apic", "policy": "require"},
+        {"name": "avx", "policy": "force"},
+        {"name": "lahf_lm", "policy": "optional"},
+        {"name": "mpx", "policy": "disable"},
+        {"name": "pdpe1gb", "policy": "forbid"},
+    ]});
+    s["domain"]["features"] = serde_json::json!({"kvm": {"hidden": true}});
+    let argv = conv(s.clone()).unwrap().config.argv();
+    let cpu = &argv[argv.iter().position(|a| a == "-cpu").unwrap() + 1];
+    assert_eq!(
+        cpu,
+        "Penryn,kvm=off,pcid=on,x2apic=on,avx=on,lahf_lm=on,mpx=off,pdpe1gb=off"
+    );
+    s["domain"]["cpu"]["features"][1]["policy"] = "demand".into();
+    assert_eq!(
+        conv(s.clone()).unwrap_err().field,
+        "spec.domain.cpu.features[1].policy"
+    );
+    s["domain"]["cpu"]["features"][1] = serde_json::json!({"name": "x2apic,kvm=on"});
+    assert_eq!(
+        conv(s).unwrap_err().field,
+        "spec.domain.cpu.features[1].name"
+    );
+}
+
 #[test]
 fn efi_secure_boot_uses_secboot_code_and_smm() {
     let mut s = base_spec();

@@ -110,6 +110,8 @@ pub struct Cpu {
     pub kvmclock: Option<bool>,
     /// Paravirtual spinlocks (`kvm-pv-unhalt=`); `None` leaves the model's default.
     pub pv_unhalt: Option<bool>,
+    /// The VMI's `cpu.features`, after everything else so that they have the last word.
+    pub features: Vec<CpuFeature>,
     pub sockets: u32,
     pub cores: u32,
     pub threads: u32,
@@ -124,13 +126,28 @@ impl Cpu {
     }
 }
 
+/// A feature on the `-cpu` line, as libvirt renders `<feature name=... policy=...>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpuFeature {
+    /// QEMU's property name (or libvirt's, which QEMU reads too); validated to letters,
+    /// digits, `-`, `_` and `.`, so it cannot break out of its `name=on`.
+    pub name: String,
+    pub enabled: bool,
+}
+
 impl Args for Cpu {
     fn push_args(&self, argv: &mut Vec<String>) {
         let features = Props::new()
             .set_opt("kvm", self.kvm_hidden.then_some(false))
             .set_opt("kvmclock", self.kvmclock)
             .set_opt("kvm-pv-unhalt", self.pv_unhalt);
-        push(argv, "-cpu", features.keyval_with(&self.model));
+        let cpu = self
+            .features
+            .iter()
+            .fold(features.keyval_with(&self.model), |line, f| {
+                format!("{line},{}={}", f.name, if f.enabled { "on" } else { "off" })
+            });
+        push(argv, "-cpu", cpu);
         let smp = Props::new()
             .set("sockets", self.sockets)
             .set("cores", self.cores)
@@ -1077,6 +1094,7 @@ mod tests {
             kvm_hidden: false,
             kvmclock: None,
             pv_unhalt: None,
+            features: Vec::new(),
             sockets: 65536,
             cores: 65536,
             threads: 2,

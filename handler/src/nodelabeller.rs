@@ -24,6 +24,7 @@ use api::labels::{
     is_label_name,
 };
 use k8s_openapi::api::core::v1::Node;
+use launcher::qemu::Accel;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::io::AsyncReadExt as _;
@@ -280,13 +281,15 @@ pub enum ProbeError {
 /// How long QEMU may take to open its monitor and answer: it needs no guest, so milliseconds.
 const QMP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Starts `qemu` with no machine, its monitor on a socket in `dir`, and asks it.
-pub async fn probe(qemu: &Path, dir: &Path) -> Result<HostCpu, ProbeError> {
+/// Starts `qemu` with no machine under `accel`, its monitor on a socket in `dir`, and asks it.
+pub async fn probe(qemu: &Path, accel: Accel, dir: &Path) -> Result<HostCpu, ProbeError> {
     let socket = dir.join(format!("node-labeller-{}.qmp", std::process::id()));
     let _ = std::fs::remove_file(&socket);
     let mut child = tokio::process::Command::new(qemu)
         .args(["-machine", "none", "-nodefaults", "-nographic", "-S"])
-        .args(["-accel", "kvm", "-accel", "tcg", "-qmp"])
+        .arg("-accel")
+        .arg(accel.to_string())
+        .arg("-qmp")
         .arg(format!("unix:{},server=on,wait=off", socket.display()))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -383,8 +386,14 @@ async fn obsolete_models(kubevirts: &kube::Api<KubeVirt>) -> BTreeSet<String> {
 /// Asks the node's QEMU once (again after [`INTERVAL`] while it fails), then keeps the node's
 /// labels until `stop`.
 pub async fn run(client: kube::Client, node: String, qemu: PathBuf, stop: CancellationToken) {
+    // The accelerator a launcher on this node would choose: a node whose /dev/kvm opens but
+    // runs no guest gets TCG's models, which its VMIs then run with, not KVM's.
+    let accel = match launcher::accel::choose(&qemu, true).await {
+        Ok((accel, _)) => accel,
+        Err(_) => Accel::Tcg,
+    };
     let cpu = loop {
-        match probe(&qemu, &std::env::temp_dir()).await {
+        match probe(&qemu, accel, &std::env::temp_dir()).await {
             Ok(cpu) => break cpu,
             Err(e) => {
                 tracing::warn!(error = %e, "node labeller: no CPU models and features from QEMU");
@@ -570,7 +579,7 @@ mod tests {
     #[tokio::test]
     async fn probe_asks_this_nodes_qemu() {
         let dir = tempfile::tempdir().unwrap();
-        let cpu = probe(Path::new("qemu-system-x86_64"), dir.path())
+        let cpu = probe(Path::new("qemu-system-x86_64"), Accel::Tcg, dir.path())
             .await
             .unwrap();
         // Whether Penryn is usable depends on the accelerator (this machine's nested KVM gives
@@ -579,7 +588,7 @@ mod tests {
         assert!(cpu.features.contains("sse2"), "{:?}", cpu.features);
         assert!(host_model(&cpu).is_some(), "{cpu:?}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
-        let err = probe(Path::new("/nonexistent/qemu"), dir.path())
+        let err = probe(Path::new("/nonexistent/qemu"), Accel::Tcg, dir.path())
             .await
             .unwrap_err();
         assert!(err.to_string().contains("/nonexistent/qemu"), "{err}");

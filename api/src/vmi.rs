@@ -270,6 +270,14 @@ pub struct CpuFeature {
     pub policy: Option<String>,
 }
 
+impl CpuFeature {
+    /// Whether the guest may not run without the feature: policy `require`, KubeVirt's default
+    /// (none or empty). Such a feature selects labelled nodes and is checked on the vCPU.
+    pub fn required(&self) -> bool {
+        matches!(self.policy.as_deref(), None | Some("" | "require"))
+    }
+}
+
 /// Guest memory.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

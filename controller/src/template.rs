@@ -858,7 +858,7 @@ fn cpu_node_labels(spec: &api::vmi::VirtualMachineInstanceSpec) -> Vec<String> {
         .chain(
             cpu.features
                 .iter()
-                .filter(|f| matches!(f.policy.as_deref(), None | Some("" | "require")))
+                .filter(|f| f.required())
                 .map(|f| format!("{}{}", labels::CPU_FEATURE, f.name)),
         )
         .collect()

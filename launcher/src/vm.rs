@@ -1389,7 +1389,7 @@ async fn missing_required_feature(
         .cpu
         .iter()
         .flat_map(|c| c.features.iter().enumerate())
-        .filter(|(_, f)| matches!(f.policy.as_deref(), None | Some("" | "require")))
+        .filter(|(_, f)| f.required())
         .map(|(i, f)| (i, f.name.as_str()))
         .collect();
     if required.is_empty() {

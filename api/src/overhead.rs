@@ -1,5 +1,5 @@
 //! The launcher pod's memory overhead beyond guest RAM, in MiB: virt-controller adds it to the
-//! pod's memory request (`controller::template::memory_overhead`), virt-launcher keeps QEMU
+//! pod's memory request ([`memory_overhead`]), virt-launcher keeps QEMU
 //! within it where QEMU has a knob (TCG's code cache). Measured by `launcher/examples/overhead.rs`
 //! (docs/controller.md has the figures): QEMU 7.2 beyond guest RAM is 64-68 MiB with a video
 //! device and 1-4 vCPUs, plus 60-67 MiB of translated code for an idle TCG guest; a vCPU costs
@@ -21,3 +21,53 @@ pub const VIDEO_MIB: u64 = 16;
 pub const TCG_MIB: u64 = 128;
 /// Guest page tables: 1 byte per 512 bytes of guest RAM (KubeVirt's ratio).
 pub const PAGE_TABLE_DIVISOR: u64 = 512;
+
+/// Our launcher overhead for `vmi` with `guest_bytes` of guest RAM, in bytes:
+/// `LAUNCHER + QEMU_BASE + PER_VCPU x vCPUs + guest / 512 (+ VIDEO) (+ TCG)`. virt-controller adds
+/// it to the launcher pod's memory request; the overhead benchmark sets it against KubeVirt's.
+pub fn memory_overhead(
+    vmi: &crate::VirtualMachineInstance,
+    guest_bytes: u64,
+    emulated: bool,
+) -> u64 {
+    const MIB: u64 = 1 << 20;
+    let vcpus = u64::from(
+        vmi.spec
+            .domain
+            .cpu
+            .as_ref()
+            .map_or(1, crate::vmi::Cpu::vcpus),
+    );
+    let video = vmi.spec.domain.devices.autoattach_graphics_device != Some(false);
+    let mut mib = LAUNCHER_MIB + QEMU_BASE_MIB + PER_VCPU_MIB * vcpus;
+    if video {
+        mib += VIDEO_MIB;
+    }
+    if emulated {
+        mib += TCG_MIB;
+    }
+    mib * MIB + guest_bytes.div_ceil(PAGE_TABLE_DIVISOR)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::memory_overhead;
+
+    #[test]
+    fn overhead_formula() {
+        let v: crate::VirtualMachineInstance = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "small"},
+            "spec": {"domain": {"resources": {"requests": {"memory": "128Mi"}}, "devices": {}}},
+        }))
+        .unwrap();
+        let mib = 1 << 20;
+        let guest = 128 * mib;
+        // 8 + 48 + 8 x 1 vCPU + 16 video, plus 128 MiB / 512 of page tables.
+        assert_eq!(memory_overhead(&v, guest, false), 80 * mib + 256 * 1024);
+        assert_eq!(
+            memory_overhead(&v, guest, true),
+            (80 + 128) * mib + 256 * 1024
+        );
+    }
+}

@@ -3,7 +3,8 @@
 //!
 //! The pod's shape follows KubeVirt's so kubectl users, admission policies and quota see what
 //! they know: `virt-launcher-<vmi>-<random>` names, the same labels, annotations, volumes,
-//! device resources and node selector. The memory overhead is ours (see [`memory_overhead`]).
+//! device resources and node selector. The memory overhead is ours
+//! ([`overhead::memory_overhead`]).
 
 use std::collections::BTreeMap;
 
@@ -124,25 +125,6 @@ pub fn guest_memory(vmi: &VirtualMachineInstance) -> Result<u64, TemplateError> 
                 bytes_of(q, "spec.domain.resources.limits.memory")
             }),
     }
-}
-
-/// Our launcher overhead for `vmi`, in bytes:
-/// `LAUNCHER + QEMU_BASE + PER_VCPU x vCPUs + guest / 512 (+ VIDEO) (+ TCG)`.
-pub fn memory_overhead(vmi: &VirtualMachineInstance, guest_bytes: u64, emulated: bool) -> u64 {
-    use overhead::{
-        LAUNCHER_MIB, PAGE_TABLE_DIVISOR, PER_VCPU_MIB, QEMU_BASE_MIB, TCG_MIB, VIDEO_MIB,
-    };
-    const MIB: u64 = 1 << 20;
-    let vcpus = u64::from(vmi.spec.domain.cpu.as_ref().map_or(1, api::vmi::Cpu::vcpus));
-    let video = vmi.spec.domain.devices.autoattach_graphics_device != Some(false);
-    let mut mib = LAUNCHER_MIB + QEMU_BASE_MIB + PER_VCPU_MIB * vcpus;
-    if video {
-        mib += VIDEO_MIB;
-    }
-    if emulated {
-        mib += TCG_MIB;
-    }
-    mib * MIB + guest_bytes.div_ceil(PAGE_TABLE_DIVISOR)
 }
 
 fn quantity_bytes(bytes: u64) -> Quantity {
@@ -781,7 +763,7 @@ fn compute_resources(
 ) -> Result<ResourceRequirements, TemplateError> {
     let d = &vmi.spec.domain;
     let guest = guest_memory(vmi)?;
-    let overhead = memory_overhead(vmi, guest, cluster.use_emulation);
+    let overhead = overhead::memory_overhead(vmi, guest, cluster.use_emulation);
     let request_base = match d.resources.requests.get("memory") {
         Some(q) => bytes_of(q, "spec.domain.resources.requests.memory")?,
         None => guest,
@@ -1021,19 +1003,6 @@ spec:
             )
         );
         assert_eq!(liveness, serde_json::Value::Null);
-    }
-
-    #[test]
-    fn overhead_formula() {
-        let v = vmi(SMALL);
-        let mib = 1 << 20;
-        let guest = 128 * mib;
-        // 8 + 48 + 8 x 1 vCPU + 16 video, plus 128 MiB / 512 of page tables.
-        assert_eq!(memory_overhead(&v, guest, false), 80 * mib + 256 * 1024);
-        assert_eq!(
-            memory_overhead(&v, guest, true),
-            (80 + 128) * mib + 256 * 1024
-        );
     }
 
     #[test]

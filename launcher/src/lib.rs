@@ -8,6 +8,7 @@ pub mod convert;
 pub mod error;
 pub mod net;
 pub mod paths;
+pub mod pinning;
 pub mod prepare;
 pub mod probe;
 pub mod qemu;

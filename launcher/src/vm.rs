@@ -572,6 +572,22 @@ impl Launcher {
             let _ = kill(pid, Signal::SIGKILL);
             return Err(e);
         }
+        if let Some(cpu) = vmi
+            .spec
+            .domain
+            .cpu
+            .as_ref()
+            .filter(|c| c.dedicated_cpu_placement == Some(true))
+        {
+            let isolate = cpu.isolate_emulator_thread == Some(true);
+            match crate::pinning::apply(pid.as_raw(), &vcpus, isolate) {
+                Ok(pins) => tracing::info!(?pins, "QEMU's threads pinned to dedicated CPUs"),
+                Err(e) => {
+                    let _ = kill(pid, Signal::SIGKILL);
+                    return Err(e.into());
+                }
+            }
+        }
         let began = match incoming {
             // QEMU was started with -S: the guest stays before its first instruction until
             // an unpause, as libvirt's VIR_DOMAIN_START_PAUSED leaves it.

@@ -17,8 +17,9 @@ use api::vmi::{InterfaceModel, VolumeSource};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, DownwardAPIVolumeSource, EmptyDirVolumeSource,
     EnvVar, EnvVarSource, ExecAction, HostPathVolumeSource, ObjectFieldSelector,
-    PersistentVolumeClaimVolumeSource, Pod, PodReadinessGate, PodSpec, Probe, ResourceRequirements,
-    SecretVolumeSource, SecurityContext, Volume, VolumeMount,
+    PersistentVolumeClaim, PersistentVolumeClaimVolumeSource, Pod, PodReadinessGate, PodSpec,
+    Probe, ResourceRequirements, SecretVolumeSource, SecurityContext, Volume, VolumeDevice,
+    VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -40,6 +41,9 @@ const VIRT_BIN_VOLUME: &str = "virt-bin-share-dir";
 pub const KERNEL_BOOT_NAME: &str = "kernel-boot";
 /// KubeVirt's `containerdisk.KernelBootVolumeName`; the container is `volumekernel-boot-volume`.
 pub const KERNEL_BOOT_VOLUME: &str = "kernel-boot-volume";
+/// Where the compute container gets its hugetlbfs mount (KubeVirt's, and virt-launcher's
+/// default `--hugepages-dir`).
+const HUGEPAGES_DIR: &str = "/dev/hugepages";
 
 /// The overhead constants, shared with virt-launcher (which caps TCG's code cache at its budget).
 pub use api::overhead;
@@ -97,6 +101,63 @@ pub enum TemplateError {
     /// Neither a memory request nor guest memory is set.
     #[error("spec.domain.resources.requests.memory: the VMI sets no memory")]
     NoMemory,
+    /// A claim the launcher pod would mount does not exist (KubeVirt's `PvcNotFoundError`).
+    #[error("{path}: PVC {namespace}/{claim} does not exist")]
+    ClaimNotFound {
+        /// Field path of the claim's name.
+        path: String,
+        /// The VMI's namespace.
+        namespace: String,
+        /// The claim.
+        claim: String,
+    },
+}
+
+/// The claims the launcher pod mounts itself (not hotplugged ones), each with the field path
+/// naming it: `persistentVolumeClaim` and `ephemeral` volumes, by volume.
+fn pod_claims(vmi: &VirtualMachineInstance) -> Vec<(&api::vmi::Volume, &str, String)> {
+    let hotplugged = api::hotplug::hotplug_volumes(vmi);
+    vmi.spec
+        .volumes
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !hotplugged.contains(v.name.as_str()))
+        .filter_map(|(i, v)| match v.source()? {
+            VolumeSource::PersistentVolumeClaim(pvc) => Some((
+                v,
+                pvc.claim_name.as_str(),
+                format!("spec.volumes[{i}].persistentVolumeClaim.claimName"),
+            )),
+            VolumeSource::Ephemeral(eph) => Some((
+                v,
+                eph.persistent_volume_claim.as_ref()?.claim_name.as_str(),
+                format!("spec.volumes[{i}].ephemeral.persistentVolumeClaim.claimName"),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The first claim of the launcher pod that `claims` (by name, in the VMI's namespace) does
+/// not have: KubeVirt creates no pod until it exists.
+pub fn missing_claim(
+    vmi: &VirtualMachineInstance,
+    claims: &dyn Fn(&str) -> Option<PersistentVolumeClaim>,
+) -> Option<TemplateError> {
+    pod_claims(vmi)
+        .into_iter()
+        .find(|(_, claim, _)| claims(claim).is_none())
+        .map(|(_, claim, path)| TemplateError::ClaimNotFound {
+            path,
+            namespace: vmi.metadata.namespace.clone().unwrap_or_default(),
+            claim: claim.to_owned(),
+        })
+}
+
+/// KubeVirt's `IsPVCBlock`: the claim asks for `volumeMode: Block` (a claim asking for
+/// nothing binds only to a filesystem volume).
+fn is_block(claim: &PersistentVolumeClaim) -> bool {
+    claim.spec.as_ref().and_then(|s| s.volume_mode.as_deref()) == Some("Block")
 }
 
 fn bytes_of(q: &Quantity, path: &'static str) -> Result<u64, TemplateError> {
@@ -268,11 +329,13 @@ fn hostname(vmi: &VirtualMachineInstance, name: &str) -> String {
 }
 
 /// Render the launcher pod for `vmi`. The pod has a `generateName`; the API server picks the
-/// random suffix.
+/// random suffix. `claims` finds a claim by name in the VMI's namespace: its volume mode
+/// decides between a device and a mount.
 pub fn render_launcher_pod(
     vmi: &VirtualMachineInstance,
     cfg: &TemplateConfig,
     cluster: &ClusterConfig,
+    claims: &dyn Fn(&str) -> Option<PersistentVolumeClaim>,
 ) -> Result<Pod, TemplateError> {
     let name = vmi
         .metadata
@@ -382,10 +445,6 @@ pub fn render_launcher_pod(
                     }),
                     ..Volume::default()
                 });
-                compute_mounts.push(mount(
-                    &v.name,
-                    &format!("{}/vmi-disks/{}", cfg.private_dir, v.name),
-                ));
             }
             // KubeVirt mounts an ephemeral volume's claim as it is; the launcher writes the
             // guest's changes to an overlay in the ephemeral-disks dir, never to the claim.
@@ -395,10 +454,6 @@ pub fn render_launcher_pod(
                     persistent_volume_claim: eph.persistent_volume_claim.clone(),
                     ..Volume::default()
                 });
-                compute_mounts.push(mount(
-                    &v.name,
-                    &format!("{}/vmi-disks/{}", cfg.private_dir, v.name),
-                ));
             }
             Some(VolumeSource::HostDisk(hd)) => {
                 let dir = std::path::Path::new(&hd.path)
@@ -416,6 +471,46 @@ pub fn render_launcher_pod(
             }
             _ => {}
         }
+    }
+    // KubeVirt's `addPVCToLaunchManifest`: a block claim is the device `/dev/<volume>`, which
+    // the launcher finds there; a filesystem claim holds `disk.img` under `vmi-disks/<volume>`.
+    let mut devices = Vec::new();
+    for (v, claim_name, path) in pod_claims(vmi) {
+        let claim = claims(claim_name).ok_or_else(|| TemplateError::ClaimNotFound {
+            path,
+            namespace: namespace.to_owned(),
+            claim: claim_name.to_owned(),
+        })?;
+        if is_block(&claim) {
+            devices.push(VolumeDevice {
+                name: v.name.clone(),
+                device_path: format!("/dev/{}", v.name),
+            });
+        } else {
+            compute_mounts.push(mount(
+                &v.name,
+                &format!("{}/vmi-disks/{}", cfg.private_dir, v.name),
+            ));
+        }
+    }
+    if spec
+        .domain
+        .memory
+        .as_ref()
+        .is_some_and(|m| m.hugepages.is_some())
+    {
+        // KubeVirt's `withHugepages`: the launcher backs guest RAM with files on it. KubeVirt
+        // also mounts `hugetblfs-dir` at `/dev/hugepages/libvirt/qemu`, libvirt's own
+        // directory; there is no libvirt here.
+        volumes.push(Volume {
+            name: "hugepages".into(),
+            empty_dir: Some(EmptyDirVolumeSource {
+                medium: Some("HugePages".into()),
+                ..EmptyDirVolumeSource::default()
+            }),
+            ..Volume::default()
+        });
+        compute_mounts.push(mount("hugepages", HUGEPAGES_DIR));
     }
     config_volumes(vmi, cfg, &mut volumes, &mut compute_mounts);
     if let Some(kb) = spec.kernel_boot().and_then(|k| k.container.as_ref()) {
@@ -467,6 +562,7 @@ pub fn render_launcher_pod(
             .as_ref()
             .map(|p| compute_probe(p, &domain)),
         volume_mounts: Some(compute_mounts),
+        volume_devices: (!devices.is_empty()).then_some(devices),
         security_context: Some(SecurityContext {
             capabilities: Some(Capabilities {
                 add: Some(vec!["NET_BIND_SERVICE".into(), "SYS_NICE".into()]),
@@ -769,16 +865,35 @@ fn compute_resources(
         None => guest,
     };
     let overcommit = d.resources.overcommit_guest_overhead == Some(true);
+    let limit = d
+        .resources
+        .limits
+        .get("memory")
+        .map(|q| bytes_of(q, "spec.domain.resources.limits.memory"))
+        .transpose()?;
     let mut requests = BTreeMap::new();
     let mut limits = BTreeMap::new();
-    requests.insert(
-        "memory".to_owned(),
-        quantity_bytes(if overcommit {
-            request_base
-        } else {
-            request_base + overhead
-        }),
-    );
+    let (memory_request, memory_limit) = match d.memory.as_ref().and_then(|m| m.hugepages.as_ref())
+    {
+        // KubeVirt's `WithHugePages`: guest RAM is `hugepages-<size>`, requested and limited
+        // alike; memory is the overhead and what the request or limit sets beyond guest RAM.
+        Some(hugepages) => {
+            let pages = quantity_bytes(request_base.min(guest));
+            let name = format!(
+                "hugepages-{}",
+                hugepages.page_size.as_deref().unwrap_or_default()
+            );
+            requests.insert(name.clone(), pages.clone());
+            limits.insert(name, pages);
+            (
+                overhead + request_base.saturating_sub(guest),
+                limit.map(|l| overhead + l.saturating_sub(guest)),
+            )
+        }
+        None if overcommit => (request_base, limit.map(|l| l + overhead)),
+        None => (request_base + overhead, limit.map(|l| l + overhead)),
+    };
+    requests.insert("memory".to_owned(), quantity_bytes(memory_request));
     requests.insert(
         "cpu".to_owned(),
         d.resources
@@ -787,9 +902,8 @@ fn compute_resources(
             .cloned()
             .unwrap_or_else(|| cluster.cpu_request.clone()),
     );
-    if let Some(q) = d.resources.limits.get("memory") {
-        let l = bytes_of(q, "spec.domain.resources.limits.memory")?;
-        limits.insert("memory".to_owned(), quantity_bytes(l + overhead));
+    if let Some(l) = memory_limit {
+        limits.insert("memory".to_owned(), quantity_bytes(l));
     }
     if let Some(q) = d.resources.limits.get("cpu") {
         limits.insert("cpu".to_owned(), q.clone());
@@ -874,8 +988,13 @@ spec:
             "{SMALL}  volumes:\n  - name: ci\n    cloudInitConfigDrive:\n      \
              secretRef: {{name: ud}}\n      networkDataSecretRef: {{name: nd}}\n"
         ));
-        let pod =
-            render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default()).unwrap();
+        let pod = render_launcher_pod(
+            &v,
+            &TemplateConfig::default(),
+            &ClusterConfig::default(),
+            &|_| None,
+        )
+        .unwrap();
         let spec = pod.spec.unwrap();
         let secrets: Vec<_> = spec
             .volumes
@@ -922,6 +1041,7 @@ spec:
                 &vmi(&format!("{SMALL}  {probes}")),
                 &TemplateConfig::default(),
                 &ClusterConfig::default(),
+                &|_| None,
             )
             .unwrap();
             let c = pod.spec.unwrap().containers.swap_remove(0);
@@ -1008,8 +1128,13 @@ spec:
     #[test]
     fn resources_include_overhead_and_devices() {
         let v = vmi(SMALL);
-        let pod =
-            render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default()).unwrap();
+        let pod = render_launcher_pod(
+            &v,
+            &TemplateConfig::default(),
+            &ClusterConfig::default(),
+            &|_| None,
+        )
+        .unwrap();
         let r = pod.spec.unwrap().containers[0].resources.clone().unwrap();
         let req = r.requests.unwrap();
         let lim = r.limits.unwrap();
@@ -1024,7 +1149,8 @@ spec:
             use_emulation: true,
             ..ClusterConfig::default()
         };
-        let pod = render_launcher_pod(&v, &TemplateConfig::default(), &emulated).unwrap();
+        let pod =
+            render_launcher_pod(&v, &TemplateConfig::default(), &emulated, &|_| None).unwrap();
         let c = &pod.spec.unwrap().containers[0];
         assert!(
             !c.resources
@@ -1046,11 +1172,16 @@ spec:
     #[test]
     fn the_fail_fast_annotation_makes_the_launcher_crash() {
         let args = |v: &VirtualMachineInstance| {
-            render_launcher_pod(v, &TemplateConfig::default(), &ClusterConfig::default())
-                .unwrap()
-                .spec
-                .unwrap()
-                .containers[0]
+            render_launcher_pod(
+                v,
+                &TemplateConfig::default(),
+                &ClusterConfig::default(),
+                &|_| None,
+            )
+            .unwrap()
+            .spec
+            .unwrap()
+            .containers[0]
                 .args
                 .clone()
                 .unwrap()
@@ -1072,13 +1203,43 @@ spec: {domain: {memory: {guest: 128Mi}, devices: {}}}
     }
 
     #[test]
+    fn a_missing_claim_is_reported_with_its_field() {
+        let v = vmi(&format!(
+            "{SMALL}  volumes:\n  - name: base\n    ephemeral:\n      \
+             persistentVolumeClaim: {{claimName: gone}}\n"
+        ));
+        let e = render_launcher_pod(
+            &v,
+            &TemplateConfig::default(),
+            &ClusterConfig::default(),
+            &|_| None,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "spec.volumes[0].ephemeral.persistentVolumeClaim.claimName: PVC default/gone does \
+             not exist"
+        );
+        assert_eq!(missing_claim(&v, &|_| None), Some(e));
+        assert_eq!(
+            missing_claim(&v, &|_| Some(PersistentVolumeClaim::default())),
+            None
+        );
+    }
+
+    #[test]
     fn missing_memory_is_reported_with_its_field() {
         let v = vmi("
 metadata: {name: a, namespace: default}
 spec: {domain: {devices: {}}}
 ");
-        let e = render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default())
-            .unwrap_err();
+        let e = render_launcher_pod(
+            &v,
+            &TemplateConfig::default(),
+            &ClusterConfig::default(),
+            &|_| None,
+        )
+        .unwrap_err();
         assert_eq!(
             e.to_string(),
             "spec.domain.resources.requests.memory: the VMI sets no memory"
@@ -1091,8 +1252,13 @@ spec: {domain: {devices: {}}}
 metadata: {name: a, namespace: default}
 spec: {nodeSelector: {disk: ssd}, domain: {resources: {requests: {memory: 64Mi}}, devices: {}}}
 ");
-        let pod =
-            render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default()).unwrap();
+        let pod = render_launcher_pod(
+            &v,
+            &TemplateConfig::default(),
+            &ClusterConfig::default(),
+            &|_| None,
+        )
+        .unwrap();
         let sel = pod.spec.unwrap().node_selector.unwrap();
         assert_eq!(sel.len(), 2);
         assert_eq!(
@@ -1110,9 +1276,13 @@ metadata: {{name: a, namespace: default}}
 spec: {{domain: {{cpu: {cpu}, resources: {{requests: {{memory: 64Mi}}}}, devices: {{}}}}}}
 "
             ));
-            let pod =
-                render_launcher_pod(&v, &TemplateConfig::default(), &ClusterConfig::default())
-                    .unwrap();
+            let pod = render_launcher_pod(
+                &v,
+                &TemplateConfig::default(),
+                &ClusterConfig::default(),
+                &|_| None,
+            )
+            .unwrap();
             let mut keys: Vec<String> = pod
                 .spec
                 .unwrap()

@@ -199,6 +199,31 @@ fn remove_condition(
         .retain(|c| &c.type_ != type_ || reason.is_some_and(|r| c.reason.as_deref() != Some(r)));
 }
 
+/// KubeVirt's wait for a missing claim (`FailedPvcNotFound`): while `missing` says which
+/// claim of the launcher pod does not exist, the pod is not created and the `Synchronized`
+/// condition says why; the condition goes once the claims exist or the pod does.
+pub fn wait_for_claims(out: &mut VmiSync, missing: Option<String>, now: Timestamp) {
+    let synchronized = VirtualMachineInstanceConditionType::Synchronized;
+    match missing {
+        Some(message) if out.pods == PodAction::Create => {
+            out.pods = PodAction::None;
+            set_condition(
+                &mut out.status,
+                synchronized,
+                ConditionStatus::False,
+                crate::events::FAILED_PVC_NOT_FOUND,
+                format!("{message}, waiting for it to appear"),
+                now,
+            );
+        }
+        _ => remove_condition(
+            &mut out.status,
+            &synchronized,
+            Some(crate::events::FAILED_PVC_NOT_FOUND),
+        ),
+    }
+}
+
 /// The message of the validation condition: every field at fault.
 pub fn validation_message(errors: &[FieldError]) -> String {
     errors
@@ -569,6 +594,42 @@ mod tests {
 
     fn phase_after(vmi: &VirtualMachineInstance, pods: &[Pod]) -> Option<Ph> {
         sync(vmi, pods, &[], now()).status.phase
+    }
+
+    /// A missing claim holds the pod back with KubeVirt's `FailedPvcNotFound`; once the claim
+    /// exists the pod is created and the condition goes.
+    #[test]
+    fn a_missing_claim_holds_the_launcher_pod_back() {
+        let synchronized = VirtualMachineInstanceConditionType::Synchronized;
+        let mut out = sync(&vmi(Some(Ph::Pending)), &[], &[], now());
+        wait_for_claims(
+            &mut out,
+            Some(
+                "spec.volumes[0].persistentVolumeClaim.claimName: PVC default/d does not exist"
+                    .into(),
+            ),
+            now(),
+        );
+        assert_eq!(out.pods, PodAction::None);
+        assert_eq!(out.status.phase, Some(Ph::Pending));
+        let c = out.status.condition(&synchronized).unwrap();
+        assert_eq!(
+            (c.status.clone(), c.reason.as_deref(), c.message.as_deref()),
+            (
+                ConditionStatus::False,
+                Some("FailedPvcNotFound"),
+                Some(
+                    "spec.volumes[0].persistentVolumeClaim.claimName: PVC default/d does not \
+                     exist, waiting for it to appear"
+                )
+            )
+        );
+        let mut waiting = vmi(Some(Ph::Pending));
+        waiting.status = Some(out.status);
+        let mut out = sync(&waiting, &[], &[], now());
+        wait_for_claims(&mut out, None, now());
+        assert_eq!(out.pods, PodAction::Create);
+        assert!(out.status.condition(&synchronized).is_none());
     }
 
     #[test]

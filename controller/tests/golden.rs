@@ -7,9 +7,34 @@ use std::path::PathBuf;
 
 use api::{ClusterConfig, VirtualMachineInstance};
 use controller::template::{TemplateConfig, render_launcher_pod};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, PersistentVolumeClaimSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+}
+
+/// The claims the golden VMIs name, with their volume modes.
+const CLAIMS: &[(&str, &str)] = &[
+    ("data-pvc", "Filesystem"),
+    ("golden-image", "Filesystem"),
+    ("raw-disk", "Block"),
+    ("block-image", "Block"),
+];
+
+fn claim(name: &str) -> Option<PersistentVolumeClaim> {
+    let (_, mode) = CLAIMS.iter().find(|(n, _)| *n == name)?;
+    Some(PersistentVolumeClaim {
+        metadata: ObjectMeta {
+            name: Some(name.to_owned()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(PersistentVolumeClaimSpec {
+            volume_mode: Some((*mode).to_owned()),
+            ..PersistentVolumeClaimSpec::default()
+        }),
+        status: None,
+    })
 }
 
 fn check(vmi_file: &str, golden_file: &str, cluster: &ClusterConfig) {
@@ -19,7 +44,7 @@ fn check(vmi_file: &str, golden_file: &str, cluster: &ClusterConfig) {
         launcher_image: "registry.example/kubevirt-rs/virt-launcher:v0.1.0".into(),
         ..TemplateConfig::default()
     };
-    let pod = render_launcher_pod(&vmi, &cfg, cluster).unwrap();
+    let pod = render_launcher_pod(&vmi, &cfg, cluster, &claim).unwrap();
     // Long lines stay whole (not folded), as in the checked-in CRDs.
     let options = serde_saphyr::ser_options! { folded_wrap_chars: usize::MAX };
     let rendered = serde_saphyr::to_string_with_options(&pod, options).unwrap();

@@ -271,7 +271,9 @@ async fn create_target_pod(
     let rendered = api::defaults::apply(&mut defaulted.spec, cfg)
         .map_err(|e| e.to_string())
         .and_then(|()| {
-            render_launcher_pod(&defaulted, &s.opts.template, cfg).map_err(|e| e.to_string())
+            let ns = vmi.namespace().unwrap_or_default();
+            render_launcher_pod(&defaulted, &s.opts.template, cfg, &super::claims_in(s, &ns))
+                .map_err(|e| e.to_string())
         });
     let pod = match rendered {
         Ok(p) => migration::make_target_pod(p, m, vmi),

@@ -577,6 +577,18 @@ pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(
     .await?
 }
 
+/// The claims of namespace `ns` as the PVC cache has them, by name.
+fn claims_in<'a>(
+    s: &'a Shared,
+    ns: &'a str,
+) -> impl Fn(&str) -> Option<PersistentVolumeClaim> + Sync + 'a {
+    move |name| {
+        s.pvcs
+            .get(&kube::runtime::reflector::ObjectRef::new(name).within(ns))
+            .map(|c| (*c).clone())
+    }
+}
+
 fn cluster_config(s: &Shared) -> ClusterConfig {
     s.kubevirts
         .state()

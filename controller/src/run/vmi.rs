@@ -91,7 +91,8 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
     }
 }
 
-/// The PVC watch: the VMIs using the claim, since a claim binding lets its hotplug go on.
+/// The PVC watch: the VMIs using the claim, since a claim binding lets its hotplug go on and
+/// a claim appearing lets a launcher pod waiting for it be created.
 pub(super) fn on_claim(
     vmi_q: Arc<Queue>,
     vmis: Store<VirtualMachineInstance>,
@@ -102,10 +103,14 @@ pub(super) fn on_claim(
         let name = c.name_any();
         for v in vmis.state().iter().filter(|v| {
             v.namespace().as_deref() == Some(ns.as_str())
-                && v.spec
-                    .volumes
-                    .iter()
-                    .any(|vol| api::hotplug::claim_name(vol) == Some(name.as_str()))
+                && v.spec.volumes.iter().any(|vol| {
+                    let ephemeral = vol
+                        .ephemeral
+                        .as_ref()
+                        .and_then(|e| e.persistent_volume_claim.as_ref())
+                        .map(|c| c.claim_name.as_str());
+                    api::hotplug::claim_name(vol).or(ephemeral) == Some(name.as_str())
+                })
         }) {
             vmi_q.add(&obj_key(v.as_ref()));
         }
@@ -253,11 +258,7 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         });
     }
     problems.extend(api::validation::validate_vmi(&defaulted, &cfg));
-    let claim = |name: &str| {
-        s.pvcs
-            .get(&ObjectRef::new(name).within(ns))
-            .map(|c| (*c).clone())
-    };
+    let claim = super::claims_in(s, ns);
     let shared = |name: &str| {
         claim(name).map(|c| {
             c.spec
@@ -265,8 +266,27 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
                 .is_some_and(|m| m.iter().any(|m| m == "ReadWriteMany"))
         })
     };
-    let mut out = vmi::sync_with(&vmi, &pods, &problems, &shared, Timestamp::now());
+    let now = Timestamp::now();
+    let mut out = vmi::sync_with(&vmi, &pods, &problems, &shared, now);
+    let missing = (out.pods == PodAction::Create)
+        .then(|| crate::template::missing_claim(&defaulted, &claim))
+        .flatten()
+        .map(|e| e.to_string());
+    vmi::wait_for_claims(&mut out, missing.clone(), now);
     let old_status = vmi.status.clone().unwrap_or_default();
+    let was_waiting = old_status
+        .condition(&api::status::VirtualMachineInstanceConditionType::Synchronized)
+        .is_some_and(|c| c.reason.as_deref() == Some(events::FAILED_PVC_NOT_FOUND));
+    if let Some(message) = missing.filter(|_| !was_waiting) {
+        event(
+            s,
+            vmi.as_ref(),
+            false,
+            events::FAILED_PVC_NOT_FOUND,
+            format!("{message}, waiting for it to appear"),
+        )
+        .await;
+    }
     if let Some(launcher) = hotplug_launcher(&vmi, &out.status, &pods) {
         out.status.volume_status = Box::pin(sync_hotplug(s, key, &vmi, launcher, &claim)).await;
     }
@@ -413,7 +433,12 @@ async fn act_on_pods(
 ) {
     match action {
         PodAction::None => {}
-        PodAction::Create => match render_launcher_pod(defaulted, &s.opts.template, cfg) {
+        PodAction::Create => match render_launcher_pod(
+            defaulted,
+            &s.opts.template,
+            cfg,
+            &super::claims_in(s, &vmi.namespace().unwrap_or_default()),
+        ) {
             Err(e) => {
                 event(s, vmi, true, events::FAILED_CREATE_POD, e.to_string()).await;
             }

@@ -417,6 +417,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::topology_smm_and_firmware_render_as_asked",
     ),
     field(
+        "spec.domain.firmware.bootloader.bios.useSerial",
+        "launcher/tests/guest.rs::guest_pc_bios_disk_boot_configdrive_crash",
+    ),
+    field(
         "spec.domain.firmware.bootloader.efi",
         "launcher/src/convert/tests.rs::efi_secure_boot_uses_secboot_code_and_smm",
     ),
@@ -908,7 +912,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.features.hyperv"),
     refused("spec.domain.features.hypervPassthrough"),
     refused("spec.domain.firmware.acpi"),
-    refused("spec.domain.firmware.bootloader.bios.useSerial"),
     refused("spec.domain.firmware.bootloader.efi.persistent"),
     refused("spec.domain.ioThreads"),
     refused("spec.domain.launchSecurity"),

@@ -336,10 +336,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         e.unsupported(format!("{path}.acpi"), f.acpi.as_ref());
         let bootloader = f.bootloader.as_ref();
         e.unsupported_true(
-            format!("{path}.bootloader.bios.useSerial"),
-            bootloader.and_then(|b| b.bios.as_ref()?.use_serial),
-        );
-        e.unsupported_true(
             format!("{path}.bootloader.efi.persistent"),
             bootloader.and_then(|b| b.efi.as_ref()?.persistent),
         );
@@ -902,6 +898,18 @@ fn firmware(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             e.add(
                 format!("{path}.bootloader"),
                 "has both EFI and BIOS configured, but they are mutually exclusive",
+            );
+        }
+        // libvirt refuses a serial BIOS console without a serial port only when the domain
+        // starts; the VMI can say so at admission.
+        if bl.bios.as_ref().and_then(|b| b.use_serial) == Some(true)
+            && !spec.domain.devices.wants_serial_console()
+        {
+            e.add(
+                format!("{path}.bootloader.bios.useSerial"),
+                format!(
+                    "needs a serial console, but {base}.domain.devices.autoattachSerialConsole is false"
+                ),
             );
         }
         if let Some(efi) = &bl.efi {

@@ -408,6 +408,18 @@ fn mistakes() -> Vec<Mistake> {
             "mutually exclusive",
         ),
         m(
+            "a serial BIOS console without a serial port",
+            vec![
+                (
+                    "/spec/domain/firmware/bootloader",
+                    json!({"bios": {"useSerial": true}}),
+                ),
+                ("/spec/domain/devices/autoattachSerialConsole", json!(false)),
+            ],
+            "spec.domain.firmware.bootloader.bios.useSerial",
+            "needs a serial console, but spec.domain.devices.autoattachSerialConsole is false",
+        ),
+        m(
             "boot order zero",
             vec![("/spec/domain/devices/disks/0/bootOrder", json!(0))],
             "spec.domain.devices.disks[0].bootOrder",

@@ -140,6 +140,14 @@ pub fn convert(
         smm: smm(vmi, &firmware),
         acpi: features.acpi_enabled(),
         hpet: timers.hpet,
+        bios_serial_console: vmi
+            .spec
+            .domain
+            .firmware
+            .as_ref()
+            .and_then(|f| f.bootloader.as_ref())
+            .and_then(api::vmi::Bootloader::kind)
+            .is_some_and(|k| matches!(k, BootloaderKind::Bios(b) if b.use_serial == Some(true))),
     };
     let memory = memory(vmi, host, &mut preps)?;
     let smbios = smbios(vmi, &uid)?;

@@ -254,6 +254,7 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
         json!({
             "domain": {
                 "machine": {"type": "pc"},
+                "firmware": {"bootloader": {"bios": {"useSerial": true}}},
                 "resources": {"requests": {"memory": "256Mi"}},
                 "devices": {"disks": [
                     {"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1},
@@ -273,6 +274,12 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
     let pid = d["qemuPid"].as_i64().unwrap();
     l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
     assert!(l.serial_log(&id).contains("CONFIGDRIVE-USERDATA-RAN"));
+    // `bios.useSerial`: SeaBIOS drew its screen on the serial console too.
+    assert!(
+        l.serial_log(&id).contains("SeaBIOS"),
+        "{}",
+        l.serial_log(&id)
+    );
     // The guest booted from `root`, read its user-data from `ci` and mounted `data`: all
     // three were read.
     let stats = l.get("/v1/domain/blockstats");

@@ -1147,6 +1147,14 @@ fn topology_smm_and_firmware_render_as_asked() {
     s["domain"]["features"] = serde_json::json!({"smm": {}});
     let argv = conv(s.clone()).unwrap().config.argv();
     assert!(argv.windows(2).any(|w| w == ["-machine", "q35,smm=on"]));
+    // SeaBIOS on the serial console, as libvirt renders `<bios useserial='yes'/>`.
+    s["domain"]["firmware"]["bootloader"]["bios"]["useSerial"] = true.into();
+    let argv = conv(s.clone()).unwrap().config.argv();
+    assert!(
+        argv.windows(2)
+            .any(|w| w == ["-machine", "q35,smm=on,graphics=off"]),
+        "{argv:?}"
+    );
     s["domain"]["firmware"]["uuid"] = "not-a-uuid".into();
     assert_eq!(conv(s).unwrap_err().field, "spec.domain.firmware.uuid");
 }

@@ -80,6 +80,9 @@ pub struct Machine {
     pub acpi: bool,
     /// The HPET: `None` leaves QEMU's default (on).
     pub hpet: Option<bool>,
+    /// SeaBIOS writes its screen to the first serial port (`graphics=off`, what libvirt renders
+    /// for `<bios useserial='yes'/>` on x86).
+    pub bios_serial_console: bool,
 }
 
 impl Machine {
@@ -87,7 +90,8 @@ impl Machine {
         let mut p = Props::new()
             .set_opt("smm", self.smm)
             .set_opt("acpi", (!self.acpi).then_some(false))
-            .set_opt("hpet", self.hpet);
+            .set_opt("hpet", self.hpet)
+            .set_opt("graphics", self.bios_serial_console.then_some(false));
         if memory.hugepages.is_some() {
             p = p.set("memory-backend", Memory::BACKEND_ID);
         }

@@ -341,6 +341,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "network/src/plan.rs::masquerade_defaults_and_ports",
     ),
     field(
+        "spec.domain.devices.networkInterfaceMultiqueue",
+        "launcher/tests/network.rs::guest_masquerade_dhcp_ports_status_and_resync",
+    ),
+    field(
         "spec.domain.devices.rng",
         "launcher/tests/guest.rs::guest_every_device_kind_is_accepted_by_qemu",
     ),
@@ -902,7 +906,6 @@ pub const REFUSED: &[Refused] = &[
     refused_value("spec.domain.devices.interfaces[].state", r#""absent""#),
     refused("spec.domain.devices.interfaces[].tag"),
     refused("spec.domain.devices.logSerialConsole"),
-    refused("spec.domain.devices.networkInterfaceMultiqueue"),
     refused("spec.domain.devices.panicDevices"),
     refused("spec.domain.devices.sound"),
     refused("spec.domain.devices.tpm"),

@@ -384,15 +384,10 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     e.unsupported(format!("{devices}.sound"), dev.sound.as_ref());
     e.unsupported(format!("{devices}.tpm"), dev.tpm.as_ref());
     e.unsupported_true(format!("{devices}.autoattachVSOCK"), dev.autoattach_vsock);
-    for (field, value) in [
-        ("logSerialConsole", dev.log_serial_console),
-        (
-            "networkInterfaceMultiqueue",
-            dev.network_interface_multiqueue,
-        ),
-    ] {
-        e.unsupported_true(format!("{devices}.{field}"), value);
-    }
+    e.unsupported_true(
+        format!("{devices}.logSerialConsole"),
+        dev.log_serial_console,
+    );
     e.unsupported(
         format!("{devices}.watchdog.diag288"),
         dev.watchdog.as_ref().and_then(|w| w.diag288.as_ref()),

@@ -1525,6 +1525,10 @@ pub fn domain_name(namespace: &str, name: &str) -> String {
 /// only one there is.
 pub const START_STRATEGY_PAUSED: &str = "Paused";
 
+/// The most queues a tap device takes (the kernel's `MAX_TAP_QUEUES`), KubeVirt's
+/// `MultiQueueMaxQueues`.
+pub const MULTI_QUEUE_MAX_QUEUES: u32 = 256;
+
 impl VirtualMachineInstanceSpec {
     /// The guest starts paused and waits for an unpause (KubeVirt's `ShouldStartPaused`).
     pub fn starts_paused(&self) -> bool {
@@ -1558,6 +1562,23 @@ impl VirtualMachineInstanceSpec {
             .interfaces
             .iter()
             .filter_map(|i| self.network(&i.name).map(|n| (i, n)))
+    }
+
+    /// The queue pairs of this interface's virtio-net device and tap, KubeVirt's
+    /// `NetworkQueuesCapacity`: with `networkInterfaceMultiqueue`, one per vCPU up to
+    /// [`MULTI_QUEUE_MAX_QUEUES`], for virtio NICs only (other models have a single queue, and
+    /// KubeVirt admits them with multiqueue set). 1 means a single-queue tap and device.
+    pub fn network_queues(&self, iface: &Interface) -> u32 {
+        if self.domain.devices.network_interface_multiqueue != Some(true)
+            || iface.model_or_default() != InterfaceModel::Virtio
+        {
+            return 1;
+        }
+        self.domain
+            .cpu
+            .as_ref()
+            .map_or(1, Cpu::vcpus)
+            .min(MULTI_QUEUE_MAX_QUEUES)
     }
 
     /// The bootloader in use (BIOS when nothing is set).
@@ -1604,5 +1625,33 @@ mod tests {
             errors.iter().any(|e| e.path == "spec.domain.cpu"),
             "{errors:?}"
         );
+    }
+
+    /// KubeVirt's converter tests ("virtio-net multi-queue"): a queue per vCPU, capped as a
+    /// tap's queues are, and none for other models or without the field.
+    #[test]
+    fn network_queues_follow_the_vcpus_of_virtio_nics() {
+        let spec = |multiqueue: Option<bool>, cores, threads| {
+            let mut s = VirtualMachineInstanceSpec::default();
+            s.domain.devices.network_interface_multiqueue = multiqueue;
+            s.domain.cpu = Some(Cpu {
+                sockets: Some(1),
+                cores: Some(cores),
+                threads: Some(threads),
+                ..Cpu::default()
+            });
+            s
+        };
+        let virtio = Interface::default();
+        let e1000 = Interface {
+            model: Some(InterfaceModel::E1000),
+            ..Interface::default()
+        };
+        assert_eq!(spec(Some(true), 2, 1).network_queues(&virtio), 2);
+        assert_eq!(spec(Some(true), 2, 2).network_queues(&virtio), 4);
+        assert_eq!(spec(Some(true), 512, 2).network_queues(&virtio), 256);
+        assert_eq!(spec(Some(true), 2, 1).network_queues(&e1000), 1);
+        assert_eq!(spec(Some(false), 2, 1).network_queues(&virtio), 1);
+        assert_eq!(spec(None, 2, 1).network_queues(&virtio), 1);
     }
 }

@@ -1471,6 +1471,7 @@ fn nic(
         pci_addr,
         acpi_index,
         link_up: !iface.link_down(),
+        queues: vmi.spec.network_queues(iface),
     })
 }
 

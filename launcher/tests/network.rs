@@ -180,14 +180,31 @@ fn guest_masquerade_dhcp_ports_status_and_resync() {
     let pod = Pod::new("lmasq");
     let l = launcher_in(&pod);
     let id = uid();
-    let v = guest_vmi(
+    let mut v = guest_vmi(
         &id,
         &json!({"name": "default", "masquerade": {}, "ports": [{"port": 5000}, {"port": 5002}]}),
     );
+    // Two vCPUs with networkInterfaceMultiqueue: a two-queue tap and virtio-net device.
+    v["spec"]["domain"]["cpu"] = json!({"sockets": 1, "cores": 2, "threads": 1});
+    v["spec"]["domain"]["devices"]["networkInterfaceMultiqueue"] = true.into();
     let cached = phase1(&l, &v);
     assert_eq!(cached[0].guest_ipv4.unwrap().to_string(), "10.0.2.2/24");
     let mut console = boot(&l, &id, &v);
     wait_address(&mut console, "10.0.2.2/24");
+    let queues = console.run(
+        "ls -d /sys/class/net/eth0/queues/rx-* /sys/class/net/eth0/queues/tx-*",
+        Duration::from_mins(1),
+    );
+    let mut queues: Vec<&str> = queues
+        .split_whitespace()
+        .filter_map(|q| q.strip_prefix("/sys/class/net/eth0/queues/"))
+        .collect();
+    queues.sort_unstable();
+    assert_eq!(
+        queues,
+        ["rx-0", "rx-1", "tx-0", "tx-1"],
+        "the guest's queues"
+    );
     let route = console.run("ip route show default", Duration::from_mins(1));
     assert!(route.contains("via 10.0.2.1"), "{route}");
 

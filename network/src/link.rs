@@ -370,7 +370,11 @@ mod tun {
 /// Creates a persistent tap owned by `uid`/`gid` in the calling thread's network namespace
 /// (the tun driver uses the namespace of the thread that calls TUNSETIFF). A tap that exists
 /// already is left alone: QEMU may hold it open, and TUNSETIFF on it would fail.
-pub fn create_tap(name: &str, uid: u32, gid: u32) -> Result<()> {
+///
+/// With more than one queue the tap is made with `IFF_MULTI_QUEUE` (KubeVirt's
+/// `virt-chroot create-tap --queue-number`, libvirt's flags): the kernel then lets QEMU
+/// attach one file per queue, and refuses a second attach to a single-queue tap.
+pub fn create_tap(name: &str, queues: u32, uid: u32, gid: u32) -> Result<()> {
     let err = |what: &str| {
         let what = format!("{what} tap {name}");
         move |e: nix::Error| NetworkError::io(what)(std::io::Error::from(e))
@@ -392,8 +396,9 @@ pub fn create_tap(name: &str, uid: u32, gid: u32) -> Result<()> {
     }
     // IFF_VNET_HDR: QEMU's virtio-net passes offloads through the header; it sets the flag again
     // when it opens the tap, but a tap created without it can refuse the later TUNSETIFF.
+    let multi_queue = if queues > 1 { libc::IFF_MULTI_QUEUE } else { 0 };
     req.ifr_ifru.ifru_flags =
-        libc::c_short::try_from(libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR)
+        libc::c_short::try_from(libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR | multi_queue)
             .expect("the tun flags fit in a short");
     let fd = tun.as_raw_fd();
     // SAFETY: fd is an open /dev/net/tun; req is a valid ifreq that outlives the call.

@@ -331,6 +331,7 @@ mod tests {
             pod_interface: "eth0".into(),
             bridge: "k6t-eth0".into(),
             tap: "tap0".into(),
+            queues: 1,
             ports,
             vm_network: "10.0.2.0/24".parse().unwrap(),
             vm_ipv6_network: "fd10:0:2::/120".parse().unwrap(),

@@ -118,7 +118,7 @@ async fn ensure_tap(
     gid: u32,
 ) -> Result<()> {
     if nl.link(&p.tap).await?.is_none() {
-        link::create_tap(&p.tap, uid, gid)?;
+        link::create_tap(&p.tap, p.queues, uid, gid)?;
     }
     let tap = nl.require_link(&p.tap).await?;
     nl.enslave(&tap, bridge, mtu).await

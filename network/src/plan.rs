@@ -40,6 +40,9 @@ pub struct InterfacePlan {
     pub pod_interface: String,
     pub bridge: String,
     pub tap: String,
+    /// Queue pairs of the tap ([`api::vmi::VirtualMachineInstanceSpec::network_queues`]): more
+    /// than one makes it a multiqueue tap, which QEMU opens once per queue.
+    pub queues: u32,
     /// Masquerade only; empty means every port (but [`RESERVED_TCP_PORTS`]).
     pub ports: Vec<ForwardedPort>,
     /// Masquerade: the guest network (`vmNetworkCIDR`, default [`DEFAULT_VM_NETWORK`]).
@@ -207,6 +210,7 @@ pub fn plan(vmi: &VirtualMachineInstance) -> Result<Vec<InterfacePlan>> {
             binding,
             bridge: bridge_name(&pod_interface),
             tap: tap_name(index),
+            queues: spec.network_queues(iface),
             pod_interface,
             ports,
             vm_network,
@@ -304,6 +308,7 @@ mod tests {
         );
         assert_eq!(p.gateway().to_string(), "10.0.2.1/24");
         assert_eq!(p.guest().to_string(), "10.0.2.2/24");
+        assert_eq!(p.queues, 1);
         assert_eq!(
             p.ports,
             vec![
@@ -317,6 +322,19 @@ mod tests {
                 }
             ]
         );
+    }
+
+    #[test]
+    fn multiqueue_taps_get_a_queue_per_vcpu_for_virtio_only() {
+        let v = vmi(&json!({
+            "domain": {"cpu": {"sockets": 1, "cores": 3, "threads": 1},
+                "devices": {"networkInterfaceMultiqueue": true, "interfaces": [
+                    {"name": "a", "bridge": {}},
+                    {"name": "b", "masquerade": {}, "model": "e1000"}]}},
+            "networks": [{"name": "a", "pod": {}}, {"name": "b", "pod": {}}],
+        }));
+        let queues: Vec<u32> = plan(&v).unwrap().iter().map(|p| p.queues).collect();
+        assert_eq!(queues, [3, 1]);
     }
 
     #[test]

@@ -43,6 +43,36 @@ fn has_table(pod: &common::Netns) -> bool {
         .success()
 }
 
+nix::ioctl_write_ptr_bad!(tun_set_iff, 0x4004_54ca, libc::ifreq);
+
+/// Attaches a new file to the existing tap `name` as QEMU attaches each of its queues
+/// (TUNSETIFF on /dev/net/tun), from inside `ns`.
+fn attach_tap(ns: &Netns, name: &str, multi_queue: bool) -> nix::Result<std::fs::File> {
+    in_netns(ns, || {
+        let tun = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/net/tun")
+            .unwrap();
+        // SAFETY: ifreq is plain old data; all zeroes is a valid value.
+        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+        for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
+            *d = s.cast_signed();
+        }
+        let mq = if multi_queue {
+            libc::IFF_MULTI_QUEUE
+        } else {
+            0
+        };
+        req.ifr_ifru.ifru_flags =
+            libc::c_short::try_from(libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR | mq)
+                .unwrap();
+        // SAFETY: tun is an open /dev/net/tun; req is a valid ifreq that outlives the call.
+        unsafe { tun_set_iff(std::os::fd::AsRawFd::as_raw_fd(&tun), &raw const req) }?;
+        Ok(tun)
+    })
+}
+
 fn cache_file(dir: &Path) -> std::path::PathBuf {
     dir.join("vif-cache-eth0.json")
 }
@@ -78,6 +108,13 @@ fn masquerade_setup_is_idempotent_and_teardown_leaves_nothing() {
     assert_eq!(tap["linkinfo"]["info_data"]["pi"], false);
     assert_eq!(tap["linkinfo"]["info_data"]["persist"], true);
     assert_eq!(tap["linkinfo"]["info_data"]["user"], "root");
+    assert_eq!(tap["linkinfo"]["info_data"]["multi_queue"], false);
+    // Without networkInterfaceMultiqueue the tap has one queue: a multiqueue attach, as QEMU
+    // makes for each queue, is refused.
+    assert_eq!(
+        attach_tap(&pod.netns, "tap0", true).err(),
+        Some(nix::Error::EINVAL)
+    );
     let sysctl = pod.netns.exec(&["cat", "/proc/sys/net/ipv4/ip_forward"]);
     assert_eq!(String::from_utf8_lossy(&sysctl.stdout).trim(), "1");
     let rules = pod
@@ -126,7 +163,12 @@ fn bridge_hands_the_pod_address_over_and_teardown_restores_it() {
     let pod = Pod::new("brdg");
     let iso = pod.isolation();
     let dir = tempfile::tempdir().unwrap();
-    let v = vmi(&json!({"name": "default", "bridge": {}}));
+    let mut v = vmi(&json!({"name": "default", "bridge": {}}));
+    v.spec.domain.devices.network_interface_multiqueue = Some(true);
+    v.spec.domain.cpu = Some(api::vmi::Cpu {
+        cores: Some(3),
+        ..Default::default()
+    });
     let eth0 = link(&pod.netns, "eth0").unwrap();
     let pod_mac = eth0["address"].as_str().unwrap().to_owned();
 
@@ -156,7 +198,19 @@ fn bridge_hands_the_pod_address_over_and_teardown_restores_it() {
         pod_mac,
         "the guest takes the pod's MAC"
     );
-    assert_eq!(link(&pod.netns, "tap0").unwrap()["master"], "k6t-eth0");
+    let tap = link(&pod.netns, "tap0").unwrap();
+    assert_eq!(tap["master"], "k6t-eth0");
+    // networkInterfaceMultiqueue on 3 vCPUs: a multiqueue tap that takes a file per queue.
+    assert_eq!(tap["linkinfo"]["info_data"]["multi_queue"], true);
+    let queues: Vec<_> = (0..3)
+        .map(|_| attach_tap(&pod.netns, "tap0", true).unwrap())
+        .collect();
+    assert_eq!(
+        attach_tap(&pod.netns, "tap0", false).err(),
+        Some(nix::Error::EINVAL),
+        "a single-queue attach to a multiqueue tap"
+    );
+    drop(queues);
     assert_eq!(
         ipv4(&link(&pod.netns, "k6t-eth0").unwrap()),
         vec!["169.254.75.10/32"]

@@ -499,6 +499,48 @@ fn interfaces_use_taps_by_position() {
     ));
 }
 
+/// KubeVirt's converter tests ("virtio-net multi-queue") as libvirt renders `<driver
+/// queues='N'/>`: the tap opened once per queue, the device with `mq` and `2N+2` vectors; a
+/// non-virtio NIC of the same VMI keeps its single queue.
+#[test]
+fn network_multiqueue_gives_virtio_nics_a_queue_per_vcpu() {
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"sockets": 1, "cores": 2, "threads": 2});
+    s["domain"]["devices"]["networkInterfaceMultiqueue"] = true.into();
+    s["domain"]["devices"]["interfaces"] = serde_json::json!([
+        {"name": "default", "masquerade": {}, "macAddress": "02:00:00:00:00:01"},
+        {"name": "other", "bridge": {}, "model": "e1000", "macAddress": "02:00:00:00:00:02"},
+    ]);
+    s["networks"] =
+        serde_json::json!([{"name": "default", "pod": {}}, {"name": "other", "pod": {}}]);
+    let joined = conv(s.clone()).unwrap().config.argv().join(" ");
+    assert!(
+        joined.contains(
+            "-netdev tap,id=netdev-default,ifname=tap0,script=no,downscript=no,queues=4 \
+             -device virtio-net-pci-non-transitional,id=ua-default,netdev=netdev-default,\
+             mq=on,vectors=10,mac=02:00:00:00:00:01"
+        ),
+        "{joined}"
+    );
+    assert!(
+        joined.contains(
+            "-netdev tap,id=netdev-other,ifname=tap1,script=no,downscript=no \
+             -device e1000,id=ua-other,netdev=netdev-other,mac=02:00:00:00:00:02"
+        ),
+        "{joined}"
+    );
+    // One vCPU: one queue, rendered as without multiqueue (libvirt adds nothing for 1).
+    s["domain"]["cpu"] = serde_json::json!({"sockets": 1, "cores": 1, "threads": 1});
+    let joined = conv(s).unwrap().config.argv().join(" ");
+    assert!(
+        joined.contains(
+            "ifname=tap0,script=no,downscript=no -device virtio-net-pci-non-transitional,\
+             id=ua-default,netdev=netdev-default,mac=02:00:00:00:00:01"
+        ),
+        "{joined}"
+    );
+}
+
 proptest! {
     /// Whatever strings a VMI carries, conversion returns (never panics), and every value that
     /// reaches an option list comes back intact when the list is split.

@@ -688,6 +688,10 @@ pub struct Nic {
     /// `false` for `state: down`. QEMU has no option for it: the launcher sets the link with
     /// QMP's `set_link` before the guest's first instruction, as libvirt does.
     pub link_up: bool,
+    /// Queue pairs (`networkInterfaceMultiqueue`, virtio only). Above one, QEMU attaches to
+    /// the multiqueue tap once per queue and the device gets libvirt's `mq=on,vectors=2N+2`
+    /// (a vector per queue each way, one for config changes, one for the control queue).
+    pub queues: u32,
 }
 
 impl Args for Nic {
@@ -698,10 +702,17 @@ impl Args for Nic {
             .set("ifname", &self.tap)
             .set("script", "no")
             .set("downscript", "no");
+        let multi_queue = self.queues > 1;
+        let netdev = netdev.set_opt("queues", multi_queue.then_some(self.queues));
         push(argv, "-netdev", netdev.keyval_with("tap"));
         let dev = Props::new()
             .set("id", device_id(&self.name))
             .set("netdev", netdev_id)
+            .set_opt("mq", multi_queue.then_some(true))
+            .set_opt(
+                "vectors",
+                multi_queue.then(|| self.queues.saturating_mul(2).saturating_add(2)),
+            )
             .set_opt("mac", self.mac.as_ref())
             .set_opt(
                 "host_mtu",

@@ -970,6 +970,16 @@ mod tests {
         v
     }
 
+    /// The launcher pod of `v` in the default configuration, with no claims.
+    fn render(v: &VirtualMachineInstance) -> Result<Pod, TemplateError> {
+        render_launcher_pod(
+            v,
+            &TemplateConfig::default(),
+            &ClusterConfig::default(),
+            &|_| None,
+        )
+    }
+
     const SMALL: &str = "
 apiVersion: kubevirt.io/v1
 kind: VirtualMachineInstance
@@ -988,13 +998,7 @@ spec:
             "{SMALL}  volumes:\n  - name: ci\n    cloudInitConfigDrive:\n      \
              secretRef: {{name: ud}}\n      networkDataSecretRef: {{name: nd}}\n"
         ));
-        let pod = render_launcher_pod(
-            &v,
-            &TemplateConfig::default(),
-            &ClusterConfig::default(),
-            &|_| None,
-        )
-        .unwrap();
+        let pod = render(&v).unwrap();
         let spec = pod.spec.unwrap();
         let secrets: Vec<_> = spec
             .volumes
@@ -1037,13 +1041,7 @@ spec:
     #[test]
     fn probes_become_the_compute_containers() {
         let compute = |probes: &str| {
-            let pod = render_launcher_pod(
-                &vmi(&format!("{SMALL}  {probes}")),
-                &TemplateConfig::default(),
-                &ClusterConfig::default(),
-                &|_| None,
-            )
-            .unwrap();
+            let pod = render(&vmi(&format!("{SMALL}  {probes}"))).unwrap();
             let c = pod.spec.unwrap().containers.swap_remove(0);
             assert_eq!(c.name, "compute");
             (
@@ -1128,13 +1126,7 @@ spec:
     #[test]
     fn resources_include_overhead_and_devices() {
         let v = vmi(SMALL);
-        let pod = render_launcher_pod(
-            &v,
-            &TemplateConfig::default(),
-            &ClusterConfig::default(),
-            &|_| None,
-        )
-        .unwrap();
+        let pod = render(&v).unwrap();
         let r = pod.spec.unwrap().containers[0].resources.clone().unwrap();
         let req = r.requests.unwrap();
         let lim = r.limits.unwrap();
@@ -1172,16 +1164,7 @@ spec:
     #[test]
     fn the_fail_fast_annotation_makes_the_launcher_crash() {
         let args = |v: &VirtualMachineInstance| {
-            render_launcher_pod(
-                v,
-                &TemplateConfig::default(),
-                &ClusterConfig::default(),
-                &|_| None,
-            )
-            .unwrap()
-            .spec
-            .unwrap()
-            .containers[0]
+            render(v).unwrap().spec.unwrap().containers[0]
                 .args
                 .clone()
                 .unwrap()
@@ -1208,13 +1191,7 @@ spec: {domain: {memory: {guest: 128Mi}, devices: {}}}
             "{SMALL}  volumes:\n  - name: base\n    ephemeral:\n      \
              persistentVolumeClaim: {{claimName: gone}}\n"
         ));
-        let e = render_launcher_pod(
-            &v,
-            &TemplateConfig::default(),
-            &ClusterConfig::default(),
-            &|_| None,
-        )
-        .unwrap_err();
+        let e = render(&v).unwrap_err();
         assert_eq!(
             e.to_string(),
             "spec.volumes[0].ephemeral.persistentVolumeClaim.claimName: PVC default/gone does \
@@ -1233,13 +1210,7 @@ spec: {domain: {memory: {guest: 128Mi}, devices: {}}}
 metadata: {name: a, namespace: default}
 spec: {domain: {devices: {}}}
 ");
-        let e = render_launcher_pod(
-            &v,
-            &TemplateConfig::default(),
-            &ClusterConfig::default(),
-            &|_| None,
-        )
-        .unwrap_err();
+        let e = render(&v).unwrap_err();
         assert_eq!(
             e.to_string(),
             "spec.domain.resources.requests.memory: the VMI sets no memory"
@@ -1252,13 +1223,7 @@ spec: {domain: {devices: {}}}
 metadata: {name: a, namespace: default}
 spec: {nodeSelector: {disk: ssd}, domain: {resources: {requests: {memory: 64Mi}}, devices: {}}}
 ");
-        let pod = render_launcher_pod(
-            &v,
-            &TemplateConfig::default(),
-            &ClusterConfig::default(),
-            &|_| None,
-        )
-        .unwrap();
+        let pod = render(&v).unwrap();
         let sel = pod.spec.unwrap().node_selector.unwrap();
         assert_eq!(sel.len(), 2);
         assert_eq!(
@@ -1276,13 +1241,7 @@ metadata: {{name: a, namespace: default}}
 spec: {{domain: {{cpu: {cpu}, resources: {{requests: {{memory: 64Mi}}}}, devices: {{}}}}}}
 "
             ));
-            let pod = render_launcher_pod(
-                &v,
-                &TemplateConfig::default(),
-                &ClusterConfig::default(),
-                &|_| None,
-            )
-            .unwrap();
+            let pod = render(&v).unwrap();
             let mut keys: Vec<String> = pod
                 .spec
                 .unwrap()

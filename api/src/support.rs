@@ -177,6 +177,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::host_cpu_models_map_to_max_under_tcg_and_host_under_kvm",
     ),
     field(
+        "spec.domain.cpu.dedicatedCpuPlacement",
+        "launcher/tests/guest.rs::guest_q35_efi_paused_start_pinned_disk_boot_sigterm",
+    ),
+    field(
         "spec.domain.cpu.features",
         "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
     ),
@@ -187,6 +191,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.cpu.features[].policy",
         "launcher/src/convert/tests.rs::cpu_features_render_on_the_cpu_as_libvirt_renders_them",
+    ),
+    field(
+        "spec.domain.cpu.isolateEmulatorThread",
+        "launcher/tests/guest.rs::guest_q35_efi_paused_start_pinned_disk_boot_sigterm",
     ),
     field(
         "spec.domain.cpu.model",
@@ -614,7 +622,7 @@ pub const IMPLEMENTED: &[Implemented] = &[
     ),
     field(
         "spec.startStrategy",
-        "launcher/tests/guest.rs::guest_q35_efi_paused_start_disk_boot_sigterm",
+        "launcher/tests/guest.rs::guest_q35_efi_paused_start_pinned_disk_boot_sigterm",
     ),
     field(
         "spec.terminationGracePeriodSeconds",
@@ -880,8 +888,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.clock.timer.hyperv.present"),
     refused_value("spec.domain.clock.timer.pit.present", "false"),
     refused_value("spec.domain.clock.timer.rtc.present", "false"),
-    refused("spec.domain.cpu.dedicatedCpuPlacement"),
-    refused("spec.domain.cpu.isolateEmulatorThread"),
     refused("spec.domain.cpu.numa"),
     refused("spec.domain.cpu.realtime"),
     refused("spec.domain.devices.autoattachVSOCK"),

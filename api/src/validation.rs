@@ -316,14 +316,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
         let path = format!("{base}.domain.cpu");
         e.unsupported(format!("{path}.numa"), cpu.numa.as_ref());
         e.unsupported(format!("{path}.realtime"), cpu.realtime.as_ref());
-        e.unsupported_true(
-            format!("{path}.dedicatedCpuPlacement"),
-            cpu.dedicated_cpu_placement,
-        );
-        e.unsupported_true(
-            format!("{path}.isolateEmulatorThread"),
-            cpu.isolate_emulator_thread,
-        );
     }
     if let Some(m) = &d.memory {
         e.unsupported(

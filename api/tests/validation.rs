@@ -943,10 +943,9 @@ fn vm_and_replicaset_mistakes() {
     assert_eq!(text, ["spec.vmiName: required"]);
 }
 
-/// KubeVirt's rules for dedicated CPUs hold, and the only problem left is that kubevirt-rs does
-/// not pin CPUs yet.
+/// Dedicated CPUs with Guaranteed-shaped resources, as KubeVirt's rules want them, pass.
 #[test]
-fn dedicated_cpus_with_guaranteed_resources_are_only_unsupported() {
+fn dedicated_cpus_with_guaranteed_resources_pass() {
     let mut v = valid();
     set(
         &mut v,
@@ -972,13 +971,7 @@ fn dedicated_cpus_with_guaranteed_resources_are_only_unsupported() {
         .iter()
         .map(ToString::to_string)
         .collect();
-    assert_eq!(
-        text,
-        [
-            format!("spec.domain.cpu.dedicatedCpuPlacement: {UNSUPPORTED}"),
-            format!("spec.domain.cpu.isolateEmulatorThread: {UNSUPPORTED}"),
-        ]
-    );
+    assert_eq!(text, Vec::<String>::new());
 }
 
 /// What QEMU cannot do with the clock and disk options kubevirt-rs implements is named at its

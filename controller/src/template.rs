@@ -251,7 +251,7 @@ enum DiskContainerRole {
 }
 
 impl DiskImage<'_> {
-    fn container(&self, mount_dir: &str, role: DiskContainerRole) -> Container {
+    fn container(&self, mount_dir: &str, role: DiskContainerRole, dedicated: bool) -> Container {
         let name = container_disk_container_name(self.volume);
         let (name, args) = match role {
             DiskContainerRole::PrePull => (format!("{name}-init"), vec!["--no-op".to_owned()]),
@@ -273,7 +273,7 @@ impl DiskImage<'_> {
                 mount("container-disks", mount_dir),
                 mount(VIRT_BIN_VOLUME, "/usr/bin"),
             ]),
-            resources: Some(container_disk_resources()),
+            resources: Some(container_disk_resources(dedicated)),
             security_context: Some(non_root_security_context()),
             ..Container::default()
         }
@@ -572,11 +572,12 @@ pub fn render_launcher_pod(
         }),
         ..Container::default()
     };
+    let dedicated = dedicated_cpus(vmi).is_some();
     let mut containers = vec![compute];
     containers.extend(
         disks
             .iter()
-            .map(|d| d.container(&disk_mount_dir, DiskContainerRole::Serve)),
+            .map(|d| d.container(&disk_mount_dir, DiskContainerRole::Serve, dedicated)),
     );
     let init_containers = (!disks.is_empty()).then(|| {
         let mut init = vec![Container {
@@ -589,7 +590,7 @@ pub fn render_launcher_pod(
                 format!("{VIRT_BIN_DIR}/container-disk"),
             ]),
             volume_mounts: Some(vec![mount(VIRT_BIN_VOLUME, VIRT_BIN_DIR)]),
-            resources: Some(container_disk_resources()),
+            resources: Some(container_disk_resources(dedicated)),
             security_context: Some(non_root_security_context()),
             ..Container::default()
         }];
@@ -597,7 +598,7 @@ pub fn render_launcher_pod(
         init.extend(
             disks
                 .iter()
-                .map(|d| d.container(&disk_mount_dir, DiskContainerRole::PrePull)),
+                .map(|d| d.container(&disk_mount_dir, DiskContainerRole::PrePull, dedicated)),
         );
         init
     });
@@ -606,6 +607,9 @@ pub fn render_launcher_pod(
     node_selector.insert(labels::NODE_SCHEDULABLE.into(), "true".into());
     for label in cpu_node_labels(spec) {
         node_selector.insert(label, "true".into());
+    }
+    if dedicated {
+        node_selector.insert(labels::CPU_MANAGER.into(), "true".into());
     }
     if let Some(s) = &cfg.image_pull_secret {
         pull_secrets.push(s.clone());
@@ -838,8 +842,10 @@ pub(crate) fn non_root_security_context() -> SecurityContext {
     }
 }
 
-/// KubeVirt's minimal container-disk resources: the containers only serve a file.
-fn container_disk_resources() -> ResourceRequirements {
+/// KubeVirt's minimal container-disk resources: the containers only serve a file. With
+/// dedicated CPUs the request is the limit, as every container of a Guaranteed pod needs
+/// (`initContainerDedicatedCPURequiredResources`).
+fn container_disk_resources(dedicated: bool) -> ResourceRequirements {
     let q = |cpu: &str, mem: &str| {
         BTreeMap::from([
             ("cpu".to_owned(), Quantity(cpu.into())),
@@ -847,10 +853,23 @@ fn container_disk_resources() -> ResourceRequirements {
         ])
     };
     ResourceRequirements {
-        requests: Some(q("1m", "1M")),
+        requests: Some(if dedicated {
+            q("10m", "40M")
+        } else {
+            q("1m", "1M")
+        }),
         limits: Some(q("10m", "40M")),
         ..ResourceRequirements::default()
     }
+}
+
+/// The VMI's CPU when it asks for dedicated CPUs (KubeVirt's `IsCPUDedicated`).
+fn dedicated_cpus(vmi: &VirtualMachineInstance) -> Option<&api::vmi::Cpu> {
+    vmi.spec
+        .domain
+        .cpu
+        .as_ref()
+        .filter(|c| c.dedicated_cpu_placement == Some(true))
 }
 
 fn compute_resources(
@@ -907,6 +926,16 @@ fn compute_resources(
     }
     if let Some(q) = d.resources.limits.get("cpu") {
         limits.insert("cpu".to_owned(), q.clone());
+    }
+    // KubeVirt's `WithCPUPinning`: a Guaranteed pod whose whole CPUs the kubelet's static CPU
+    // manager gives the compute container exclusively, one per vCPU and one more for the
+    // emulator thread; memory limited to what is requested.
+    if let Some(cpu) = dedicated_cpus(vmi) {
+        let count = cpu.vcpus() + u32::from(cpu.isolate_emulator_thread == Some(true));
+        let count = Quantity(count.to_string());
+        requests.insert("cpu".to_owned(), count.clone());
+        limits.insert("cpu".to_owned(), count);
+        limits.insert("memory".to_owned(), requests["memory"].clone());
     }
     let one = || Quantity("1".into());
     if !cluster.use_emulation {

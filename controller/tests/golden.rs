@@ -99,3 +99,15 @@ fn config_volumes_launcher_pod_matches_golden() {
         &ClusterConfig::default(),
     );
 }
+
+/// `dedicatedCpuPlacement` with `isolateEmulatorThread` (KubeVirt's `WithCPUPinning`): a
+/// Guaranteed pod, every container's requests equal to its limits, three whole CPUs for two
+/// vCPUs and the emulator thread, and the `kubevirt.io/cpumanager` node selector.
+#[test]
+fn dedicated_cpus_launcher_pod_matches_golden() {
+    check(
+        "vmi-dedicated-cpus.yaml",
+        "launcher-pod-dedicated-cpus.yaml",
+        &ClusterConfig::default(),
+    );
+}

@@ -376,8 +376,12 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
 /// q35 with EFI (OVMF, secure boot off) booting the containerDisk, started paused
 /// (`startStrategy: Paused`): nothing runs, not even the firmware, until the unpause; SIGTERM
 /// to the launcher powers the guest down gracefully and leaves no process behind.
+/// Dedicated CPUs with an isolated emulator thread: the launcher runs on two CPUs (as the
+/// kubelet's static CPU manager would give its container), and before the first instruction
+/// the vCPU thread is pinned to the first, every other QEMU thread to the second.
 #[test]
-fn guest_q35_efi_paused_start_disk_boot_sigterm() {
+fn guest_q35_efi_paused_start_pinned_disk_boot_sigterm() {
+    let cpus = common::restrict_to_two_cpus();
     let mut l = Launcher::start_with(&["--grace-period-seconds", "120"], |root| {
         common::place_container_disk(root, 0);
     });
@@ -387,8 +391,9 @@ fn guest_q35_efi_paused_start_disk_boot_sigterm() {
         &id,
         json!({
             "domain": {
+                "cpu": {"cores": 1, "dedicatedCpuPlacement": true, "isolateEmulatorThread": true},
                 // GRUB 2.06 under OVMF runs out of memory loading the guest at 256Mi.
-                "resources": {"requests": {"memory": "512Mi"}},
+                "resources": {"requests": {"memory": "512Mi"}, "limits": {"memory": "512Mi"}},
                 "firmware": {"bootloader": {"efi": {"secureBoot": false}}},
                 "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1}]},
             },
@@ -400,6 +405,21 @@ fn guest_q35_efi_paused_start_disk_boot_sigterm() {
     assert_eq!(status, 200, "{d}\n{}", l.log());
     let pid = d["qemuPid"].as_i64().unwrap();
     assert!(l.dir(&format!("ephemeral/efi/{id}_VARS.fd")).exists());
+    let vcpu = d["vcpuThreads"][0].as_i64().unwrap();
+    let allowed = |tid: &str| {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_owned()
+    };
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let tid = task.unwrap().file_name().into_string().unwrap();
+        let want = if tid == vcpu.to_string() { cpus[0] } else { cpus[1] };
+        assert_eq!(allowed(&tid), want.to_string(), "QEMU thread {tid}");
+    }
     // Paused as the user's pause (the VMI shows PausedByUser), and still so later: QEMU sent
     // no RESUME, which would have made it Running.
     assert_eq!(

@@ -595,3 +595,24 @@ impl Drop for Hugepages {
         let _ = std::fs::write(NR_HUGEPAGES, self.before.trim());
     }
 }
+
+/// Restricts the calling thread, and so the launcher it starts next, to the first two CPUs it
+/// may run on, as the kubelet's static CPU manager gives a Guaranteed container its own CPUs.
+/// Returns them.
+pub fn restrict_to_two_cpus() -> [usize; 2] {
+    use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+    let me = nix::unistd::Pid::from_raw(0);
+    let own = sched_getaffinity(me).unwrap();
+    let cpus: Vec<usize> = (0..CpuSet::count())
+        .filter(|&c| own.is_set(c).unwrap())
+        .take(2)
+        .collect();
+    let [first, second] = cpus[..] else {
+        panic!("dedicated CPUs need two CPUs, this test runs on {cpus:?}");
+    };
+    let mut set = CpuSet::new();
+    set.set(first).unwrap();
+    set.set(second).unwrap();
+    sched_setaffinity(me, &set).unwrap();
+    [first, second]
+}

@@ -266,7 +266,7 @@ fn interfaces(
                 ips: prev.map(|p| p.ips.clone()).unwrap_or_default(),
                 interface_name: prev.and_then(|p| p.interface_name.clone()),
                 pod_interface_name: prev.and_then(|p| p.pod_interface_name.clone()),
-                queue_count: prev.and_then(|p| p.queue_count),
+                queue_count: i.queue_count.or_else(|| prev.and_then(|p| p.queue_count)),
                 link_state: i
                     .link_state
                     .clone()
@@ -285,6 +285,7 @@ fn domain_interfaces(domain: &Domain) -> Vec<DomainInterface> {
             mac: i.mac.clone(),
             pod_interface: None,
             link_state: i.link_state.clone(),
+            queue_count: i.queue_count,
         })
         .collect()
 }
@@ -889,6 +890,7 @@ mod tests {
                 mac: Some("52:54:00:00:00:01".into()),
                 model: "virtio-net-pci".into(),
                 link_state: Some("up".into()),
+                queue_count: Some(4),
             },
             InterfaceStatus {
                 name: "second".into(),
@@ -896,6 +898,7 @@ mod tests {
                 mac: Some("52:54:00:00:00:02".into()),
                 model: "e1000".into(),
                 link_state: Some("down".into()),
+                queue_count: Some(1),
             },
         ]
     }
@@ -929,6 +932,7 @@ mod tests {
         assert_eq!(ifs[0].ips, vec!["10.0.2.2".to_owned()], "no link-local");
         assert_eq!(ifs[0].interface_name.as_deref(), Some("eth0"));
         assert_eq!(ifs[0].info_source.as_deref(), Some("domain, guest-agent"));
+        assert_eq!(ifs[0].queue_count, Some(4));
         assert_eq!(ifs[1].info_source.as_deref(), Some("domain"));
         assert_eq!(ifs[1].ip, None);
     }

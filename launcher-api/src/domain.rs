@@ -44,6 +44,10 @@ pub struct InterfaceStatus {
     /// `up` or `down`, as the guest sees the link (absent from a launcher older than the field).
     #[serde(default)]
     pub link_state: Option<String>,
+    /// The NIC's queue pairs, KubeVirt's `status.interfaces[].queueCount` (absent from a
+    /// launcher older than the field).
+    #[serde(default)]
+    pub queue_count: Option<i32>,
 }
 
 /// `guest-fsfreeze-status`: whether the guest agent holds the guest's filesystems frozen.

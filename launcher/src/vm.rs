@@ -118,6 +118,7 @@ fn interface_status(n: &Nic, link_up: bool) -> InterfaceStatus {
         mac: n.mac.clone(),
         model: format!("{:?}", n.model).to_lowercase(),
         link_state: Some(link_state(link_up).to_owned()),
+        queue_count: i32::try_from(n.queues).ok(),
     }
 }
 

@@ -171,6 +171,7 @@ fn domain_interfaces(l: &Launcher) -> Vec<network::status::DomainInterface> {
             mac: i["mac"].as_str().map(str::to_owned),
             pod_interface: Some("eth0".into()),
             link_state: i["linkState"].as_str().map(str::to_owned),
+            queue_count: i["queueCount"].as_i64().map(|q| i32::try_from(q).unwrap()),
         })
         .collect()
 }
@@ -232,6 +233,7 @@ fn guest_masquerade_dhcp_ports_status_and_resync() {
     assert_eq!(s.ip.as_deref(), Some("10.0.2.2"));
     assert_eq!(s.interface_name.as_deref(), Some("eth0"));
     assert_eq!(s.info_source.as_deref(), Some("domain, guest-agent"));
+    assert_eq!(s.queue_count, Some(2), "KubeVirt's queueCount");
 
     // Re-running phase 1 (a restarted handler, a re-sync) keeps an established connection.
     let mut conn = common::wait_until(Duration::from_mins(1), "the guest's echo server", || {

@@ -27,6 +27,9 @@ pub struct DomainInterface {
     /// `up` or `down`, as the guest sees the link.
     #[serde(default)]
     pub link_state: Option<String>,
+    /// The NIC's queue pairs (1 unless `networkInterfaceMultiqueue` gave it more).
+    #[serde(default)]
+    pub queue_count: Option<i32>,
 }
 
 fn same_mac(a: &str, b: &str) -> bool {
@@ -75,6 +78,7 @@ pub fn merge(
             mac: d.mac.clone(),
             pod_interface_name: d.pod_interface.clone(),
             link_state: d.link_state.clone(),
+            queue_count: d.queue_count,
             info_source: Some(INFO_SOURCE_DOMAIN.to_owned()),
             ..Default::default()
         };
@@ -131,12 +135,14 @@ mod tests {
                 mac: Some("52:54:00:aa:bb:cc".into()),
                 pod_interface: Some("eth0".into()),
                 link_state: Some("down".into()),
+                queue_count: Some(2),
             },
             DomainInterface {
                 name: "other".into(),
                 mac: Some("52:54:00:00:00:01".into()),
                 pod_interface: None,
                 link_state: None,
+                queue_count: None,
             },
         ];
         let a = agent();
@@ -149,6 +155,7 @@ mod tests {
         assert_eq!(s[0].info_source.as_deref(), Some("domain, guest-agent"));
         assert_eq!(s[0].pod_interface_name.as_deref(), Some("eth0"));
         assert_eq!(s[0].link_state.as_deref(), Some("down"));
+        assert_eq!(s[0].queue_count, Some(2));
         assert_eq!(s[1].info_source.as_deref(), Some("domain"));
         assert_eq!(s[1].ip, None);
         assert_eq!(s[2].name, None);
@@ -163,6 +170,7 @@ mod tests {
             mac: None,
             pod_interface: None,
             link_state: Some("up".into()),
+            queue_count: Some(1),
         }];
         let s = merge(&d, None);
         assert_eq!(s.len(), 1);

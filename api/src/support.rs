@@ -5,8 +5,6 @@
 //!
 //! - [`IMPLEMENTED`]: it does what KubeVirt does, and the named test shows the effect (on QEMU's
 //!   command line, the launcher pod, the guest, or the defaults and admission KubeVirt applies).
-//! - [`IMPLEMENTED_WITHOUT_TEST`]: the code honours it (the named function), but no test shows it
-//!   yet; open work of issue 19, to be moved to [`IMPLEMENTED`] with a test.
 //! - [`REFUSED`]: validation (and so virt-api's admission webhook) refuses it with
 //!   `<path>: ... not supported by kubevirt-rs yet`. A field refused this way may still take
 //!   KubeVirt's default value, which is what kubevirt-rs does anyway (`autoattachVSOCK: false`,
@@ -37,8 +35,7 @@ use crate::validation::UNSUPPORTED;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Implemented {
     pub path: &'static str,
-    /// `<file>::<function>`: a test for [`IMPLEMENTED`], the code for
-    /// [`IMPLEMENTED_WITHOUT_TEST`].
+    /// `<file>::<function>`: the test that shows the effect.
     pub shown_by: &'static str,
     /// The field is a Kubernetes type copied whole into the launcher pod: its fields are not
     /// listed.
@@ -828,55 +825,54 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "spec.volumes[].persistentVolumeClaim.readOnly",
         "launcher/src/convert/tests.rs::pvcs_are_files_or_block_devices_and_hotpluggable_ones_get_a_port",
     ),
-];
-
-/// Fields the code honours with no test showing it yet.
-pub const IMPLEMENTED_WITHOUT_TEST: &[Implemented] = &[
     subtree(
         "spec.dnsConfig",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     field(
         "spec.dnsPolicy",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     // KubeVirt gives port names no meaning beyond being unique, which validation checks.
     field(
         "spec.domain.devices.interfaces[].ports[].name",
-        "api/src/validation.rs::interface",
+        "api/tests/validation.rs::each_mistake_is_reported_at_its_path",
     ),
     field(
         "spec.domain.resources.overcommitGuestOverhead",
-        "controller/src/template.rs::compute_resources",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
-    field("spec.hostname", "controller/src/template.rs::hostname"),
+    field(
+        "spec.hostname",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
+    ),
     field(
         "spec.priorityClassName",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     field(
         "spec.schedulerName",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     field(
         "spec.serviceAccountName",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     field(
         "spec.subdomain",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     subtree(
         "spec.topologySpreadConstraints",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
     field(
         "spec.volumes[].containerDisk.imagePullPolicy",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
     ),
     field(
         "spec.volumes[].containerDisk.imagePullSecret",
-        "controller/src/template.rs::render_launcher_pod",
+        "controller/tests/golden.rs::launcher_pod_matches_golden",
     ),
 ];
 

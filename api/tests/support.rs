@@ -6,9 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use api::support::{
-    ACCEPTED_BUT_IGNORED, CONTAINERS, IMPLEMENTED, IMPLEMENTED_WITHOUT_TEST, REFUSED,
-};
+use api::support::{ACCEPTED_BUT_IGNORED, CONTAINERS, IMPLEMENTED, REFUSED};
 use api::{ClusterConfig, VirtualMachineInstance, crds, validation};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     JSONSchemaProps, JSONSchemaPropsOrArray,
@@ -56,13 +54,10 @@ fn fields(node: &JSONSchemaProps, prefix: &str, out: &mut BTreeMap<String, JSONS
 
 /// The fields listed below `path`'s ancestors that take their children with them.
 fn covering_ancestor(path: &str) -> Option<String> {
-    let whole = REFUSED.iter().map(|r| r.path).chain(
-        IMPLEMENTED
-            .iter()
-            .chain(IMPLEMENTED_WITHOUT_TEST)
-            .filter(|i| i.subtree)
-            .map(|i| i.path),
-    );
+    let whole = REFUSED
+        .iter()
+        .map(|r| r.path)
+        .chain(IMPLEMENTED.iter().filter(|i| i.subtree).map(|i| i.path));
     let whole: Vec<&str> = whole.collect();
     path.match_indices('.')
         .map(|(i, _)| path[..i].trim_end_matches("[]"))
@@ -81,10 +76,6 @@ fn every_vmi_spec_field_is_in_exactly_one_list() {
         (
             "IMPLEMENTED",
             IMPLEMENTED.iter().map(|i| i.path).collect::<Vec<_>>(),
-        ),
-        (
-            "IMPLEMENTED_WITHOUT_TEST",
-            IMPLEMENTED_WITHOUT_TEST.iter().map(|i| i.path).collect(),
         ),
         ("REFUSED", REFUSED.iter().map(|r| r.path).collect()),
         (
@@ -280,11 +271,6 @@ fn every_named_test_and_function_exists() {
             Ok(true) => {}
             Ok(false) => problems.push(format!("{}: {} is not a test", i.path, i.shown_by)),
             Err(e) => problems.push(format!("{}: {e}", i.path)),
-        }
-    }
-    for i in IMPLEMENTED_WITHOUT_TEST {
-        if let Err(e) = find_function(i.shown_by) {
-            problems.push(format!("{}: {e}", i.path));
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));

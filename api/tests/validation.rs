@@ -420,6 +420,15 @@ fn mistakes() -> Vec<Mistake> {
             "needs a serial console, but spec.domain.devices.autoattachSerialConsole is false",
         ),
         m(
+            "two ports with one name",
+            vec![(
+                "/spec/domain/devices/interfaces/0/ports",
+                json!([{"name": "http", "port": 80}, {"name": "http", "port": 8080}]),
+            )],
+            "spec.domain.devices.interfaces[0].ports[1].name",
+            "duplicate port name \"http\"",
+        ),
+        m(
             "boot order zero",
             vec![("/spec/domain/devices/disks/0/bootOrder", json!(0))],
             "spec.domain.devices.disks[0].bootOrder",

@@ -1135,3 +1135,22 @@ fn clock_and_disk_values_qemu_cannot_honour_are_named() {
     set(&mut v, "/spec/domain/devices/blockMultiQueue", json!(true));
     assert_eq!(errors(v, &ClusterConfig::default()), []);
 }
+
+/// `networkInterfaceMultiqueue` is admitted whatever the NICs' models, as KubeVirt admits it
+/// since it dropped its "no virtio interfaces defined" rule: non-virtio NICs keep one queue.
+#[test]
+fn network_multiqueue_is_admitted_with_any_nic_model() {
+    let mut v = valid();
+    set(
+        &mut v,
+        "/spec/domain/devices/networkInterfaceMultiqueue",
+        json!(true),
+    );
+    assert_eq!(errors(v.clone(), &ClusterConfig::default()), []);
+    set(
+        &mut v,
+        "/spec/domain/devices/interfaces/0/model",
+        json!("e1000"),
+    );
+    assert_eq!(errors(v, &ClusterConfig::default()), []);
+}

@@ -11,12 +11,11 @@
 
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
-use common::{Proc, launcher_bin, rss_kib};
+use common::{Proc, kernel_boot_vmi, launcher_bin, place_kernel, request, rss_kib, start_launcher};
 
 mod common;
 
@@ -25,67 +24,6 @@ const RUNS: usize = 7;
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
-}
-
-fn start_launcher(bin: &Path, root: &Path) -> anyhow::Result<(Proc, PathBuf, Duration)> {
-    let socket = root.join("share/sockets/launcher-sock");
-    let t0 = Instant::now();
-    let child = Command::new(bin)
-        .args(["--allow-emulation", "--kubevirt-share-dir"])
-        .arg(root.join("share"))
-        .arg("--private-dir")
-        .arg(root.join("private"))
-        .arg("--ephemeral-disk-dir")
-        .arg(root.join("ephemeral"))
-        .arg("--container-disk-dir")
-        .arg(root.join("cd"))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let proc = Proc(child);
-    while !socket.exists() {
-        if t0.elapsed() > Duration::from_secs(10) {
-            bail!("no socket after 10 s");
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    Ok((proc, socket, t0.elapsed()))
-}
-
-fn put(socket: &Path, path: &str, body: &[u8]) -> anyhow::Result<String> {
-    let mut s = UnixStream::connect(socket)?;
-    write!(
-        s,
-        "PUT {path} HTTP/1.1\r\nHost: l\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n",
-        body.len()
-    )?;
-    s.write_all(body)?;
-    let mut out = String::new();
-    std::io::Read::read_to_string(&mut s, &mut out)?;
-    Ok(out)
-}
-
-fn vmi(uid: &str) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
-        "metadata": {"name": "bench", "namespace": "default", "uid": uid},
-        "spec": {"domain": {
-            "resources": {"requests": {"memory": "256Mi"}},
-            "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
-                "image": "g", "kernelPath": "/vmlinuz", "initrdPath": "/initrd.img"}}},
-            "devices": {},
-        }},
-    })
-}
-
-fn place_kernel(root: &Path) -> anyhow::Result<()> {
-    let kb = root.join("cd/kernel-boot");
-    std::fs::create_dir_all(&kb)?;
-    std::fs::copy(testguest::dir().join("vmlinuz"), kb.join("vmlinuz"))?;
-    std::fs::copy(testguest::dir().join("initrd.img"), kb.join("initrd.img"))?;
-    Ok(())
 }
 
 /// The baseline: the same argv, run directly, then `cont` over a raw QMP socket.
@@ -127,13 +65,6 @@ fn baseline(argv: &[String], qmp: &Path) -> anyhow::Result<Duration> {
 
 fn main() -> anyhow::Result<()> {
     let bin = launcher_bin()?;
-    // Debug builds are several times larger and slower; say which one the figures are for.
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    println!("launcher: {} ({profile} build)", bin.display());
 
     let mut ready = Vec::new();
     let mut idle_rss = 0;
@@ -160,13 +91,12 @@ fn main() -> anyhow::Result<()> {
         // Let the one-time accelerator probe finish; it is not part of a sync's cost.
         std::thread::sleep(Duration::from_secs(4));
         let uid = uuid::Uuid::new_v4().to_string();
-        let body = serde_json::to_vec(&vmi(&uid))?;
+        let vmi = kernel_boot_vmi(&uid, "256Mi", 1);
+        let body = serde_json::to_vec(&vmi)?;
         let t0 = Instant::now();
-        let reply = put(&socket, "/v1/sync", &body)?;
+        let reply = request(&socket, "PUT", "/v1/sync", &body)?;
         let took = t0.elapsed();
-        if !reply.contains("\"Running\"") {
-            bail!("sync failed: {reply}");
-        }
+        anyhow::ensure!(reply["state"] == "Running", "sync failed: {reply}");
         syncs.push(took);
         std::thread::sleep(Duration::from_millis(200));
         vm_rss = rss_kib(p.0.id());
@@ -183,7 +113,7 @@ fn main() -> anyhow::Result<()> {
             hotplug_disks: broot.path().join("hp"),
             block_devices: "/dev".into(),
         };
-        let v: api::VirtualMachineInstance = serde_json::from_value(vmi(&uid))?;
+        let v: api::VirtualMachineInstance = serde_json::from_value(vmi)?;
         let host = launcher::convert::Host {
             accel: launcher::qemu::Accel::Tcg,
             ovmf_dir: "/usr/share/OVMF".into(),

@@ -12,41 +12,14 @@
 //! Under TCG (this machine) QEMU's translated-code cache is in the figure; under KVM it is not.
 //! docs/controller.md sets these against the pod overhead the controller budgets.
 
-use std::io::{Read as _, Write as _};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use common::{Proc, launcher_bin, rss_kib};
+use common::{BOOT, Guest, launcher_bin, rss_kib};
 
 mod common;
 
 const MIB: u64 = 1 << 20;
-
-/// How long a guest may take to boot under TCG on a busy two-core machine.
-const BOOT: Duration = Duration::from_mins(6);
-
-fn request(
-    socket: &Path,
-    method: &str,
-    path: &str,
-    body: &[u8],
-) -> anyhow::Result<serde_json::Value> {
-    let mut s = UnixStream::connect(socket)?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: l\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n",
-        body.len()
-    )?;
-    s.write_all(body)?;
-    let mut out = String::new();
-    s.read_to_string(&mut out)?;
-    let (_, payload) = out.split_once("\r\n\r\n").context("no HTTP head")?;
-    Ok(serde_json::from_str(payload)?)
-}
 
 /// What QEMU has resident, in KiB.
 struct QemuMemory {
@@ -100,83 +73,18 @@ fn qemu_memory(pid: u32, guest_bytes: u64) -> anyhow::Result<QemuMemory> {
     Ok(memory)
 }
 
-fn vmi(uid: &str, memory: &str, vcpus: u32) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
-        "metadata": {"name": "overhead", "namespace": "default", "uid": uid},
-        "spec": {"domain": {
-            "cpu": {"cores": vcpus},
-            "resources": {"requests": {"memory": memory}},
-            "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
-                "image": "g", "kernelPath": "/vmlinuz", "initrdPath": "/initrd.img"}}},
-            "devices": {},
-        }},
-    })
-}
-
 /// Boots one guest and returns what QEMU has resident and the launcher's RSS in KiB.
 fn measure(bin: &Path, memory: &str, guest: u64, vcpus: u32) -> anyhow::Result<(QemuMemory, u64)> {
-    let root = tempfile::tempdir()?;
-    let kernels = root.path().join("cd/kernel-boot");
-    std::fs::create_dir_all(&kernels)?;
-    for file in ["vmlinuz", "initrd.img"] {
-        std::fs::copy(testguest::dir().join(file), kernels.join(file))?;
-    }
-    let socket = root.path().join("share/sockets/launcher-sock");
-    let launcher = Proc(
-        Command::new(bin)
-            .args(["--allow-emulation", "--kubevirt-share-dir"])
-            .arg(root.path().join("share"))
-            .arg("--private-dir")
-            .arg(root.path().join("private"))
-            .arg("--ephemeral-disk-dir")
-            .arg(root.path().join("ephemeral"))
-            .arg("--container-disk-dir")
-            .arg(root.path().join("cd"))
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
-    let started = Instant::now();
-    while !socket.exists() {
-        if started.elapsed() > Duration::from_secs(10) {
-            bail!("no launcher socket after 10 s");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let uid = uuid::Uuid::new_v4().to_string();
-    let body = serde_json::to_vec(&vmi(&uid, memory, vcpus))?;
-    let domain = request(&socket, "PUT", "/v1/sync", &body)?;
-    if domain["state"] != "Running" {
-        bail!("sync failed: {domain}");
-    }
-    let pid = domain["qemuPid"]
-        .as_u64()
-        .and_then(|p| u32::try_from(p).ok())
-        .context("no QEMU pid")?;
-    // Booted: the guest agent (started last by the guest's init) answers.
-    let booted = Instant::now();
-    while request(&socket, "GET", "/v1/domain", &[])?["agentConnected"] != true {
-        if booted.elapsed() > BOOT {
-            bail!("the guest agent did not connect within {BOOT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    Ok((qemu_memory(pid, guest)?, rss_kib(launcher.0.id())))
+    let vm = Guest::start(bin, memory, vcpus)?;
+    vm.wait_booted(BOOT)?;
+    Ok((
+        qemu_memory(vm.qemu_pid, guest)?,
+        rss_kib(vm.launcher.0.id()),
+    ))
 }
 
 fn main() -> anyhow::Result<()> {
     let bin = launcher_bin()?;
-    let profile = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    println!(
-        "launcher: {} ({profile} build), accelerator tcg",
-        bin.display()
-    );
     println!(
         "{:>6} {:>5} {:>9} {:>12} {:>10} {:>14} {:>9}",
         "guest", "vCPUs", "QEMU RSS", "guest pages", "TCG code", "QEMU overhead", "launcher"

@@ -83,11 +83,17 @@ impl Console {
         let out_client = client.clone();
         let pump = tokio::spawn(async move {
             let mut buf = vec![0u8; 4096];
+            let mut first = true;
             loop {
                 let n = match from_qemu.read(&mut buf).await {
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
                 };
+                if std::mem::take(&mut first) {
+                    // When the guest's console came up: the start-latency benchmark splits
+                    // firmware from guest boot with it (and the guest's own timestamps).
+                    tracing::info!("guest serial console: first output");
+                }
                 if let Err(e) = log.write(&buf[..n]) {
                     tracing::warn!(error = %e, "cannot write the serial console log");
                 }

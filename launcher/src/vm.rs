@@ -848,6 +848,7 @@ impl Launcher {
                     "GUEST_PANICKED" => words.lock().expect("poisoned").panicked = true,
                     "VSERPORT_CHANGE" if ev.data_str("id") == Some("channel0") => {
                         let open = ev.data.get("open").and_then(Json::as_bool) == Some(true);
+                        tracing::info!(connected = open, "guest agent channel");
                         me.update(|d| {
                             d.agent_connected = open;
                             if !open {

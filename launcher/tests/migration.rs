@@ -239,13 +239,13 @@ fn guest_migration_benchmark_idle_and_dirtying() {
     source.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
     let (mut target, total, downtime, sent) = measure(&source, &v, "idle");
     assert!(source.wait_exit(Duration::from_secs(30)).success());
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load = testguest::load_average();
     println!(
         "migration, idle 256 MiB guest (TCG, unix sockets, block migration of its containerDisk \
          overlay and emptyDisk): total {total} ms, downtime {downtime} ms, memory sent {} KiB; \
          load average {}",
         sent / 1024,
-        load.trim()
+        load
     );
 
     let mut console = Console::connect(&target.vm_dir(&id).join("virt-serial0"));
@@ -255,11 +255,11 @@ fn guest_migration_benchmark_idle_and_dirtying() {
     );
     let (_again, total, downtime, sent) = measure(&target, &v, "dirtying");
     assert!(target.wait_exit(Duration::from_secs(30)).success());
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let load = testguest::load_average();
     println!(
         "migration, the same guest rewriting 64 MiB in a loop: total {total} ms, downtime \
          {downtime} ms, memory sent {} KiB; load average {}",
         sent / 1024,
-        load.trim()
+        load
     );
 }

@@ -17,22 +17,13 @@ fn status_mib(pid: u32, field: &str) -> f64 {
         .map_or(0.0, |kib| kib / 1024.0)
 }
 
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
 #[tokio::test]
 #[ignore = "benchmark: prints start time and memory of the control plane"]
 async fn bench_controlplane_start_and_rss() {
     let kube = kube_binary().expect("the upstream binary");
     for round in 1..=3 {
         let dir = tempfile::tempdir().unwrap();
-        let load = load_average();
+        let load = testguest::load_average();
         let started = Instant::now();
         let plane = ControlPlane::start(ControlPlaneConfig::new(dir.path(), kube.clone()))
             .await

@@ -2,8 +2,10 @@
 //! controller only schedules VMIs where a live handler with working device plugins runs
 //! (KubeVirt's `pkg/virt-handler/heartbeat`).
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use api::kubevirt::KubeVirt;
 use jiff::Timestamp;
 use serde_json::{Value, json};
 
@@ -47,23 +49,68 @@ pub fn jitter_sample() -> f64 {
     f64::from(nanos) / 1e9
 }
 
+/// KubeVirt's feature gate for dedicated CPUs; without it no node is labelled as having a
+/// CPU manager, so no VMI with dedicated CPUs schedules.
+pub const CPU_MANAGER_GATE: &str = "CPUManager";
+
+/// The kubelet's CPU manager checkpoint in its root dir; KubeVirt also looks at OpenShift 3's
+/// `/var/lib/origin/openshift.local.volumes/cpu_manager_state`, which no kubelet of ours writes.
+pub const CPU_MANAGER_STATE: &str = "cpu_manager_state";
+
+/// Whether a `cpu_manager_state` file says the static policy runs (KubeVirt's
+/// `isCPUManagerEnabled`: its `policyName`); an unreadable file says no.
+pub fn cpu_manager_static(state: &str) -> bool {
+    serde_json::from_str::<Value>(state).is_ok_and(|v| v["policyName"] == "static")
+}
+
+/// Whether `kubelet_root`'s CPU manager runs the static policy.
+fn kubelet_cpu_manager_static(kubelet_root: &Path) -> bool {
+    let path = kubelet_root.join(CPU_MANAGER_STATE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => cpu_manager_static(&text),
+        Err(e) => {
+            tracing::debug!(path = %path.display(), error = %e, "no CPU manager state");
+            false
+        }
+    }
+}
+
 /// Writes node patches; the Kubernetes API in production.
 #[derive(Debug, Clone)]
 pub struct NodePatcher {
     nodes: kube::Api<k8s_openapi::api::core::v1::Node>,
+    kubevirts: kube::Api<KubeVirt>,
     node: String,
+    kubelet_root: PathBuf,
 }
 
 impl NodePatcher {
-    pub fn new(client: kube::Client, node: &str) -> Self {
+    pub fn new(client: kube::Client, node: &str, kubelet_root: &Path) -> Self {
         NodePatcher {
-            nodes: kube::Api::all(client),
+            nodes: kube::Api::all(client.clone()),
+            kubevirts: kube::Api::all(client),
             node: node.to_owned(),
+            kubelet_root: kubelet_root.to_owned(),
         }
     }
 
+    /// KubeVirt's: the CPUManager gate is on and the kubelet's checkpoint says `static`.
+    async fn cpu_manager(&self) -> bool {
+        let gate = match self.kubevirts.list(&kube::api::ListParams::default()).await {
+            Ok(list) => list
+                .items
+                .iter()
+                .any(|kv| api::ClusterConfig::from_kubevirt(kv).has_feature_gate(CPU_MANAGER_GATE)),
+            Err(e) => {
+                tracing::debug!(error = %e, "no KubeVirt configuration: CPUManager gate off");
+                false
+            }
+        };
+        gate && kubelet_cpu_manager_static(&self.kubelet_root)
+    }
+
     pub async fn patch(&self, schedulable: bool) -> Result<(), kube::Error> {
-        let patch = node_patch(schedulable, false, Timestamp::now());
+        let patch = node_patch(schedulable, self.cpu_manager().await, Timestamp::now());
         self.nodes
             .patch(
                 &self.node,
@@ -134,6 +181,19 @@ mod tests {
             node_patch(false, true, now)["metadata"]["labels"]["kubevirt.io/schedulable"],
             "false"
         );
+    }
+
+    #[test]
+    fn only_the_static_policy_counts_as_a_cpu_manager() {
+        // What kubelets write: v2's top-level fields, which later versions keep beside `data`.
+        assert!(cpu_manager_static(
+            r#"{"policyName":"static","defaultCpuSet":"0,2-3","entries":{"u":{"compute":"1"}},"checksum":1}"#
+        ));
+        assert!(!cpu_manager_static(
+            r#"{"policyName":"none","defaultCpuSet":"","checksum":1}"#
+        ));
+        assert!(!cpu_manager_static("{\"policyName\":\"stat"));
+        assert!(!cpu_manager_static(""));
     }
 
     #[test]

@@ -21,7 +21,8 @@ struct Flags {
     /// The node this handler runs on.
     #[arg(long, env = "NODE_NAME")]
     hostname_override: String,
-    /// The kubelet's root; device plugins live in `<root>/device-plugins`.
+    /// The kubelet's root: device plugins live in `<root>/device-plugins`, the CPU manager's
+    /// checkpoint is `<root>/cpu_manager_state`.
     #[arg(long, default_value = "/var/lib/kubelet")]
     kubelet_root: PathBuf,
     /// How many devices each device plugin advertises.
@@ -179,7 +180,11 @@ async fn main() -> anyhow::Result<()> {
         stop.clone(),
     ));
     let beat = tokio::spawn(heartbeat::run(
-        NodePatcher::new(client.clone(), &flags.hostname_override),
+        NodePatcher::new(
+            client.clone(),
+            &flags.hostname_override,
+            &flags.kubelet_root,
+        ),
         ready_rx,
         Duration::from_secs(flags.heartbeat_interval_seconds),
         stop.clone(),

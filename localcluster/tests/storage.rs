@@ -269,3 +269,195 @@ async fn a_block_claim_is_refused_and_a_pod_waits_for_its_claim() {
         waiting["status"]
     );
 }
+
+/// A loop device over a sparse file: a block device of the node for a `local` volume,
+/// detached when dropped.
+struct LoopDevice {
+    path: String,
+    _backing: tempfile::NamedTempFile,
+}
+
+impl LoopDevice {
+    fn new(bytes: u64) -> Self {
+        let backing = tempfile::NamedTempFile::new().expect("the backing file");
+        backing
+            .as_file()
+            .set_len(bytes)
+            .expect("sizing the backing file");
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(backing.path())
+            .output()
+            .expect("losetup");
+        assert!(out.status.success(), "losetup: {out:?}");
+        Self {
+            path: String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+            _backing: backing,
+        }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup")
+            .args(["--detach", &self.path])
+            .status();
+    }
+}
+
+/// A claim bound to a `local` volume with `volumeMode: Block` (a loop device) reaches the
+/// container as a device node at its `devicePath`, written through to the device, with no
+/// node left in the host's `/dev`; a `HugePages` emptyDir is a hugetlbfs of the size the pod
+/// requests, at `/dev/hugepages` as KubeVirt's launcher mounts it, gone with the pod; the
+/// node reports the host's huge pages, which are not allocatable as memory.
+#[tokio::test]
+async fn a_local_block_claim_is_a_device_and_a_hugepages_empty_dir_a_hugetlbfs() {
+    let cluster = Cluster::start().await;
+    let node = TestNode::start(&cluster).await;
+    let device = LoopDevice::new(1 << 20);
+    let claims: Api<PersistentVolumeClaim> = cluster.api();
+    let pods: Api<Pod> = cluster.api();
+    let volumes: Api<PersistentVolume> = Api::all(cluster.client.clone());
+    let volume_name = format!("raw-{}", cluster.namespace);
+    let volume: PersistentVolume = serde_json::from_value(json!({
+        "metadata": {"name": volume_name},
+        "spec": {
+            "capacity": {"storage": "1Mi"},
+            "accessModes": ["ReadWriteOnce"],
+            "volumeMode": "Block",
+            "storageClassName": "raw",
+            "persistentVolumeReclaimPolicy": "Retain",
+            "local": {"path": device.path},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node.name()]}]}]}},
+        },
+    }))
+    .expect("the volume");
+    volumes
+        .create(&PostParams::default(), &volume)
+        .await
+        .expect("the volume");
+    claims
+        .create(
+            &PostParams::default(),
+            &claim(
+                "raw",
+                &json!({"volumeMode": "Block", "storageClassName": "raw",
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": "1Mi"}}}),
+            ),
+        )
+        .await
+        .expect("the claim");
+    eventually(120, "the claim bound to the local volume", || async {
+        let c = claims.get("raw").await.ok()?;
+        (c.status?.phase.as_deref() == Some("Bound")).then_some(())
+    })
+    .await;
+
+    let node_object = Api::<k8s_openapi::api::core::v1::Node>::all(cluster.client.clone())
+        .get(&node.name())
+        .await
+        .expect("the node");
+    // Other tests on this machine change the host's pool (`nr_hugepages`) at any time, so the
+    // figures are checked against each other, not against a reading of their own.
+    let status = node_object.status.expect("node status");
+    let capacity = status.capacity.expect("capacity");
+    let allocatable = status.allocatable.expect("allocatable");
+    let bytes = |q: &k8s_openapi::apimachinery::pkg::api::resource::Quantity| {
+        api::quantity::bytes(&q.0).expect("a quantity")
+    };
+    assert!(capacity.contains_key("hugepages-2Mi"), "{capacity:?}");
+    let pages: u64 = capacity
+        .iter()
+        .filter(|(k, _)| k.starts_with("hugepages-"))
+        .map(|(k, v)| {
+            assert_eq!(allocatable[k], *v);
+            bytes(v)
+        })
+        .sum();
+    assert_eq!(
+        bytes(&allocatable["memory"]),
+        bytes(&capacity["memory"]) - pages
+    );
+
+    let mut c = sh(
+        "c",
+        "printf kubevirt-rs > /dev/xvda; stat -c '%F %t:%T' /dev/xvda; \
+         grep ' /dev/hugepages ' /proc/mounts; touch /dev/hugepages/guest-ram && echo created",
+    );
+    c["volumeDevices"] = json!([{"name": "data", "devicePath": "/dev/xvda"}]);
+    c["volumeMounts"] = json!([{"name": "hugepages", "mountPath": "/dev/hugepages"}]);
+    let resources = json!({"hugepages-2Mi": "2Mi", "memory": "32Mi", "cpu": "10m"});
+    c["resources"] = json!({"requests": resources, "limits": resources});
+    let created = pods
+        .create(
+            &PostParams::default(),
+            &pod(
+                "user",
+                &node.name(),
+                &json!({"restartPolicy": "Never", "containers": [c], "volumes": [
+                    {"name": "data", "persistentVolumeClaim": {"claimName": "raw"}},
+                    {"name": "hugepages", "emptyDir": {"medium": "HugePages"}},
+                ]}),
+            ),
+        )
+        .await
+        .expect("the pod");
+    let uid = created.metadata.uid.expect("uid");
+    let done = wait_pod(&pods, "user", "the pod finished", |p| {
+        matches!(p["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+    })
+    .await;
+    let log_path = node
+        .kubelet()
+        .config()
+        .log_dir()
+        .join(format!("{}_user_{uid}/c/0.log", cluster.namespace));
+    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+    assert_eq!(done["status"]["phase"], "Succeeded", "{log}");
+    let rdev = {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(&device.path).expect("the device").rdev()
+    };
+    let (major, minor) = (nix::sys::stat::major(rdev), nix::sys::stat::minor(rdev));
+    let mut lines = log.lines();
+    assert_eq!(
+        lines.next(),
+        Some(&*format!("block special file {major:x}:{minor:x}")),
+        "{log}"
+    );
+    let mount = lines.next().unwrap_or_default();
+    assert!(
+        mount.contains(" hugetlbfs ") && mount.contains("pagesize=2M"),
+        "{log}"
+    );
+    assert_eq!(lines.next(), Some("created"), "{log}");
+    let mut written = vec![0; 11];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open(&device.path).expect("the device"),
+        &mut written,
+    )
+    .expect("reading the device");
+    assert_eq!(written, b"kubevirt-rs");
+    assert!(
+        !std::path::Path::new("/dev/xvda").exists(),
+        "a node in the host's /dev"
+    );
+
+    pods.delete("user", &DeleteParams::default())
+        .await
+        .expect("deleting the pod");
+    gone(&pods, "user", "the pod gone").await;
+    let pod_dir = node.pods_dir().join(&uid);
+    eventually(30, "the pod directory removed", || async {
+        (!pod_dir.exists()).then_some(())
+    })
+    .await;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    assert!(!mounts.contains(&*uid), "{mounts}");
+    volumes
+        .delete(&volume_name, &DeleteParams::default())
+        .await
+        .expect("deleting the volume");
+}

@@ -143,6 +143,7 @@ mod tests {
                 HostVolume {
                     path: dir.path().join("volumes/data"),
                     read_only: true,
+                    block: false,
                 },
             )]),
             init: Vec::new(),

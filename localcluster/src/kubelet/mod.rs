@@ -187,6 +187,7 @@ impl NodeConfig {
             labels: self.labels.clone(),
             extended_resources: self.extended_resources.clone(),
             device_resources: BTreeMap::new(),
+            hugepages: node::hugepages(Path::new("/sys/kernel/mm/hugepages")),
             kubelet_port: 0,
         }
     }
@@ -215,6 +216,7 @@ impl Sandbox {
         if let Some(n) = &self.network {
             n.delete();
         }
+        volumes::unmount_below(&self.pod_dir);
         for dir in [&self.pod_dir, &self.log_dir] {
             if dir.exists()
                 && let Err(e) = std::fs::remove_dir_all(dir)
@@ -500,6 +502,7 @@ fn sweep_stale(config: &NodeConfig) {
         let uid = entry.file_name().to_string_lossy().into_owned();
         tracing::info!(node = %config.name, %uid, "removing a stale pod");
         PodNetwork::for_uid(&uid, Ipv4Addr::UNSPECIFIED).delete();
+        volumes::unmount_below(&entry.path());
         if let Err(e) = std::fs::remove_dir_all(entry.path()) {
             tracing::warn!(dir = %entry.path().display(), error = %e, "removing a stale pod directory");
         }
@@ -533,6 +536,7 @@ fn recover(config: &NodeConfig) -> HashMap<String, checkpoint::PodCheckpoint> {
         tracing::info!(node = %config.name, %uid, "removing a pod caught in its sandbox set-up");
         cgroup::Cgroup::pod(&config.name, &uid).destroy();
         PodNetwork::for_uid(&uid, Ipv4Addr::UNSPECIFIED).delete();
+        volumes::unmount_below(&entry.path());
         if let Err(e) = std::fs::remove_dir_all(entry.path()) {
             tracing::warn!(dir = %entry.path().display(), error = %e, "removing a pod directory");
         }

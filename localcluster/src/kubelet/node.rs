@@ -1,6 +1,9 @@
 //! The Node object a kubelet registers and keeps alive, built by pure functions.
 
 use std::collections::BTreeMap;
+use std::path::Path;
+
+use api::quantity::format_binary_si;
 
 use serde_json::{Value, json};
 
@@ -17,6 +20,8 @@ pub struct NodeFacts {
     pub extended_resources: BTreeMap<String, String>,
     /// Device plugins' resources: (capacity, allocatable); they override `extended_resources`.
     pub device_resources: BTreeMap<String, (usize, usize)>,
+    /// Pre-allocated huge pages by resource (`hugepages-2Mi`), in bytes ([`hugepages`]).
+    pub hugepages: BTreeMap<String, u64>,
     /// The port of the kubelet API on `host_ip` (`status.daemonEndpoints`), which
     /// kube-apiserver dials for logs, exec and port-forward.
     pub kubelet_port: u16,
@@ -49,7 +54,15 @@ pub fn node_status(f: &NodeFacts, now: &str, ready_since: &str) -> Value {
     for (k, v) in &f.extended_resources {
         resources[k] = json!(v);
     }
+    for (k, bytes) in &f.hugepages {
+        resources[k] = json!(format_binary_si(i128::from(*bytes)));
+    }
     let mut allocatable = resources.clone();
+    // As the kubelet: memory held as huge pages is not allocatable as memory.
+    if let Ok(memory) = api::quantity::bytes(&f.memory) {
+        let pages: u64 = f.hugepages.values().sum();
+        allocatable["memory"] = json!(format_binary_si(i128::from(memory.saturating_sub(pages))));
+    }
     for (k, (capacity, healthy)) in &f.device_resources {
         resources[k] = json!(capacity.to_string());
         allocatable[k] = json!(healthy.to_string());
@@ -81,6 +94,36 @@ pub fn node_status(f: &NodeFacts, now: &str, ready_since: &str) -> Value {
             "containerRuntimeVersion": "localcluster://process", "machineID": "", "systemUUID": "", "bootID": "",
         },
     })
+}
+
+/// The huge pages the host has reserved, as the kubelet reports them: a `hugepages-<size>`
+/// resource for every page size under `dir` (`/sys/kernel/mm/hugepages`), of
+/// `nr_hugepages` x size bytes (0 for a size with none reserved).
+pub fn hugepages(dir: &Path) -> BTreeMap<String, u64> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            let kib: u64 = name
+                .to_str()?
+                .strip_prefix("hugepages-")?
+                .strip_suffix("kB")?
+                .parse()
+                .ok()?;
+            let count: u64 = std::fs::read_to_string(e.path().join("nr_hugepages"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()?;
+            let size = kib * 1024;
+            Some((
+                format!("hugepages-{}", format_binary_si(i128::from(size))),
+                count * size,
+            ))
+        })
+        .collect()
 }
 
 fn kernel_version() -> String {
@@ -124,6 +167,7 @@ mod tests {
             labels: BTreeMap::from([("zone".into(), "a".into())]),
             extended_resources: BTreeMap::from([("devices.kubevirt.io/kvm".into(), "1k".into())]),
             device_resources: BTreeMap::from([("example.com/gpu".into(), (3, 2))]),
+            hugepages: BTreeMap::from([("hugepages-2Mi".into(), 400 * 1024)]),
             kubelet_port: 10250,
         }
     }
@@ -139,6 +183,12 @@ mod tests {
         assert_eq!(s["allocatable"]["cpu"], "2");
         assert_eq!(s["capacity"]["example.com/gpu"], "3");
         assert_eq!(s["allocatable"]["example.com/gpu"], "2");
+        assert_eq!(s["capacity"]["hugepages-2Mi"], "400Ki");
+        assert_eq!(s["allocatable"]["hugepages-2Mi"], "400Ki");
+        assert_eq!(
+            (&s["capacity"]["memory"], &s["allocatable"]["memory"]),
+            (&json!("1000Ki"), &json!("600Ki"))
+        );
         let ready = &s["conditions"][3];
         assert_eq!(ready["type"], "Ready");
         assert_eq!(ready["status"], "True");
@@ -150,6 +200,24 @@ mod tests {
             s["nodeInfo"]["kubeletVersion"],
             format!("{}-localcluster", crate::controlplane::upstream_version())
         );
+    }
+
+    #[test]
+    fn hugepages_by_size_from_sysfs() {
+        let dir = tempfile::tempdir().unwrap();
+        for (size, count) in [("2048kB", "256\n"), ("1048576kB", "0\n")] {
+            let d = dir.path().join(format!("hugepages-{size}"));
+            std::fs::create_dir(&d).unwrap();
+            std::fs::write(d.join("nr_hugepages"), count).unwrap();
+        }
+        assert_eq!(
+            hugepages(dir.path()),
+            BTreeMap::from([
+                ("hugepages-1Gi".to_owned(), 0),
+                ("hugepages-2Mi".to_owned(), 256 << 21),
+            ])
+        );
+        assert!(hugepages(&dir.path().join("absent")).is_empty());
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Pod volumes on the node: each volume becomes a host directory under the pod dir (or the
 //! hostPath itself) that containers get bind-mounted at their `mountPath`s.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::FileTypeExt as _;
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
@@ -22,6 +23,10 @@ pub struct HostVolume {
     pub path: PathBuf,
     /// Every mount of it is read-only, whatever the mount says (a claim's `readOnly`).
     pub read_only: bool,
+    /// `path` is a block device (a claim bound to a `volumeMode: Block` volume): containers
+    /// get it through `volumeDevices`, never `volumeMounts`.
+    #[serde(default)]
+    pub block: bool,
 }
 
 impl HostVolume {
@@ -29,6 +34,7 @@ impl HostVolume {
         Self {
             path,
             read_only: false,
+            block: false,
         }
     }
 }
@@ -410,18 +416,35 @@ pub fn bound_volume(claim: &PersistentVolumeClaim) -> Result<&str, String> {
     }
 }
 
-/// The hostPath of a persistent volume, the only kind the process kubelet mounts; or what
-/// kind it is instead.
-pub fn volume_host_path(volume: &PersistentVolume) -> Result<&HostPathVolumeSource, String> {
+/// The source of a persistent volume the process kubelet can give a pod.
+#[derive(Debug, PartialEq)]
+pub enum ClaimedSource<'a> {
+    /// A `hostPath` volume (filesystem only, as upstream's hostPath plugin).
+    HostPath(&'a HostPathVolumeSource),
+    /// A `local` volume: a directory, or a block device when the volume's `volumeMode` is
+    /// `Block` (how upstream serves raw local disks).
+    Local { path: &'a str, block: bool },
+}
+
+/// The source of a persistent volume: `hostPath` or `local`, the kinds the process kubelet
+/// serves; or what kind it is instead.
+pub fn claimed_source(volume: &PersistentVolume) -> Result<ClaimedSource<'_>, String> {
     let name = volume.metadata.name.as_deref().unwrap_or_default();
     let spec = volume.spec.as_ref();
-    if spec.and_then(|s| s.volume_mode.as_deref()) == Some("Block") {
-        return Err(format!(
-            "persistentvolume {name:?} is a block volume: the process kubelet mounts filesystem volumes only"
-        ));
+    let block = spec.and_then(|s| s.volume_mode.as_deref()) == Some("Block");
+    if let Some(local) = spec.and_then(|s| s.local.as_ref()) {
+        return Ok(ClaimedSource::Local {
+            path: &local.path,
+            block,
+        });
     }
     if let Some(hp) = spec.and_then(|s| s.host_path.as_ref()) {
-        return Ok(hp);
+        if block {
+            return Err(format!(
+                "persistentvolume {name:?} is a hostPath volume with volumeMode Block: block volumes must be local volumes whose path is a block device"
+            ));
+        }
+        return Ok(ClaimedSource::HostPath(hp));
     }
     let kind = serde_json::to_value(spec)
         .ok()
@@ -433,12 +456,37 @@ pub fn volume_host_path(volume: &PersistentVolume) -> Result<&HostPathVolumeSour
         })
         .unwrap_or_else(|| "no source".into());
     Err(format!(
-        "persistentvolume {name:?} is of type {kind}: the process kubelet mounts hostPath volumes only"
+        "persistentvolume {name:?} is of type {kind}: the process kubelet serves hostPath and local volumes only"
     ))
 }
 
+/// The node path of a `local` volume, checked to be what its mode says: a block device for
+/// `Block`, else a directory.
+fn local_volume(
+    node_root: &Path,
+    path: &str,
+    block: bool,
+    volume: &str,
+) -> Result<PathBuf, KubeletError> {
+    let node_path = host_path(node_root, path);
+    let meta = std::fs::metadata(&node_path).map_err(io(&node_path))?;
+    let (ok, want) = if block {
+        (meta.file_type().is_block_device(), "a block device")
+    } else {
+        (meta.is_dir(), "a directory")
+    };
+    if ok {
+        Ok(node_path)
+    } else {
+        Err(KubeletError::Volume {
+            volume: volume.into(),
+            message: format!("local volume path {} is not {want}", node_path.display()),
+        })
+    }
+}
+
 /// The volume bound to a pod's claim (in the pod's namespace): the persistent volume's
-/// hostPath, read-only when the pod's volume says so. The Node authorizer lets the node read
+/// hostPath or local path, read-only when the pod's volume says so. The Node authorizer lets the node read
 /// the claims of its pods and the volumes bound to them.
 async fn claimed_volume(
     client: &Client,
@@ -468,11 +516,93 @@ async fn claimed_volume(
             what: format!("persistentvolume {bound} (bound to claim {namespace}/{claim_name})"),
             source,
         })?;
-    let hp = volume_host_path(&pv).map_err(refused)?;
-    Ok(HostVolume {
-        path: host_path_volume(node_root, hp, volume)?,
-        read_only: source.read_only.unwrap_or(false),
+    let read_only = source.read_only.unwrap_or(false);
+    Ok(match claimed_source(&pv).map_err(refused)? {
+        ClaimedSource::HostPath(hp) => HostVolume {
+            path: host_path_volume(node_root, hp, volume)?,
+            read_only,
+            block: false,
+        },
+        ClaimedSource::Local { path, block } => HostVolume {
+            path: local_volume(node_root, path, block, volume)?,
+            read_only,
+            block,
+        },
     })
+}
+
+/// The `pagesize=` option of a `HugePages` emptyDir's hugetlbfs, as the kubelet's emptyDir
+/// plugin chooses it: the size `HugePages-<size>` names, which a container must request; for
+/// plain `HugePages`, the one size the pod's containers request.
+pub fn hugepages_mount_option(medium: &str, pod: &Pod) -> Result<String, String> {
+    let named = medium.strip_prefix("HugePages-");
+    let spec = pod.spec.as_ref();
+    let requested: BTreeSet<&str> = spec
+        .into_iter()
+        .flat_map(|s| {
+            s.containers
+                .iter()
+                .chain(s.init_containers.iter().flatten())
+        })
+        .filter_map(|c| c.resources.as_ref()?.requests.as_ref())
+        .flat_map(|r| r.keys())
+        .filter_map(|k| k.strip_prefix("hugepages-"))
+        .collect();
+    let size = match named {
+        Some(size) => requested.contains(size).then_some(size),
+        None if requested.len() > 1 => {
+            return Err(format!(
+                "medium: {medium} can't be used if container requests multiple huge page sizes"
+            ));
+        }
+        None => requested.first().copied(),
+    };
+    size.map(|s| format!("pagesize={s}")).ok_or_else(|| {
+        format!(
+            "medium {medium}: hugePages storage requested, but there is no resource request for huge pages"
+        )
+    })
+}
+
+/// Mounts a hugetlbfs at `path` on the node (the kubelet's namespace): containers bind it, so
+/// they share its files as they share any emptyDir. Unmounted with the pod's directory.
+fn mount_hugetlbfs(path: &Path, option: &str) -> Result<(), KubeletError> {
+    let mounted = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(&*path.to_string_lossy()));
+    if mounted {
+        return Ok(());
+    }
+    nix::mount::mount(
+        Some("nodev"),
+        path,
+        Some("hugetlbfs"),
+        nix::mount::MsFlags::MS_NODEV | nix::mount::MsFlags::MS_NOSUID,
+        Some(option),
+    )
+    .map_err(|e| KubeletError::Io {
+        path: path.display().to_string(),
+        source: e.into(),
+    })
+}
+
+/// Detaches every mount on the node at or below `dir` (a pod's hugetlbfs emptyDirs), deepest
+/// first, so the directory can be removed.
+pub fn unmount_below(dir: &Path) {
+    let mut points: Vec<PathBuf> = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    for p in points {
+        if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
+            tracing::warn!(mount = %p.display(), error = %e, "unmounting a pod volume");
+        }
+    }
 }
 
 /// Materializes one volume for the pod in `pod_dir`.
@@ -485,9 +615,17 @@ pub async fn prepare(
 ) -> Result<HostVolume, KubeletError> {
     let namespace = pod.metadata.namespace.clone().unwrap_or_default();
     let name = volume.name.as_str();
-    if volume.empty_dir.is_some() {
+    if let Some(ed) = &volume.empty_dir {
         let path = plugin_dir(pod_dir, "empty-dir", name);
         std::fs::create_dir_all(&path).map_err(io(&path))?;
+        if let Some(medium) = ed.medium.as_deref().filter(|m| m.starts_with("HugePages")) {
+            let option =
+                hugepages_mount_option(medium, pod).map_err(|message| KubeletError::Volume {
+                    volume: name.into(),
+                    message,
+                })?;
+            mount_hugetlbfs(&path, &option)?;
+        }
         return Ok(HostVolume::writable(path));
     }
     if let Some(hp) = &volume.host_path {
@@ -595,21 +733,62 @@ mod tests {
                             "persistentVolumeReclaimPolicy": "Delete"});
         let mut host = common.clone();
         host["hostPath"] = json!({"path": "/v/pv", "type": "Directory"});
-        assert_eq!(
-            volume_host_path(&volume(host.clone())).unwrap().path,
-            "/v/pv"
-        );
+        let v = volume(host.clone());
+        let Ok(ClaimedSource::HostPath(hp)) = claimed_source(&v) else {
+            panic!("{:?}", claimed_source(&v))
+        };
+        assert_eq!(hp.path, "/v/pv");
         let mut nfs = common.clone();
         nfs["nfs"] = json!({"server": "nfs.example.com", "path": "/export"});
         assert_eq!(
-            volume_host_path(&volume(nfs)).unwrap_err(),
-            "persistentvolume \"pv\" is of type nfs: the process kubelet mounts hostPath volumes only"
+            claimed_source(&volume(nfs)).unwrap_err(),
+            "persistentvolume \"pv\" is of type nfs: the process kubelet serves hostPath and local volumes only"
         );
         host["volumeMode"] = json!("Block");
         assert!(
-            volume_host_path(&volume(host))
+            claimed_source(&volume(host))
                 .unwrap_err()
-                .contains("is a block volume")
+                .contains("block volumes must be local volumes")
+        );
+        let mut local = common.clone();
+        local["local"] = json!({"path": "/dev/loop3"});
+        local["volumeMode"] = json!("Block");
+        assert_eq!(
+            claimed_source(&volume(local)),
+            Ok(ClaimedSource::Local {
+                path: "/dev/loop3",
+                block: true
+            })
+        );
+    }
+
+    #[test]
+    fn hugepages_mount_options_follow_the_pods_requests() {
+        let pod = |requests: &[serde_json::Value]| -> Pod {
+            let containers: Vec<_> = requests
+                .iter()
+                .map(|r| json!({"name": "c", "resources": {"requests": r, "limits": r}}))
+                .collect();
+            serde_json::from_value(json!({"spec": {"containers": containers}})).unwrap()
+        };
+        let two = json!({"hugepages-2Mi": "4Mi", "memory": "1Mi"});
+        let giga = json!({"hugepages-1Gi": "1Gi"});
+        assert_eq!(
+            hugepages_mount_option("HugePages", &pod(std::slice::from_ref(&two))),
+            Ok("pagesize=2Mi".into())
+        );
+        assert_eq!(
+            hugepages_mount_option("HugePages-1Gi", &pod(&[two.clone(), giga.clone()])),
+            Ok("pagesize=1Gi".into())
+        );
+        assert_eq!(
+            hugepages_mount_option("HugePages", &pod(&[two.clone(), giga])).unwrap_err(),
+            "medium: HugePages can't be used if container requests multiple huge page sizes"
+        );
+        assert_eq!(
+            hugepages_mount_option("HugePages-1Gi", &pod(&[two])).unwrap_err(),
+            "medium HugePages-1Gi: hugePages storage requested, but there is no resource \
+             request for huge pages"
         );
     }
 

@@ -735,10 +735,27 @@ impl Worker {
             MsFlags::empty(),
             None,
         );
-        for host in ["/dev", "/sys"] {
-            let target = plan.mount_point(&root, std::path::Path::new(host), false);
-            plan.bind(std::path::Path::new(host), &target, false);
+        let dev = plan.mount_point(&root, Path::new("/dev"), false);
+        match dev_layer(&ctr_dir, &spec, &self.volumes)? {
+            // The host's /dev under the container's own nodes and mount points, so nothing
+            // is created in the host's /dev; its submounts (pts, shm) bound again on top.
+            Some(layer) => {
+                plan.mount(
+                    Some("overlay"),
+                    &dev,
+                    Some("overlay"),
+                    MsFlags::empty(),
+                    Some(&format!("lowerdir={}:/dev", layer.display())),
+                );
+                for sub in host_dev_submounts() {
+                    let target = plan.mount_point(&root, &sub, false);
+                    plan.bind(&sub, &target, false);
+                }
+            }
+            None => plan.bind(Path::new("/dev"), &dev, false),
         }
+        let sys = plan.mount_point(&root, Path::new("/sys"), false);
+        plan.bind(Path::new("/sys"), &sys, false);
         let mut propagation = MsFlags::MS_PRIVATE;
         for m in spec.volume_mounts.iter().flatten() {
             let volume = self
@@ -748,6 +765,12 @@ impl Worker {
                     volume: m.name.clone(),
                     message: format!("container {} mounts an undeclared volume", spec.name),
                 })?;
+            if volume.block {
+                return Err(KubeletError::Volume {
+                    volume: m.name.clone(),
+                    message: "has volumeMode Block, but is specified in volumeMounts".into(),
+                });
+            }
             let mut source = volume.path.clone();
             if let Some(sub) = m.sub_path.as_deref().filter(|s| !s.is_empty()) {
                 source = source.join(sub);
@@ -769,6 +792,16 @@ impl Worker {
                 }
                 Some("HostToContainer") => propagation = MsFlags::MS_SLAVE,
                 _ => {}
+            }
+        }
+        // Block devices outside /dev (inside it, `dev_layer` made their nodes): the host's
+        // device bound onto a file in the container's root.
+        for d in spec.volume_devices.iter().flatten() {
+            if !Path::new(&d.device_path).starts_with("/dev")
+                && let Some(volume) = self.volumes.get(&d.name)
+            {
+                let target = plan.mount_point(&root, Path::new(&d.device_path), true);
+                plan.bind(&volume.path, &target, false);
             }
         }
         let owner = format!("{}/{}", self.uid, spec.name);
@@ -1315,6 +1348,106 @@ pub(super) async fn release_orphan(shared: &Arc<Shared>, uid: &str, checkpoint: 
     }
 }
 
+/// The layer a container's `/dev` gets over the host's when the pod puts something there: a
+/// device node for each of its `volumeDevices` (the claim's block device, as the container
+/// runtime makes them) and the mount points of its volumes under `/dev` (KubeVirt's
+/// `/dev/hugepages`). `None` when nothing goes there: the container then sees the host's
+/// `/dev` as it is. Remade at every start of the container.
+fn dev_layer(
+    ctr_dir: &Path,
+    spec: &Container,
+    volumes: &BTreeMap<String, HostVolume>,
+) -> Result<Option<PathBuf>, KubeletError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let layer = ctr_dir.join("dev");
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| KubeletError::Io { path, source }
+    };
+    if layer.exists() {
+        std::fs::remove_dir_all(&layer).map_err(io(&layer))?;
+    }
+    let in_dev = |p: &str| {
+        Path::new(p)
+            .strip_prefix("/dev")
+            .ok()
+            .filter(|r| !r.as_os_str().is_empty())
+            .map(|r| layer.join(r))
+    };
+    let mut used = false;
+    for d in spec.volume_devices.iter().flatten() {
+        let refused = |message: String| KubeletError::Volume {
+            volume: d.name.clone(),
+            message,
+        };
+        let volume = volumes.get(&d.name).ok_or_else(|| {
+            refused(format!(
+                "cannot find volume {:?} to pass into container {:?}",
+                d.name, spec.name
+            ))
+        })?;
+        if !volume.block {
+            return Err(refused(
+                "has volumeMode Filesystem, but is specified in volumeDevices".into(),
+            ));
+        }
+        let Some(node) = in_dev(&d.device_path) else {
+            continue;
+        };
+        let rdev = std::fs::metadata(&volume.path)
+            .map_err(io(&volume.path))?
+            .rdev();
+        if let Some(parent) = node.parent() {
+            std::fs::create_dir_all(parent).map_err(io(parent))?;
+        }
+        nix::sys::stat::mknod(
+            &node,
+            nix::sys::stat::SFlag::S_IFBLK,
+            nix::sys::stat::Mode::from_bits_truncate(0o660),
+            rdev,
+        )
+        .map_err(|e| io(&node)(e.into()))?;
+        used = true;
+    }
+    for m in spec.volume_mounts.iter().flatten() {
+        let (Some(point), Some(volume)) = (in_dev(&m.mount_path), volumes.get(&m.name)) else {
+            continue;
+        };
+        if volume.path.is_file() {
+            if let Some(parent) = point.parent() {
+                std::fs::create_dir_all(parent).map_err(io(parent))?;
+            }
+            std::fs::write(&point, b"").map_err(io(&point))?;
+        } else {
+            std::fs::create_dir_all(&point).map_err(io(&point))?;
+        }
+        used = true;
+    }
+    Ok(used.then_some(layer))
+}
+
+/// The mounts below the host's `/dev` (`/dev/pts`, `/dev/shm`...), outermost only: a
+/// recursive bind of each brings what is mounted inside it.
+fn host_dev_submounts() -> Vec<PathBuf> {
+    let points: std::collections::BTreeSet<PathBuf> =
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .map(PathBuf::from)
+            .filter(|p| p.starts_with("/dev") && p != Path::new("/dev"))
+            .collect();
+    points
+        .iter()
+        .filter(|p| {
+            !p.ancestors()
+                .skip(1)
+                .any(|a| a != Path::new("/dev") && points.contains(a))
+        })
+        .cloned()
+        .collect()
+}
+
 /// What a device plugin's Allocate answer gives a container: its device nodes and mounts at
 /// their container paths, and its environment (over the pod's). A device node already at its
 /// path in the container (every container sees the host's `/dev`) needs no bind.
@@ -1394,6 +1527,59 @@ fn next_backoff(current: Duration, base: Duration, since_last: Option<Duration>)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A block volume's node in the container's /dev layer has the device's numbers; the
+    /// mount points of volumes under /dev are there too; a filesystem volume in
+    /// `volumeDevices` is refused with the kubelet's words; no layer when nothing goes in /dev.
+    #[test]
+    fn dev_layer_holds_block_devices_and_mount_points() {
+        use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        let volumes = BTreeMap::from([
+            (
+                "disk".to_owned(),
+                HostVolume {
+                    path: "/dev/null".into(),
+                    read_only: false,
+                    block: true,
+                },
+            ),
+            (
+                "hp".to_owned(),
+                HostVolume {
+                    path: dir.path().to_owned(),
+                    read_only: false,
+                    block: false,
+                },
+            ),
+        ]);
+        let container = |spec: Value| -> Container {
+            let mut c = json!({"name": "c"});
+            json_patch::merge(&mut c, &spec);
+            serde_json::from_value(c).unwrap()
+        };
+        let spec = container(json!({
+            "volumeDevices": [{"name": "disk", "devicePath": "/dev/disks/xvda"}],
+            "volumeMounts": [{"name": "hp", "mountPath": "/dev/hugepages"}],
+        }));
+        let layer = dev_layer(dir.path(), &spec, &volumes).unwrap().unwrap();
+        let node = std::fs::metadata(layer.join("disks/xvda")).unwrap();
+        assert!(node.file_type().is_block_device());
+        assert_eq!(node.rdev(), std::fs::metadata("/dev/null").unwrap().rdev());
+        assert!(layer.join("hugepages").is_dir());
+
+        let plain = container(json!({"volumeMounts": [{"name": "hp", "mountPath": "/data"}]}));
+        assert_eq!(dev_layer(dir.path(), &plain, &volumes).unwrap(), None);
+        assert!(!layer.exists(), "an earlier start's layer is left");
+
+        let wrong = container(json!({"volumeDevices": [{"name": "hp", "devicePath": "/dev/x"}]}));
+        assert_eq!(
+            dev_layer(dir.path(), &wrong, &volumes)
+                .unwrap_err()
+                .to_string(),
+            "volume \"hp\": has volumeMode Filesystem, but is specified in volumeDevices"
+        );
+    }
 
     /// The pod object's deletion is tried again until kube-apiserver takes it, and given up
     /// only when the kubelet halts.

@@ -753,8 +753,10 @@ async fn readiness_gates_are_kept_and_hold_ready_until_true() {
     let pods: Api<Pod> = cluster.api();
     let mut c = sh("main", "exec sleep 1000");
     c["volumeMounts"] = json!([{"name": "flags", "mountPath": "/flags"}]);
-    c["readinessProbe"] = json!({"exec": {"command": ["test", "-f", "/flags/ready"]},
-        "periodSeconds": 1});
+    // The probe runs in the container's PID namespace, as a CRI exec: `/proc/self` (which
+    // virt-probe connects through) resolves only there.
+    c["readinessProbe"] = json!({"exec": {"command": ["sh", "-c",
+        "test -f /flags/ready && test -d /proc/self/fd"]}, "periodSeconds": 1});
     let created = pods
         .create(
             &PostParams::default(),
@@ -1696,5 +1698,113 @@ async fn a_restarted_kubelet_adopts_the_pods_of_the_one_before() {
             "the adopted container's process {pid} ended"
         );
     }
+    node.stop().await;
+}
+
+/// What the kernel lets `pid` run on (`Cpus_allowed_list`).
+fn allowed_cpus(pid: i32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+/// The static CPU manager (the default, reserving the first CPU): a Guaranteed pod's whole CPU
+/// is its container's alone, a Burstable pod's container runs on the rest; the checkpoint
+/// records it for virt-handler and for a restarted kubelet, which keeps the assignment: a pod
+/// asking for more than is then free is rejected as the real kubelet rejects it. A deleted
+/// pod's CPU goes back to the shared pool.
+#[tokio::test]
+async fn the_static_cpu_manager_gives_guaranteed_pods_their_own_cpus() {
+    use localcluster::kubelet::cpumanager;
+    let all = cpumanager::online_cpus();
+    let cpus: Vec<u32> = all.cpus().collect();
+    assert!(cpus.len() >= 2, "the static policy needs two CPUs: {all}");
+    let cluster = Cluster::start().await;
+    let mut node = TestNode::start(&cluster).await;
+    let node_name = node.name();
+    let pods: Api<Pod> = cluster.api();
+    let whole = json!({"cpu": "1", "memory": "64Mi"});
+    let mut pinned = sh("main", "exec sleep 100000");
+    pinned["resources"] = json!({"requests": whole, "limits": whole});
+    let mut shared = sh("main", "exec sleep 100000");
+    shared["resources"] = json!({"requests": {"cpu": "1"}});
+    for (name, c) in [("pinned", pinned), ("shared", shared)] {
+        pods.create(
+            &PostParams::default(),
+            &pod(
+                name,
+                &node_name,
+                &json!({"terminationGracePeriodSeconds": 1, "containers": [c]}),
+            ),
+        )
+        .await
+        .expect("creating the pod");
+    }
+    let mut main = std::collections::BTreeMap::new();
+    for name in ["pinned", "shared"] {
+        let p = wait_pod(&pods, name, "Running", |p| p["status"]["phase"] == "Running").await;
+        let uid = p["metadata"]["uid"].as_str().unwrap().to_owned();
+        let pid = eventually(30, "the container's process", || async {
+            container_pids(&node_name, &uid, "main").first().copied()
+        })
+        .await;
+        main.insert(name, (uid, pid));
+    }
+    let rest: cgroups::CpuList = cpus.iter().copied().filter(|&c| c != cpus[1]).collect();
+    assert_eq!(allowed_cpus(main["pinned"].1), cpus[1].to_string());
+    assert_eq!(allowed_cpus(main["shared"].1), rest.to_string());
+    let state = node
+        .kubelet()
+        .config()
+        .kubelet_dir()
+        .join(cpumanager::STATE_FILE);
+    let checkpoint: Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    assert_eq!(checkpoint["policyName"], "static", "{checkpoint}");
+    assert_eq!(checkpoint["defaultCpuSet"], rest.to_string(), "{checkpoint}");
+    assert_eq!(
+        checkpoint["entries"][&main["pinned"].0]["main"],
+        cpus[1].to_string(),
+        "{checkpoint}"
+    );
+
+    let abandoned = node.abandon().await;
+    node.adopt(abandoned).await;
+    // Every CPU but the reserved one: free only had the restart forgotten `pinned`'s.
+    let n = cpus.len() - 1;
+    let want = json!({"cpu": n.to_string(), "memory": "64Mi"});
+    let mut greedy = sh("main", "exec sleep 100000");
+    greedy["resources"] = json!({"requests": want, "limits": want});
+    pods.create(
+        &PostParams::default(),
+        &pod("greedy", &node_name, &json!({"containers": [greedy]})),
+    )
+    .await
+    .expect("creating the pod");
+    let rejected = wait_pod(&pods, "greedy", "rejected", |p| {
+        p["status"]["phase"] == "Failed"
+    })
+    .await;
+    assert_eq!(rejected["status"]["reason"], "UnexpectedAdmissionError");
+    assert_eq!(
+        rejected["status"]["message"],
+        format!(
+            "Pod was rejected: Allocate failed due to not enough cpus available to satisfy \
+             request: requested={n}, available={}, which is unexpected",
+            n - 1
+        )
+    );
+    assert_eq!(allowed_cpus(main["pinned"].1), cpus[1].to_string());
+
+    pods.delete("pinned", &DeleteParams::default())
+        .await
+        .expect("deleting");
+    eventually(30, "the shared pool grown back", || async {
+        (allowed_cpus(main["shared"].1) == all.to_string()).then_some(())
+    })
+    .await;
     node.stop().await;
 }

@@ -3,7 +3,9 @@
 //!
 //! Written against the cgroup file system directly rather than with cgroups-rs: the child must
 //! join its cgroup itself, between fork and exec (writing `0` to pre-opened `cgroup.procs`
-//! files), so nothing it forks can escape; cgroups-rs only moves a pid after the fact.
+//! files), so nothing it forks can escape; cgroups-rs only moves a pid after the fact. The
+//! cpuset files are two writes per directory in the same walk over every hierarchy, which a
+//! second library's view of the hierarchies would not make shorter.
 
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -17,8 +19,10 @@ use super::KubeletError;
 const ROOT: &str = "/sys/fs/cgroup";
 /// The v1 hierarchies a pod is placed in (those mounted), plus the unified one of a hybrid host.
 const V1: &[&str] = &[
-    "cpu", "cpuacct", "memory", "pids", "devices", "freezer", "blkio", "unified",
+    "cpu", "cpuacct", "cpuset", "memory", "pids", "devices", "freezer", "blkio", "unified",
 ];
+/// The files a v1 cpuset cgroup takes no process before they are set.
+const CPUSET_FILES: [&str; 2] = ["cpuset.mems", "cpuset.cpus"];
 
 /// The hierarchies on this host.
 pub fn hierarchies() -> Vec<PathBuf> {
@@ -71,7 +75,8 @@ impl Cgroup {
         }
     }
 
-    /// Creates the cgroup in every hierarchy.
+    /// Creates the cgroup in every hierarchy. A new v1 cpuset directory has no CPUs or memory
+    /// nodes, and takes no process until it has: each level gets its parent's.
     pub fn create(&self) -> Result<(), KubeletError> {
         for dir in self.dirs() {
             std::fs::create_dir_all(&dir).map_err(|source| KubeletError::Io {
@@ -79,7 +84,60 @@ impl Cgroup {
                 source,
             })?;
         }
+        let cpuset = Path::new(ROOT).join("cpuset");
+        if cpuset.join("cgroup.procs").exists() {
+            let mut parent = cpuset;
+            for part in self.relative.components() {
+                let child = parent.join(part);
+                for file in CPUSET_FILES {
+                    let current = read(&child.join(file))?;
+                    if current.trim().is_empty() {
+                        write(&child.join(file), &read(&parent.join(file))?)?;
+                    }
+                }
+                parent = child;
+            }
+        }
         Ok(())
+    }
+
+    /// Sets the CPUs the cgroup's processes may run on (`cpuset.cpus`), where a cpuset
+    /// hierarchy holds it.
+    pub fn set_cpus(&self, cpus: &str) -> Result<(), KubeletError> {
+        for dir in self.dirs() {
+            let path = dir.join("cpuset.cpus");
+            if path.exists() {
+                write(&path, cpus)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The containers' cgroups of this node's pods, as (pod uid, container name, cgroup); the
+    /// pause process's among them.
+    pub fn containers(&self) -> Vec<(String, String, Cgroup)> {
+        let mut out = Vec::new();
+        let Some(dir) = self.dirs().into_iter().next() else {
+            return out;
+        };
+        for pod in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = pod.file_name().to_string_lossy().into_owned();
+            let Some(uid) = name.strip_prefix("pod") else {
+                continue;
+            };
+            for c in std::fs::read_dir(pod.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                if c.file_type().is_ok_and(|t| t.is_dir()) {
+                    let container = c.file_name().to_string_lossy().into_owned();
+                    let cgroup = self.child(&name).child(&container);
+                    out.push((uid.to_owned(), container, cgroup));
+                }
+            }
+        }
+        out
     }
 
     /// Opens every hierarchy's `cgroup.procs` for writing, so a child can join with `0`.
@@ -152,6 +210,20 @@ impl Cgroup {
             remove_tree(&dir);
         }
     }
+}
+
+fn read(path: &Path) -> Result<String, KubeletError> {
+    std::fs::read_to_string(path).map_err(|source| KubeletError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+fn write(path: &Path, value: &str) -> Result<(), KubeletError> {
+    std::fs::write(path, value).map_err(|source| KubeletError::Io {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 fn collect_pids(dir: &Path, out: &mut Vec<i32>) {

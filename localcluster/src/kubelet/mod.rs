@@ -10,6 +10,7 @@ pub mod api;
 pub mod cgroup;
 mod checkpoint;
 pub mod cluster;
+pub mod cpumanager;
 pub mod deviceplugin;
 pub mod network;
 pub mod node;
@@ -107,6 +108,8 @@ pub struct NodeConfig {
     pub host_ip: String,
     /// The kubelet API kube-apiserver dials (logs, exec, port-forward); `None` serves none.
     pub serving: Option<Serving>,
+    /// `--cpu-manager-policy` and `--reserved-cpus`.
+    pub cpu_manager: cpumanager::CpuManagerPolicy,
 }
 
 /// How the kubelet serves its API: HTTPS on the node's address, client certificates from the
@@ -158,6 +161,7 @@ impl NodeConfig {
             restart_backoff: Duration::from_secs(10),
             host_ip: node::host_ip(),
             serving: None,
+            cpu_manager: cpumanager::CpuManagerPolicy::default_for(&cpumanager::online_cpus()),
         }
     }
 
@@ -237,6 +241,7 @@ pub(crate) struct Shared {
     pub api_port: u16,
     /// Outlives this kubelet: a restarted one takes it over with the pods.
     pub exits: Arc<checkpoint::ContainerExits>,
+    pub cpus: cpumanager::CpuManager,
 }
 
 impl Shared {
@@ -402,7 +407,14 @@ impl Kubelet {
             &config.kubelet_dir().join("device-plugins"),
             adopting.is_some(),
         )?;
+        let cpus = cpumanager::CpuManager::start(
+            &config.name,
+            &config.kubelet_dir(),
+            config.cpu_manager.clone(),
+            adopting.is_some(),
+        )?;
         let shared = Arc::new(Shared {
+            cpus,
             config,
             client,
             sandboxes: Mutex::new(HashMap::new()),

@@ -231,6 +231,17 @@ fn names(records: &[Record], pick: impl Fn(&Record) -> bool) -> String {
     picked.join(" ")
 }
 
+/// The status of a pod the kubelet rejected at admission (the real kubelet's `rejectPod`):
+/// Failed, with `UnexpectedAdmissionError`, as a resource manager's refusal is reported.
+pub fn rejected(message: &str, qos_class: &str) -> Value {
+    json!({
+        "phase": "Failed",
+        "reason": "UnexpectedAdmissionError",
+        "message": format!("Pod was rejected: {message}"),
+        "qosClass": qos_class,
+    })
+}
+
 /// The `status` object the kubelet writes. `previous` conditions keep their transition times.
 /// It holds only the conditions the kubelet owns; others on the pod (readiness gates set by
 /// controllers, `DisruptionTarget`) are left alone by the strategic merge patch that writes it.

@@ -131,6 +131,8 @@ struct Worker {
     /// The pids of this pod's containers that ended (their statuses wait in `shared.exits`).
     exits: mpsc::UnboundedReceiver<u32>,
     terminating: bool,
+    /// Why admission rejected the pod (the status message after `Pod was rejected: `).
+    rejected: Option<String>,
     published: Value,
     /// The checkpoint last written.
     saved: Option<PodCheckpoint>,
@@ -173,6 +175,7 @@ pub(super) async fn run(
         start_time: now(),
         exits,
         terminating: false,
+        rejected: None,
         published: Value::Null,
         saved: None,
     };
@@ -453,11 +456,18 @@ impl Worker {
     }
 
     async fn step(&mut self) {
-        if self.terminating {
+        if self.terminating || self.rejected.is_some() {
             return;
         }
         if self.sandbox.is_none() {
             if Instant::now() < self.sandbox_retry {
+                return;
+            }
+            // Admission, as the real kubelet's CPU manager admits a pod before anything of it
+            // runs; a rejected pod stays Failed and runs nothing.
+            if let Err(message) = self.shared.cpus.admit(&self.uid, &self.pod) {
+                tracing::warn!(pod = %self.name, %message, "pod rejected");
+                self.rejected = Some(message);
                 return;
             }
             match self.setup_sandbox().await {
@@ -819,6 +829,7 @@ impl Worker {
             .map(|s| s.cgroup.child(&spec.name))
             .ok_or(KubeletError::NoCommand)?;
         cgroup.create()?;
+        self.shared.cpus.apply(&cgroup, &self.uid, &spec.name)?;
         if let Some(limit) = spec
             .resources
             .as_ref()
@@ -1100,7 +1111,9 @@ impl Worker {
                     workdir: PathBuf::from("/"),
                     netns: Some(open_proc(pid, "ns/net")?),
                     mntns: Some(open_proc(pid, "ns/mnt")?),
-                    pidns: None,
+                    // As a CRI exec: the container's `/proc` shows its own PID namespace, so
+                    // a command outside it finds no `/proc/self` there.
+                    pidns: Some(open_proc(pid, "ns/pid")?),
                     hostname: None,
                     cgroups: Vec::new(),
                     root: None,
@@ -1204,6 +1217,7 @@ impl Worker {
 
     async fn teardown(&mut self) {
         self.shared.devices.release(&self.uid);
+        self.shared.cpus.release(&self.uid);
         let pids = self.init.iter().chain(&self.app).filter_map(|c| c.pid);
         self.shared
             .exits
@@ -1290,7 +1304,10 @@ impl Worker {
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        let status = super::status::pod_status(&view, &previous, &now());
+        let status = match &self.rejected {
+            Some(message) => super::status::rejected(message, view.qos_class),
+            None => super::status::pod_status(&view, &previous, &now()),
+        };
         if status == self.published {
             return;
         }
@@ -1316,6 +1333,7 @@ impl Worker {
 pub(super) async fn release_orphan(shared: &Arc<Shared>, uid: &str, checkpoint: &PodCheckpoint) {
     tracing::info!(node = %shared.config.name, %uid, "releasing a pod the API no longer has");
     shared.devices.release(uid);
+    shared.cpus.release(uid);
     let pids = checkpoint
         .init
         .iter()

@@ -1746,7 +1746,10 @@ async fn the_static_cpu_manager_gives_guaranteed_pods_their_own_cpus() {
     }
     let mut main = std::collections::BTreeMap::new();
     for name in ["pinned", "shared"] {
-        let p = wait_pod(&pods, name, "Running", |p| p["status"]["phase"] == "Running").await;
+        let p = wait_pod(&pods, name, "Running", |p| {
+            p["status"]["phase"] == "Running"
+        })
+        .await;
         let uid = p["metadata"]["uid"].as_str().unwrap().to_owned();
         let pid = eventually(30, "the container's process", || async {
             container_pids(&node_name, &uid, "main").first().copied()
@@ -1764,7 +1767,11 @@ async fn the_static_cpu_manager_gives_guaranteed_pods_their_own_cpus() {
         .join(cpumanager::STATE_FILE);
     let checkpoint: Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
     assert_eq!(checkpoint["policyName"], "static", "{checkpoint}");
-    assert_eq!(checkpoint["defaultCpuSet"], rest.to_string(), "{checkpoint}");
+    assert_eq!(
+        checkpoint["defaultCpuSet"],
+        rest.to_string(),
+        "{checkpoint}"
+    );
     assert_eq!(
         checkpoint["entries"][&main["pinned"].0]["main"],
         cpus[1].to_string(),

@@ -2510,6 +2510,89 @@ async fn a_repeated_event_is_counted_and_a_new_message_under_its_reason_is_kept(
     );
 }
 
+/// A VMI whose claim does not exist gets no launcher pod, as KubeVirt's: it stays Pending with
+/// `Synchronized=False`, reason `FailedPvcNotFound`, and one such event; once the claim exists
+/// (a `Block` one) the pod is created with it as a `volumeDevices` entry at `/dev/<volume>`, and
+/// the condition goes.
+#[tokio::test]
+async fn a_vmi_waits_for_its_claim_then_gets_a_block_claim_as_a_device() {
+    let (_server, client) = cluster().await;
+    let _c = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let mut v = vmi("blk");
+    v.spec
+        .domain
+        .devices
+        .disks
+        .push(serde_json::from_value(json!({"name": "raw", "disk": {"bus": "virtio"}})).unwrap());
+    v.spec.volumes.push(
+        serde_json::from_value(
+            json!({"name": "raw", "persistentVolumeClaim": {"claimName": "raw"}}),
+        )
+        .unwrap(),
+    );
+    vmis.create(&PostParams::default(), &v).await.unwrap();
+    let message = "spec.volumes[1].persistentVolumeClaim.claimName: PVC default/raw does not \
+                   exist, waiting for it to appear";
+    let synchronized = |v: &VirtualMachineInstance| {
+        v.status.as_ref().and_then(|s| {
+            s.condition(&api::status::VirtualMachineInstanceConditionType::Synchronized)
+                .cloned()
+        })
+    };
+    let waiting = wait_for("the VMI waiting for its claim", || async {
+        synchronized(&vmis.get("blk").await.unwrap())
+            .filter(|c| c.reason.as_deref() == Some("FailedPvcNotFound"))
+    })
+    .await;
+    assert_eq!(
+        (waiting.status, waiting.message.as_deref()),
+        (api::common::ConditionStatus::False, Some(message))
+    );
+    wait_for_event(&client, "blk", "FailedPvcNotFound", message).await;
+    let created = vmis.get("blk").await.unwrap();
+    assert_eq!(phase(&created).as_deref(), Some("Pending"));
+    assert!(pods_of(&client, &created).await.is_empty());
+
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> =
+        Api::default_namespaced(client.clone());
+    claims
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "metadata": {"name": "raw"},
+                "spec": {"accessModes": ["ReadWriteOnce"], "volumeMode": "Block",
+                         "storageClassName": "", "resources": {"requests": {"storage": "64Mi"}}},
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let pod = wait_for("the launcher pod", || async {
+        pods_of(&client, &created).await.into_iter().next()
+    })
+    .await;
+    let compute = &pod.spec.unwrap().containers[0];
+    assert_eq!(
+        serde_json::to_value(&compute.volume_devices).unwrap(),
+        json!([{"name": "raw", "devicePath": "/dev/raw"}])
+    );
+    assert!(
+        !compute
+            .volume_mounts
+            .iter()
+            .flatten()
+            .any(|m| m.name == "raw"),
+        "a block claim is not mounted"
+    );
+    wait_for("the condition gone", || async {
+        synchronized(&vmis.get("blk").await.unwrap())
+            .is_none_or(|c| c.reason.as_deref() != Some("FailedPvcNotFound"))
+            .then_some(())
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn a_claim_hotplugged_into_a_vm_gets_an_attachment_pod_until_it_is_removed() {
     let (_server, client) = cluster().await;

@@ -795,12 +795,13 @@ fn cpu(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
     if cpu.isolate_emulator_thread == Some(true) && cpu.dedicated_cpu_placement != Some(true) {
         e.add(
             format!("{path}.isolateEmulatorThread"),
-            "only allowed together with dedicatedCpuPlacement",
+            "IsolateEmulatorThread should be only set in combination with DedicatedCPUPlacement",
         );
     }
 }
 
 /// KubeVirt's `validateCpuPinning`: dedicated CPUs need Guaranteed-QoS-shaped resources.
+/// KubeVirt's messages, but for its spelling of "integer" and a trailing space.
 fn dedicated_cpus(
     spec: &VirtualMachineInstanceSpec,
     cpu: &crate::vmi::Cpu,
@@ -819,40 +820,47 @@ fn dedicated_cpus(
         {
             e.add(
                 format!("{base}.domain.resources.{field}.cpu"),
-                "must be a whole number of CPUs when dedicatedCpuPlacement is true",
+                format!("provided resources CPU {field} must be an integer"),
             );
         }
     }
-    if cpu.threads.is_some_and(|t| t > 2) {
+    if let Some(t) = cpu.threads.filter(|&t| t > 2) {
         e.add(
             path.clone(),
-            "at most two threads per core when dedicatedCpuPlacement is true",
+            format!("Not more than two threads must be provided at {base}.domain.cpu.threads (got {t}) when DedicatedCPUPlacement is true"),
         );
     }
     let value = |q: Option<ParsedQuantity>| q.map_or(0, ParsedQuantity::value);
     let vcpus = i128::from(cpu.vcpus());
     let topology_given = cpu.cores.is_some() || cpu.sockets.is_some() || cpu.threads.is_some();
+    let (req_path, lim_path) = (
+        format!("{base}.domain.resources.requests.cpu"),
+        format!("{base}.domain.resources.limits.cpu"),
+    );
     if value(req) > 0 && value(lim) > 0 && value(req) != value(lim) {
-        e.add(path.clone(), "resources.requests.cpu and resources.limits.cpu must be equal when dedicatedCpuPlacement is true");
+        e.add(
+            path.clone(),
+            format!("{req_path} or {lim_path} must be equal when DedicatedCPUPlacement is true"),
+        );
     }
     if (value(req) > 0 || value(lim) > 0)
         && topology_given
         && value(req) != vcpus
         && value(lim) != vcpus
     {
-        e.add(path.clone(), format!("the CPU request or limit must equal the {vcpus} vCPUs of the topology when dedicatedCpuPlacement is true"));
+        e.add(path.clone(), format!("{req_path} or {lim_path} must not be provided at the same time with {base}.domain.cpu.cores when DedicatedCPUPlacement is true"));
     }
     if value(req) == 0 && value(lim) == 0 && !topology_given {
         e.add(
             path.clone(),
-            "needs resources.requests.cpu, resources.limits.cpu or a CPU topology",
+            format!("either {req_path} or {lim_path} or {base}.domain.cpu.cores must be provided when DedicatedCPUPlacement is true"),
         );
     }
     let (mreq, mlim) = (get(&res.requests, "memory"), get(&res.limits, "memory"));
     if value(mreq) > 0 && value(mlim) > 0 && value(mreq) != value(mlim) {
         e.add(
             format!("{base}.domain.resources.requests.memory"),
-            "must be equal to resources.limits.memory when dedicatedCpuPlacement is true",
+            format!("{base}.domain.resources.requests.memory must be equal to {base}.domain.resources.limits.memory"),
         );
     }
 }

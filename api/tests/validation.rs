@@ -249,7 +249,7 @@ fn mistakes() -> Vec<Mistake> {
             "isolateEmulatorThread without dedicated CPUs",
             vec![("/spec/domain/cpu/isolateEmulatorThread", json!(true))],
             "spec.domain.cpu.isolateEmulatorThread",
-            "only allowed together with dedicatedCpuPlacement",
+            "IsolateEmulatorThread should be only set in combination with DedicatedCPUPlacement",
         ),
         m(
             "malformed MAC address",
@@ -686,13 +686,13 @@ fn mistakes() -> Vec<Mistake> {
                 ("/spec/domain/resources/requests/cpu", json!("1500m")),
             ],
             "spec.domain.resources.requests.cpu",
-            "whole number of CPUs",
+            "provided resources CPU requests must be an integer",
         ),
         m(
             "dedicated CPUs with memory request below the limit",
             vec![("/spec/domain/cpu/dedicatedCpuPlacement", json!(true))],
             "spec.domain.resources.requests.memory",
-            "must be equal to resources.limits.memory",
+            "spec.domain.resources.requests.memory must be equal to spec.domain.resources.limits.memory",
         ),
         m(
             "dedicated CPUs with a request that does not match the topology",
@@ -701,7 +701,29 @@ fn mistakes() -> Vec<Mistake> {
                 ("/spec/domain/resources/requests/cpu", json!("3")),
             ],
             "spec.domain.cpu.dedicatedCpuPlacement",
-            "must equal the 1 vCPUs of the topology",
+            "spec.domain.resources.requests.cpu or spec.domain.resources.limits.cpu must not be \
+             provided at the same time with spec.domain.cpu.cores when DedicatedCPUPlacement is true",
+        ),
+        m(
+            "dedicated CPUs with three threads per core",
+            vec![
+                ("/spec/domain/cpu/dedicatedCpuPlacement", json!(true)),
+                ("/spec/domain/cpu/threads", json!(3)),
+            ],
+            "spec.domain.cpu.dedicatedCpuPlacement",
+            "Not more than two threads must be provided at spec.domain.cpu.threads (got 3) when \
+             DedicatedCPUPlacement is true",
+        ),
+        m(
+            "dedicated CPUs with CPU requests and limits that differ",
+            vec![
+                ("/spec/domain/cpu/dedicatedCpuPlacement", json!(true)),
+                ("/spec/domain/resources/requests/cpu", json!("1")),
+                ("/spec/domain/resources/limits/cpu", json!("2")),
+            ],
+            "spec.domain.cpu.dedicatedCpuPlacement",
+            "spec.domain.resources.requests.cpu or spec.domain.resources.limits.cpu must be equal \
+             when DedicatedCPUPlacement is true",
         ),
         m(
             "unsupported architecture",

@@ -133,6 +133,14 @@ pub fn convert(
     cpu.pv_unhalt = pv_unhalt(&features, host.accel)?;
     if let Some(c) = &vmi.spec.domain.cpu {
         cpu.features = cpu_features(c)?;
+        // KubeVirt adds KVM's `hint-dedicated` for dedicated CPUs on amd64 (libvirt's
+        // `kvm-hint-dedicated=on`); the hint is KVM's, so TCG gets nothing.
+        if c.dedicated_cpu_placement == Some(true) && host.accel == Accel::Kvm {
+            cpu.features.push(CpuFeature {
+                name: "kvm-hint-dedicated".into(),
+                enabled: true,
+            });
+        }
     }
     let machine = Machine {
         kind,

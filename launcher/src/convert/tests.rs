@@ -140,6 +140,23 @@ fn host_cpu_models_map_to_max_under_tcg_and_host_under_kvm() {
     assert_eq!(p.config.cpu.model, "host");
 }
 
+/// Dedicated CPUs give the guest KVM's `hint-dedicated` under KVM, as KubeVirt asks libvirt to;
+/// TCG has no such hint.
+#[test]
+fn dedicated_cpus_hint_the_guest_under_kvm_only() {
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"cores": 1, "dedicatedCpuPlacement": true});
+    let cpu_line = |p: &Plan| {
+        let argv = p.config.argv();
+        argv[argv.iter().position(|a| a == "-cpu").unwrap() + 1].clone()
+    };
+    assert_eq!(cpu_line(&conv(s.clone()).unwrap()), "max");
+    let mut kvm = host();
+    kvm.accel = Accel::Kvm;
+    let p = convert(&vmi(s), &dirs(), &kvm).unwrap();
+    assert_eq!(cpu_line(&p), "host,kvm-hint-dedicated=on");
+}
+
 /// `cpu.features` on `-cpu` as libvirt renders them, after the CPU's other switches so that
 /// they have the last word; a policy or a name QEMU cannot take is named at its field.
 #[test]

@@ -22,11 +22,16 @@ use crate::pki::{self, Credential, Pki, Subject};
 /// Service gets its first address.
 /// kube-apiserver's audit policy: every write (who, verb, object, response code) at the
 /// `Metadata` level, nothing else, so `logs/kube-apiserver-audit.log` answers "who wrote
-/// this" and the API-economy benchmark counts each component's writes.
+/// this" and the API-economy benchmark counts each component's writes. Pod creates carry their
+/// request too: a pod created with `generateName` has no name in its entry, and the
+/// start-latency benchmark finds each launcher pod's creation by its `generateName`.
 const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: [RequestReceived]
 rules:
+- level: Request
+  verbs: [create]
+  resources: [{group: '', resources: [pods]}]
 - level: Metadata
   verbs: [create, update, patch, delete, deletecollection]
 - level: None

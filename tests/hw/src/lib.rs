@@ -713,6 +713,28 @@ impl Stack {
         }
     }
 
+    /// The VMI `default/<name>` once it runs with its guest agent connected; until then what
+    /// it is, for [`wait_for`]'s message.
+    pub fn running_with_agent(&self, name: &str) -> Result<Option<serde_json::Value>, String> {
+        let vmi = self
+            .get_json("default", "vmi", name)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("no VMI {name}"))?;
+        let agent = vmi["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "AgentConnected" && c["status"] == "True");
+        if vmi["status"]["phase"] == "Running" && agent {
+            Ok(Some(vmi))
+        } else {
+            Err(format!(
+                "{name}: phase {}, agent {agent}",
+                vmi["status"]["phase"]
+            ))
+        }
+    }
+
     /// The launcher's private dir for a VMI, as seen from the node:
     /// `<node root>/var/lib/kubelet/pods/<pod uid>/volumes/kubernetes.io~empty-dir/private/<vmi uid>`.
     pub fn vmi_private_dir(&self, vmi: &serde_json::Value) -> Option<PathBuf> {

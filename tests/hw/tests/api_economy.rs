@@ -35,21 +35,6 @@ fn vmi(stack: &Stack, name: &str) -> serde_json::Value {
     })
 }
 
-fn running_with_agent(stack: &Stack, name: &str) -> Result<Option<()>, String> {
-    let vmi = stack
-        .get_json("default", "vmi", name)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("no VMI {name}"))?;
-    let agent = vmi["status"]["conditions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .any(|c| c["type"] == "AgentConnected" && c["status"] == "True");
-    (vmi["status"]["phase"] == "Running" && agent)
-        .then_some(Some(()))
-        .ok_or_else(|| format!("{name}: phase {}, agent {agent}", vmi["status"]["phase"]))
-}
-
 fn print_window(title: &str, counts: &BTreeMap<WriteKey, usize>) {
     println!("\n{title}: writes per VMI ({VMIS} VMIs)");
     println!(
@@ -95,7 +80,7 @@ fn bench_api_writes_per_vmi() {
         }
         for name in batch {
             wait_for(&format!("{name} to run with its agent"), BOOT, || {
-                running_with_agent(&stack, name)
+                stack.running_with_agent(name).map(|vmi| vmi.map(drop))
             })
             .unwrap_or_else(|e| panic!("{e}"));
         }

@@ -37,25 +37,14 @@ fn wait_vm_status(stack: &Stack, want: &str) {
 
 /// The VMI's uid once it runs and its guest agent is connected.
 fn running_vmi(stack: &Stack) -> String {
-    wait_for("the VMI to run with its agent connected", BOOT, || {
-        let vmi = get(stack, "vmi")?;
-        let agent = vmi["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|c| c["type"] == "AgentConnected" && c["status"] == "True");
-        if vmi["status"]["phase"] == "Running" && agent {
-            Ok(Some(
-                vmi["metadata"]["uid"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-            ))
-        } else {
-            Err(format!("phase {}, agent {agent}", vmi["status"]["phase"]))
-        }
+    let vmi = wait_for("the VMI to run with its agent connected", BOOT, || {
+        stack.running_with_agent("demo")
     })
-    .unwrap_or_else(|e| panic!("{e}"))
+    .unwrap_or_else(|e| panic!("{e}"));
+    vmi["metadata"]["uid"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// What the guest writes at the start of a hotplugged disk.

@@ -50,6 +50,9 @@ pub struct ClusterConfig {
     pub max_hotplug_ratio: u32,
     /// `migrations`, KubeVirt's defaults filled in.
     pub migrations: crate::migration::MigrationConfiguration,
+    /// `vmStateStorageClass`: the class of backend-storage claims (`None`: the cluster's
+    /// default class, and the claims `ReadWriteOnce`).
+    pub vm_state_storage_class: Option<String>,
 }
 
 /// KubeVirt's default CPU request, which `defaults` never writes into a spec.
@@ -72,6 +75,7 @@ impl Default for ClusterConfig {
             max_guest: None,
             max_hotplug_ratio: 4,
             migrations: crate::migration::MigrationConfiguration::default().effective(),
+            vm_state_storage_class: None,
         }
     }
 }
@@ -140,6 +144,7 @@ impl ClusterConfig {
         }) {
             out.migrations = m.effective();
         }
+        out.vm_state_storage_class = c.vm_state_storage_class.clone().filter(|s| !s.is_empty());
         out
     }
 

@@ -30,6 +30,7 @@
 //! assert!(matches!(volume.source(), Some(api::vmi::VolumeSource::ContainerDisk(_))));
 //! ```
 
+pub mod backendstorage;
 pub mod common;
 pub mod config;
 pub mod configdisk;

@@ -434,6 +434,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::efi_secure_boot_uses_secboot_code_and_smm",
     ),
     field(
+        "spec.domain.firmware.bootloader.efi.persistent",
+        "launcher/tests/guest.rs::guest_q35_efi_paused_start_pinned_disk_boot_sigterm",
+    ),
+    field(
         "spec.domain.firmware.bootloader.efi.secureBoot",
         "launcher/src/convert/tests.rs::efi_secure_boot_uses_secboot_code_and_smm",
     ),
@@ -917,7 +921,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.features.hyperv"),
     refused("spec.domain.features.hypervPassthrough"),
     refused("spec.domain.firmware.acpi"),
-    refused("spec.domain.firmware.bootloader.efi.persistent"),
     refused("spec.domain.ioThreads"),
     refused("spec.domain.launchSecurity"),
     refused("spec.domain.memory.reservedOverhead"),

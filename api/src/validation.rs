@@ -326,11 +326,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     if let Some(f) = &d.firmware {
         let path = format!("{base}.domain.firmware");
         e.unsupported(format!("{path}.acpi"), f.acpi.as_ref());
-        let bootloader = f.bootloader.as_ref();
-        e.unsupported_true(
-            format!("{path}.bootloader.efi.persistent"),
-            bootloader.and_then(|b| b.efi.as_ref()?.persistent),
-        );
     }
     if let Some(f) = &d.features {
         let path = format!("{base}.domain.features");

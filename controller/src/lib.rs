@@ -1,9 +1,10 @@
 //! virt-controller: the cluster-wide controllers of kubevirt-rs (VM, VMI, ReplicaSet, Node,
 //! migration, evacuation, disruption budget), as pure decision functions ([`vm`], [`vmi`],
 //! [`finalizers`], [`replicaset`], [`pool`], [`node`], [`migration`], [`evacuation`],
-//! [`disruptionbudget`], [`template`],
+//! [`disruptionbudget`], [`template`], [`backendstorage`],
 //! [`cache`]) and thin kube-rs shells around them ([`run`], [`metrics`]). See `docs/controller.md`.
 
+pub mod backendstorage;
 pub mod cache;
 pub mod disruptionbudget;
 pub mod evacuation;

@@ -101,6 +101,13 @@ pub enum TemplateError {
     /// Neither a memory request nor guest memory is set.
     #[error("spec.domain.resources.requests.memory: the VMI sets no memory")]
     NoMemory,
+    /// The VMI needs backend storage and its status names no claim yet (the VMI controller
+    /// names it before it renders the pod).
+    #[error(
+        "{}: no backend-storage PVC in status.volumeStatus yet",
+        api::backendstorage::PERSISTENT_EFI_FIELD
+    )]
+    NoBackendStorage,
     /// A claim the launcher pod would mount does not exist (KubeVirt's `PvcNotFoundError`).
     #[error("{path}: PVC {namespace}/{claim} does not exist")]
     ClaimNotFound {
@@ -492,6 +499,29 @@ pub fn render_launcher_pod(
                 &format!("{}/vmi-disks/{}", cfg.private_dir, v.name),
             ));
         }
+    }
+    // KubeVirt's `withBackendStorage`: the claim the VMI's status names, its `nvram` directory
+    // where the launcher keeps persistent EFI variables. KubeVirt also mounts its `meta`
+    // directory, where a migration's hand-off marker goes; no hand-off is done here
+    // (docs/migration.md).
+    if api::backendstorage::needed(vmi) {
+        let claim =
+            api::backendstorage::current_claim(vmi).ok_or(TemplateError::NoBackendStorage)?;
+        volumes.push(Volume {
+            name: api::backendstorage::POD_VOLUME.into(),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.to_owned(),
+                read_only: None,
+            }),
+            ..Volume::default()
+        });
+        compute_mounts.push(VolumeMount {
+            sub_path: Some(api::backendstorage::NVRAM_SUBPATH.into()),
+            ..mount(
+                api::backendstorage::POD_VOLUME,
+                api::backendstorage::NVRAM_DIR,
+            )
+        });
     }
     if spec
         .domain

@@ -224,6 +224,35 @@ pub fn wait_for_claims(out: &mut VmiSync, missing: Option<String>, now: Timestam
     }
 }
 
+/// KubeVirt's backend-storage sync errors (`FailedBackendStorageCreate`,
+/// `FailedBackendStorageProbe`, `BackendStorageNotReady`): while `problem` holds one, the
+/// launcher pod is not created and the `Synchronized` condition says why; the condition goes
+/// with the problem.
+pub fn wait_for_backend_storage(
+    out: &mut VmiSync,
+    problem: Option<(&'static str, String)>,
+    now: Timestamp,
+) {
+    use crate::backendstorage::{FAILED_CREATE, FAILED_PROBE, NOT_READY};
+    let synchronized = VirtualMachineInstanceConditionType::Synchronized;
+    for reason in [FAILED_CREATE, FAILED_PROBE, NOT_READY] {
+        if problem.as_ref().map(|p| p.0) != Some(reason) {
+            remove_condition(&mut out.status, &synchronized, Some(reason));
+        }
+    }
+    if let Some((reason, message)) = problem {
+        out.pods = PodAction::None;
+        set_condition(
+            &mut out.status,
+            synchronized,
+            ConditionStatus::False,
+            reason,
+            message,
+            now,
+        );
+    }
+}
+
 /// The message of the validation condition: every field at fault.
 pub fn validation_message(errors: &[FieldError]) -> String {
     errors

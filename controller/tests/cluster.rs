@@ -2910,3 +2910,154 @@ async fn instancetype_and_preference_are_snapshotted_and_expanded_into_the_vmi()
     );
     assert!(vmis.get_opt("vm2").await.unwrap().is_none());
 }
+
+/// `efi.persistent` (KubeVirt's backend storage): with no default StorageClass the VMI stays
+/// Pending, its `Synchronized` condition `FailedBackendStorageCreate`; once there is one, the
+/// VMI controller makes the VM's claim (KubeVirt's name, labels, size, access mode and owner)
+/// before the launcher pod, which mounts its `nvram` directory, and the VM's next instance
+/// mounts the same claim.
+#[tokio::test]
+async fn persistent_efi_gets_the_vms_backend_storage_claim_before_its_pod() {
+    use api::status::VirtualMachineInstanceConditionType::Synchronized;
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    use k8s_openapi::api::storage::v1::StorageClass;
+
+    let (_server, client) = cluster().await;
+    let _controller = start(&client, "a", false);
+    let vms: Api<VirtualMachine> = Api::default_namespaced(client.clone());
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let claims: Api<PersistentVolumeClaim> = Api::default_namespaced(client.clone());
+    let mut spec = vmi_spec();
+    spec["domain"]["firmware"] =
+        json!({"bootloader": {"efi": {"secureBoot": false, "persistent": true}}});
+    let vm: VirtualMachine = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+        "metadata": {"name": "efi", "namespace": "default"},
+        "spec": {"runStrategy": "Always", "template": {"spec": spec}},
+    }))
+    .unwrap();
+    let vm = vms.create(&PostParams::default(), &vm).await.unwrap();
+
+    let first = wait_for("FailedBackendStorageCreate", || async {
+        let v = vmis.get_opt("efi").await.unwrap()?;
+        let c = v.status.as_ref()?.condition(&Synchronized)?;
+        (c.reason.as_deref() == Some("FailedBackendStorageCreate")).then(|| v.clone())
+    })
+    .await;
+    let status = first.status.as_ref().unwrap();
+    assert_eq!(
+        status.condition(&Synchronized).unwrap().message.as_deref(),
+        Some("no default storage class found")
+    );
+    assert_eq!(phase(&first).as_deref(), Some("Pending"));
+    assert!(pods_of(&client, &first).await.is_empty());
+
+    // Binds when the pod is scheduled, so the claim is ready for the pod at once.
+    let class: StorageClass = serde_json::from_value(json!({
+        "metadata": {"name": "local",
+            "annotations": {"storageclass.kubernetes.io/is-default-class": "true"}},
+        "provisioner": "example.com/none",
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }))
+    .unwrap();
+    Api::<StorageClass>::all(client.clone())
+        .create(&PostParams::default(), &class)
+        .await
+        .unwrap();
+    let pod = wait_for("the launcher pod", || async {
+        pods_of(&client, &first).await.into_iter().next()
+    })
+    .await;
+    let list = claims
+        .list(&ListParams::default().labels("persistent-state-for=efi"))
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(list.len(), 1, "one claim");
+    let claim = &list[0];
+    let name = claim.name_any();
+    assert!(name.starts_with("persistent-state-for-efi-"), "{name}");
+    assert_eq!(
+        claim.labels().get("cdi.kubevirt.io/applyStorageProfile"),
+        Some(&"true".to_owned())
+    );
+    let owner = &claim.owner_references()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+        ("VirtualMachine", vm.uid().unwrap().as_str(), Some(true))
+    );
+    let cs = claim.spec.as_ref().unwrap();
+    assert_eq!(
+        (
+            cs.access_modes.as_deref(),
+            cs.storage_class_name.as_deref(),
+            cs.volume_mode.as_deref()
+        ),
+        (
+            Some(&["ReadWriteOnce".to_owned()][..]),
+            Some("local"),
+            Some("Filesystem")
+        )
+    );
+    assert_eq!(
+        cs.resources.as_ref().unwrap().requests.as_ref().unwrap()["storage"].0,
+        "10Mi"
+    );
+    let mounted = |pod: &Pod| {
+        let spec = pod.spec.as_ref().unwrap();
+        let volume = spec
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == "vm-state")
+            .and_then(|v| v.persistent_volume_claim.as_ref())
+            .map(|c| c.claim_name.clone());
+        let mount = spec.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|m| m.name == "vm-state")
+            .map(|m| (m.mount_path.clone(), m.sub_path.clone()));
+        (volume, mount)
+    };
+    let nvram = Some((
+        "/var/lib/libvirt/qemu/nvram".to_owned(),
+        Some("nvram".to_owned()),
+    ));
+    assert_eq!(mounted(&pod), (Some(name.clone()), nvram.clone()));
+    let entry = wait_for("the claim in volumeStatus", || async {
+        let v = vmis.get("efi").await.unwrap();
+        let s = v.status?;
+        let e = s
+            .volume_status
+            .into_iter()
+            .find(|e| e.name == "persistent-state-for-this-vm")?;
+        Some(e.persistent_volume_claim_info?.0)
+    })
+    .await;
+    assert_eq!(
+        entry,
+        json!({"claimName": name, "accessModes": ["ReadWriteOnce"]})
+    );
+
+    // The guest ends; the VM's next instance gets the same claim.
+    bind_and_run(&client, &pod, "node01").await;
+    set_phase(&vmis, "efi", "Succeeded").await;
+    let second = wait_for("a new VMI", || async {
+        vmis.get_opt("efi")
+            .await
+            .unwrap()
+            .filter(|v| v.uid() != first.uid())
+    })
+    .await;
+    let pod = wait_for("its launcher pod", || async {
+        pods_of(&client, &second).await.into_iter().next()
+    })
+    .await;
+    assert_eq!(mounted(&pod), (Some(name), nvram));
+    let list = claims
+        .list(&ListParams::default().labels("persistent-state-for=efi"))
+        .await
+        .unwrap();
+    assert_eq!(list.items.len(), 1, "the claim is reused, not made again");
+}

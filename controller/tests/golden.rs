@@ -111,3 +111,28 @@ fn dedicated_cpus_launcher_pod_matches_golden() {
         &ClusterConfig::default(),
     );
 }
+
+/// Block claims (a `persistentVolumeClaim` and an `ephemeral` volume's) as KubeVirt's
+/// `volumeDevices` at `/dev/<volume>`, a filesystem claim mounted under `vmi-disks/`, and
+/// `memory.hugepages`: guest RAM as `hugepages-2Mi`, the memory request only the overhead, a
+/// `HugePages` emptyDir at `/dev/hugepages`.
+#[test]
+fn block_claims_and_hugepages_launcher_pod_matches_golden() {
+    check(
+        "vmi-block-hugepages.yaml",
+        "launcher-pod-block-hugepages.yaml",
+        &ClusterConfig::default(),
+    );
+}
+
+/// `efi.persistent` (KubeVirt's `withBackendStorage`): the claim named in the VMI's
+/// `status.volumeStatus` as the volume `vm-state`, its `nvram` directory mounted at
+/// `/var/lib/libvirt/qemu/nvram`.
+#[test]
+fn persistent_efi_launcher_pod_matches_golden() {
+    check(
+        "vmi-persistent-efi.yaml",
+        "launcher-pod-persistent-efi.yaml",
+        &ClusterConfig::default(),
+    );
+}

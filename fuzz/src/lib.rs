@@ -31,6 +31,7 @@ pub fn check_conversion(vmi: &api::VirtualMachineInstance) {
         container_disks: root.join("container-disks"),
         hotplug_disks: root.join("hotplug-disks"),
         block_devices: root.join("dev"),
+        nvram: root.join("nvram"),
     };
     for accel in [Accel::Kvm, Accel::Tcg] {
         let host = launcher::convert::Host {

@@ -112,6 +112,7 @@ fn main() -> anyhow::Result<()> {
             container_disks: broot.path().join("cd"),
             hotplug_disks: broot.path().join("hp"),
             block_devices: "/dev".into(),
+            nvram: broot.path().join("nvram"),
         };
         let v: api::VirtualMachineInstance = serde_json::from_value(vmi)?;
         let host = launcher::convert::Host {

@@ -664,7 +664,16 @@ fn firmware(
         ("OVMF_CODE_4M.fd", "OVMF_VARS_4M.fd")
     };
     let code = host.ovmf_dir.join(code);
-    let vars = dirs.efi_vars(uid);
+    // Persistent variables live on the backend-storage claim under the VMI's name, as
+    // KubeVirt's; the others are the pod's, gone with it.
+    let (vars, vars_field) = if api::backendstorage::has_persistent_efi(vmi) {
+        (
+            dirs.persistent_efi_vars(vmi.metadata.name.as_deref().unwrap_or_default()),
+            api::backendstorage::PERSISTENT_EFI_FIELD,
+        )
+    } else {
+        (dirs.efi_vars(uid), "spec.domain.firmware.bootloader.efi")
+    };
     preps.push(Prep::RequireFile {
         path: code.clone(),
         field: "spec.domain.firmware.bootloader.efi".into(),
@@ -672,7 +681,7 @@ fn firmware(
     preps.push(Prep::CopyFile {
         from: host.ovmf_dir.join(vars_template),
         to: vars.clone(),
-        field: "spec.domain.firmware.bootloader.efi".into(),
+        field: vars_field.into(),
     });
     Ok(Firmware::Efi {
         code,

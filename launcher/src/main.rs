@@ -43,6 +43,10 @@ struct Flags {
     /// Where block-mode PVCs appear (`<dir>/<volume>`).
     #[arg(long, default_value = "/dev")]
     block_device_dir: PathBuf,
+    /// Persistent EFI variable stores (`efi.persistent`): the backend-storage claim's `nvram`
+    /// directory in the launcher pod, where KubeVirt's libvirt keeps them.
+    #[arg(long, default_value = "/var/lib/libvirt/qemu/nvram")]
+    nvram_dir: PathBuf,
     /// Use TCG when KVM cannot run guests (KubeVirt's developerConfiguration.useEmulation).
     #[arg(long)]
     allow_emulation: bool,
@@ -90,6 +94,7 @@ async fn main() -> anyhow::Result<()> {
         container_disks: f.container_disk_dir,
         hotplug_disks: f.hotplug_disk_dir,
         block_devices: f.block_device_dir,
+        nvram: f.nvram_dir,
     };
     let socket = dirs.command_socket();
     let launcher = Launcher::new(Config {

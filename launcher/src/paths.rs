@@ -20,6 +20,9 @@ pub struct Dirs {
     pub hotplug_disks: PathBuf,
     /// `--block-device-dir`: block PVCs appear as `<dir>/<volume>`.
     pub block_devices: PathBuf,
+    /// `--nvram-dir`: persistent EFI variable stores, where the launcher pod mounts the
+    /// backend-storage claim's `nvram` directory (KubeVirt's `/var/lib/libvirt/qemu/nvram`).
+    pub nvram: PathBuf,
 }
 
 impl Dirs {
@@ -136,5 +139,11 @@ impl Dirs {
 
     pub fn efi_vars(&self, uid: &str) -> PathBuf {
         self.ephemeral.join("efi").join(format!("{uid}_VARS.fd"))
+    }
+
+    /// The variable store of `efi.persistent`: `<nvram>/<vmi name>_VARS.fd`, as libvirt names
+    /// it under KubeVirt, so it outlives the pod on the VM's backend-storage claim.
+    pub fn persistent_efi_vars(&self, name: &str) -> PathBuf {
+        self.nvram.join(format!("{name}_VARS.fd"))
     }
 }

@@ -38,7 +38,8 @@ pub enum SeedData {
 pub enum Prep {
     /// The file (or block device) must already exist.
     RequireFile { path: PathBuf, field: String },
-    /// Copy a template unless the target exists (the EFI variable store survives reboots).
+    /// Copy a template unless the target exists (the EFI variable store survives reboots and,
+    /// with `efi.persistent`, restarts); an existing target must have the template's size.
     CopyFile {
         from: PathBuf,
         to: PathBuf,
@@ -138,6 +139,21 @@ pub enum PrepareError {
          (the node's network setup creates it)"
     )]
     NoTap { field: String, name: String },
+    /// A kept file (the EFI variable store) that QEMU would refuse or misread: another
+    /// firmware's, or damaged.
+    #[error(
+        "{field}: {} holds {size} bytes, but its template {} holds {want}: delete it to start \
+         from the template again",
+        path.display(),
+        template.display()
+    )]
+    WrongSize {
+        field: String,
+        path: PathBuf,
+        size: u64,
+        template: PathBuf,
+        want: u64,
+    },
     #[error(
         "{field}: {} is not a hugetlbfs mount of {page_size}-byte pages ({found}); the node \
          must mount one (--hugepages-dir) and reserve pages",
@@ -216,12 +232,25 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
                 });
             }
         }
-        Prep::CopyFile { from, to, field } => {
-            if !to.exists() {
+        Prep::CopyFile { from, to, field } => match std::fs::metadata(to) {
+            Ok(kept) => {
+                let want = std::fs::metadata(from).map_err(io(field, from))?.len();
+                if kept.len() != want {
+                    return Err(PrepareError::WrongSize {
+                        field: field.clone(),
+                        path: to.clone(),
+                        size: kept.len(),
+                        template: from.clone(),
+                        want,
+                    });
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 ensure_parent(to, field)?;
                 std::fs::copy(from, to).map_err(io(field, from))?;
             }
-        }
+            Err(e) => return Err(io(field, to)(e)),
+        },
         Prep::Overlay {
             path,
             backing,
@@ -462,6 +491,53 @@ mod tests {
 
     fn qemu_img_bin() -> PathBuf {
         PathBuf::from("qemu-img")
+    }
+
+    /// The variable store is copied once, then kept as the guest left it; one of another size
+    /// (another firmware's) is an error at the field, not QEMU's failure to start.
+    #[tokio::test]
+    async fn a_kept_variable_store_must_have_the_templates_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let template = dir.path().join("OVMF_VARS_4M.fd");
+        std::fs::write(&template, [0u8; 64]).unwrap();
+        let vars = dir.path().join("nvram/vm1_VARS.fd");
+        let prep = Prep::CopyFile {
+            from: template,
+            to: vars.clone(),
+            field: "spec.domain.firmware.bootloader.efi.persistent".into(),
+        };
+        run(&qemu_img_bin(), std::slice::from_ref(&prep))
+            .await
+            .unwrap();
+        std::fs::write(&vars, [7u8; 64]).unwrap();
+        run(&qemu_img_bin(), std::slice::from_ref(&prep))
+            .await
+            .unwrap();
+        assert_eq!(
+            std::fs::read(&vars).unwrap(),
+            [7u8; 64],
+            "kept, not copied again"
+        );
+        std::fs::write(&vars, [7u8; 32]).unwrap();
+        let e = run(&qemu_img_bin(), std::slice::from_ref(&prep))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                PrepareError::WrongSize {
+                    size: 32,
+                    want: 64,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("spec.domain.firmware.bootloader.efi.persistent: "),
+            "{e}"
+        );
     }
 
     #[tokio::test]

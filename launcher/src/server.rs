@@ -207,6 +207,7 @@ mod tests {
                 container_disks: dir("container-disks"),
                 hotplug_disks: dir("hotplug"),
                 block_devices: dir("dev"),
+                nvram: dir("nvram"),
             },
             qemu_binary: dir("qemu"),
             qemu_img: dir("qemu-img"),

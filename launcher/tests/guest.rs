@@ -379,12 +379,18 @@ fn guest_pc_bios_disk_boot_configdrive_crash() {
 /// Dedicated CPUs with an isolated emulator thread: the launcher runs on two CPUs (as the
 /// kubelet's static CPU manager would give its container), and before the first instruction
 /// the vCPU thread is pinned to the first, every other QEMU thread to the second.
+/// Persistent EFI variables (`efi.persistent`): the store is `<nvram dir>/<vmi name>_VARS.fd`,
+/// OVMF's writes during the boot are in it, and the next launcher (the VM's next pod, with the
+/// same backend-storage claim) hands QEMU that file as it was, not a fresh template copy.
 #[test]
 fn guest_q35_efi_paused_start_pinned_disk_boot_sigterm() {
     let cpus = common::restrict_to_two_cpus();
-    let mut l = Launcher::start_with(&["--grace-period-seconds", "120"], |root| {
-        common::place_container_disk(root, 0);
-    });
+    let nvram = tempfile::tempdir().unwrap();
+    let nvram_dir = nvram.path().to_str().unwrap();
+    let mut l = Launcher::start_with(
+        &["--grace-period-seconds", "120", "--nvram-dir", nvram_dir],
+        |root| common::place_container_disk(root, 0),
+    );
     let id = uid();
     let v = vmi(
         "efi",
@@ -394,7 +400,7 @@ fn guest_q35_efi_paused_start_pinned_disk_boot_sigterm() {
                 "cpu": {"cores": 1, "dedicatedCpuPlacement": true, "isolateEmulatorThread": true},
                 // GRUB 2.06 under OVMF runs out of memory loading the guest at 256Mi.
                 "resources": {"requests": {"memory": "512Mi"}, "limits": {"memory": "512Mi"}},
-                "firmware": {"bootloader": {"efi": {"secureBoot": false}}},
+                "firmware": {"bootloader": {"efi": {"secureBoot": false, "persistent": true}}},
                 "devices": {"disks": [{"name": "root", "disk": {"bus": "virtio"}, "bootOrder": 1}]},
             },
             "startStrategy": "Paused",
@@ -404,7 +410,9 @@ fn guest_q35_efi_paused_start_pinned_disk_boot_sigterm() {
     let (status, d) = l.sync(&v);
     assert_eq!(status, 200, "{d}\n{}", l.log());
     let pid = d["qemuPid"].as_i64().unwrap();
-    assert!(l.dir(&format!("ephemeral/efi/{id}_VARS.fd")).exists());
+    let vars = nvram.path().join("efi_VARS.fd");
+    let template = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.fd").unwrap();
+    assert_eq!(std::fs::read(&vars).unwrap(), template, "a fresh store");
     let vcpu = d["vcpuThreads"][0].as_i64().unwrap();
     let allowed = |tid: &str| {
         let status = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status")).unwrap();
@@ -417,7 +425,11 @@ fn guest_q35_efi_paused_start_pinned_disk_boot_sigterm() {
     };
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let tid = task.unwrap().file_name().into_string().unwrap();
-        let want = if tid == vcpu.to_string() { cpus[0] } else { cpus[1] };
+        let want = if tid == vcpu.to_string() {
+            cpus[0]
+        } else {
+            cpus[1]
+        };
         assert_eq!(allowed(&tid), want.to_string(), "QEMU thread {tid}");
     }
     // Paused as the user's pause (the VMI shows PausedByUser), and still so later: QEMU sent
@@ -463,6 +475,26 @@ fn guest_q35_efi_paused_start_pinned_disk_boot_sigterm() {
     );
     assert!(!common::process_alive(pid), "QEMU left behind");
     assert!(!l.socket.exists(), "the command socket is removed on exit");
+
+    // OVMF wrote its variables (boot options, its monotonic counter) during the boot.
+    let written = std::fs::read(&vars).unwrap();
+    assert_ne!(written, template, "OVMF wrote no variable");
+    let next = Launcher::start_with(&["--nvram-dir", nvram_dir], |root| {
+        common::place_container_disk(root, 0);
+    });
+    let (status, d) = next.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", next.log());
+    assert_eq!(
+        std::fs::read(&vars).unwrap(),
+        written,
+        "the store was replaced"
+    );
+    let pid = d["qemuPid"].as_i64().unwrap();
+    let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap();
+    assert!(
+        cmdline.contains(&format!("filename={}", vars.display())),
+        "{cmdline}"
+    );
 }
 
 /// After SIGTERM the launcher waits out its grace period for the guest to power down, but a

@@ -136,6 +136,9 @@ struct Shared {
     /// Hotplug attachment pods by the VMI they serve (their controller is the launcher pod).
     attachment_index: Arc<Mutex<OwnerIndex>>,
     pvcs: Store<PersistentVolumeClaim>,
+    /// Backend-storage claims being created, keyed by VMI: not made twice before the cache
+    /// has the first.
+    pvc_exp: Arc<workqueue::expectations::Expectations>,
     replicasets: Store<VirtualMachineInstanceReplicaSet>,
     pools: Store<VirtualMachinePool>,
     /// ControllerRevisions: the pools' snapshots of their spec.
@@ -261,12 +264,13 @@ async fn start_caches(
             mig_index: mig_index.clone(),
         }),
     );
+    let pvc_exp = Arc::new(workqueue::expectations::Expectations::default());
     let pvcs = reflect(
         tasks,
         Api::all(client.clone()),
         wc(),
         trim_meta,
-        vmi::on_claim(vmi_q.clone(), vmis.clone()),
+        vmi::on_claim(vmi_q.clone(), vmis.clone(), pvc_exp.clone()),
     );
     let q = rs_q.clone();
     let replicasets = reflect(tasks, Api::all(client.clone()), wc(), trim_meta, move |s| {
@@ -391,6 +395,7 @@ async fn start_caches(
         pod_index,
         attachment_index,
         pvcs,
+        pvc_exp,
         replicasets,
         pools,
         revisions,

@@ -8,9 +8,10 @@ use api::validation::FieldError;
 use api::{ClusterConfig, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceStatus};
 use informer::{Seen, controller_owner, controller_ref, key_of, obj_key, split_key, status_patch};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use serde_json::json;
 use workqueue::Queue;
@@ -92,14 +93,24 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
 }
 
 /// The PVC watch: the VMIs using the claim, since a claim binding lets its hotplug go on and
-/// a claim appearing lets a launcher pod waiting for it be created.
+/// a claim appearing lets a launcher pod waiting for it be created; a backend-storage claim's
+/// VMI by its label (its creation observed).
 pub(super) fn on_claim(
     vmi_q: Arc<Queue>,
     vmis: Store<VirtualMachineInstance>,
+    pvc_exp: Arc<workqueue::expectations::Expectations>,
 ) -> impl Fn(Seen<'_, PersistentVolumeClaim>) + Send + 'static {
     move |s| {
         let c = s.object();
         let ns = c.namespace().unwrap_or_default();
+        if let Some(vmi) = c.labels().get(api::backendstorage::PVC_PREFIX) {
+            let key = key_of(Some(&ns), vmi);
+            if matches!(s, Seen::Added(_)) {
+                pvc_exp.creation_observed(&key);
+            }
+            vmi_q.add(&key);
+            return;
+        }
         let name = c.name_any();
         for v in vmis.state().iter().filter(|v| {
             v.namespace().as_deref() == Some(ns.as_str())
@@ -273,6 +284,34 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         .flatten()
         .map(|e| e.to_string());
     vmi::wait_for_claims(&mut out, missing.clone(), now);
+    if out.pods == PodAction::Create && api::backendstorage::needed(&defaulted) {
+        let problem = match backend_storage(s, key, &defaulted, &cfg).await {
+            Ok(Some(claim)) => {
+                let status = defaulted.status.get_or_insert_default();
+                api::backendstorage::set_volume_status(
+                    status,
+                    &claim.name_any(),
+                    &crate::backendstorage::access_modes(&claim),
+                );
+                None
+            }
+            Ok(None) => {
+                out.pods = PodAction::None;
+                None
+            }
+            Err(problem) => {
+                // As KubeVirt's sync errors: tried again, backing off; a class made meanwhile
+                // is no event the controller sees.
+                s.vmi_q.add_rate_limited(key);
+                Some(problem)
+            }
+        };
+        let was = old_reason(&vmi);
+        if let Some((reason, message)) = problem.as_ref().filter(|p| was != Some(p.0)) {
+            event(s, vmi.as_ref(), true, reason, message.clone()).await;
+        }
+        vmi::wait_for_backend_storage(&mut out, problem, now);
+    }
     let old_status = vmi.status.clone().unwrap_or_default();
     let was_waiting = old_status
         .condition(&api::status::VirtualMachineInstanceConditionType::Synchronized)
@@ -289,6 +328,16 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
     }
     if let Some(launcher) = hotplug_launcher(&vmi, &out.status, &pods) {
         out.status.volume_status = Box::pin(sync_hotplug(s, key, &vmi, launcher, &claim)).await;
+    }
+    // As KubeVirt's status update: the backend-storage claim, whenever there is one.
+    if let Some(c) =
+        crate::backendstorage::claim_for(&vmi, s.pvcs.state().iter().map(AsRef::as_ref))
+    {
+        api::backendstorage::set_volume_status(
+            &mut out.status,
+            &c.name_any(),
+            &crate::backendstorage::access_modes(c),
+        );
     }
 
     Box::pin(act_on_pods(
@@ -336,6 +385,69 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         release_finalizer: out.release_finalizer,
     };
     write_vmi(s, key, &vmi, write).await;
+}
+
+/// The reason of the VMI's `Synchronized` condition as last written.
+fn old_reason(vmi: &VirtualMachineInstance) -> Option<&str> {
+    vmi.status
+        .as_ref()?
+        .condition(&api::status::VirtualMachineInstanceConditionType::Synchronized)?
+        .reason
+        .as_deref()
+}
+
+/// KubeVirt's `handleBackendStorage` and `IsPVCReady`, before the launcher pod: the VMI's
+/// backend-storage claim from the cache, made if there is none. `Ok(None)`: a claim just made
+/// that the cache has not shown yet. `Err`: the reason and message that hold the pod back.
+async fn backend_storage(
+    s: &Shared,
+    key: &str,
+    vmi: &VirtualMachineInstance,
+    cfg: &ClusterConfig,
+) -> Result<Option<PersistentVolumeClaim>, (&'static str, String)> {
+    use crate::backendstorage::{FAILED_CREATE, FAILED_PROBE};
+    if !s.pvc_exp.satisfied(key) {
+        return Ok(None);
+    }
+    let claims = s.pvcs.state();
+    let found = crate::backendstorage::claim_for(vmi, claims.iter().map(AsRef::as_ref)).cloned();
+    let bound = found
+        .as_ref()
+        .and_then(|c| c.status.as_ref()?.phase.as_deref())
+        == Some("Bound");
+    // No cache of classes: they are read only while such a VMI waits for its pod.
+    let classes = if bound {
+        Vec::new()
+    } else {
+        let reason = if found.is_some() {
+            FAILED_PROBE
+        } else {
+            FAILED_CREATE
+        };
+        Api::<StorageClass>::all(s.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| (reason, format!("listing storage classes: {e}")))?
+            .items
+    };
+    let Some(claim) = found else {
+        let configured = cfg.vm_state_storage_class.as_deref();
+        let class = crate::backendstorage::storage_class(configured, &classes)
+            .map_err(|e| (FAILED_CREATE, e))?;
+        let claim = crate::backendstorage::new_claim(vmi, class, configured.is_some());
+        let api: Api<PersistentVolumeClaim> =
+            Api::namespaced(s.client.clone(), &vmi.namespace().unwrap_or_default());
+        s.pvc_exp.expect_creations(key, 1);
+        return match api.create(&PostParams::default(), &claim).await {
+            Ok(_) => Ok(None),
+            Err(e) => {
+                s.pvc_exp.creation_observed(key);
+                Err((FAILED_CREATE, e.to_string()))
+            }
+        };
+    };
+    crate::backendstorage::ready(&claim, &classes)?;
+    Ok(Some(claim))
 }
 
 /// The launcher pod whose hotplug volumes are looked after: the VMI runs in it, it is not

@@ -10,6 +10,7 @@ fn dirs() -> Dirs {
         container_disks: "/c".into(),
         hotplug_disks: "/h".into(),
         block_devices: "/dev".into(),
+        nvram: "/nvram".into(),
     }
 }
 
@@ -216,6 +217,33 @@ fn efi_secure_boot_uses_secboot_code_and_smm() {
     let p = conv(s).unwrap();
     assert_eq!(p.config.machine.kind, MachineKind::Pc);
     assert!(p.config.controllers.hotplug_ports.is_empty());
+}
+
+/// `efi.persistent`: the variable store is KubeVirt's `<nvram dir>/<vmi name>_VARS.fd` (on the
+/// backend-storage claim), copied from the template only when absent, and a store of the wrong
+/// size is reported at that field.
+#[test]
+fn efi_persistent_vars_live_in_the_nvram_dir_under_the_vmi_name() {
+    let mut s = base_spec();
+    s["domain"]["firmware"] =
+        serde_json::json!({"bootloader": {"efi": {"secureBoot": false, "persistent": true}}});
+    let p = conv(s).unwrap();
+    let vars = PathBuf::from("/nvram/vm1_VARS.fd");
+    assert_eq!(
+        p.config.firmware,
+        Firmware::Efi {
+            code: "/usr/share/OVMF/OVMF_CODE_4M.fd".into(),
+            vars: vars.clone(),
+            secure_boot: false
+        }
+    );
+    assert!(p.preps.contains(&Prep::CopyFile {
+        from: "/usr/share/OVMF/OVMF_VARS_4M.fd".into(),
+        to: vars,
+        field: "spec.domain.firmware.bootloader.efi.persistent".into(),
+    }));
+    let joined = p.config.argv().join(" ");
+    assert!(joined.contains("filename=/nvram/vm1_VARS.fd"), "{joined}");
 }
 
 #[test]

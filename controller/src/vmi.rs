@@ -661,6 +661,40 @@ mod tests {
         assert!(out.status.condition(&synchronized).is_none());
     }
 
+    /// A backend-storage problem holds the pod back with its reason; another replaces it, and
+    /// the condition goes with the last one.
+    #[test]
+    fn backend_storage_problems_hold_the_launcher_pod_back() {
+        let synchronized = VirtualMachineInstanceConditionType::Synchronized;
+        let reason = |out: &VmiSync| {
+            out.status
+                .condition(&synchronized)
+                .and_then(|c| c.reason.clone())
+        };
+        let mut out = sync(&vmi(Some(Ph::Pending)), &[], &[], now());
+        let none = (
+            "FailedBackendStorageCreate",
+            "no default storage class found".into(),
+        );
+        wait_for_backend_storage(&mut out, Some(none), now());
+        assert_eq!(out.pods, PodAction::None);
+        assert_eq!(reason(&out).as_deref(), Some("FailedBackendStorageCreate"));
+        let mut waiting = vmi(Some(Ph::Pending));
+        waiting.status = Some(out.status);
+        let mut out = sync(&waiting, &[], &[], now());
+        wait_for_backend_storage(
+            &mut out,
+            Some(("BackendStorageNotReady", "PVC pending".into())),
+            now(),
+        );
+        assert_eq!(reason(&out).as_deref(), Some("BackendStorageNotReady"));
+        waiting.status = Some(out.status);
+        let mut out = sync(&waiting, &[], &[], now());
+        wait_for_backend_storage(&mut out, None, now());
+        assert_eq!(out.pods, PodAction::Create);
+        assert_eq!(reason(&out), None);
+    }
+
     #[test]
     fn phase_table() {
         let foreign = {

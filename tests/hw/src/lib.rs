@@ -762,6 +762,10 @@ impl Stack {
 
 impl Drop for Stack {
     fn drop(&mut self) {
+        // A failed test names this directory in its message: keep the logs it points to.
+        if std::thread::panicking() {
+            self.dir.disable_cleanup(true);
+        }
         // `localcluster up` tears its pods down (SIGTERM, then SIGKILL) on SIGTERM.
         if let Ok(pid) = i32::try_from(self.cluster.id()) {
             let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);

@@ -2,6 +2,8 @@
 //! virt-controller, virt-handler and virt-launcher, is reachable on its pod's IP through the
 //! masquerade binding, and stops when its run strategy says Halted. Every component runs from
 //! its image: virt-handler and the guest's QEMU see their image's layers as `/`, not the host.
+//! Then a VM with readiness and liveness probes through the guest agent is Ready, and
+//! restarted when its liveness probe fails.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -225,4 +227,102 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         .expect("get vm")
         .expect("the VM stays");
     assert_eq!(vm["status"]["printableStatus"], "Stopped");
+
+    probes_make_the_vmi_ready_and_restart_the_vm(&stack);
+}
+
+/// A VM with KubeVirt's agent probes: its `guestAgentPing` readiness probe, run by the kubelet
+/// as `virt-probe` in the launcher pod, makes the VMI Ready; once the guest makes its `exec`
+/// liveness probe (run in the guest by the agent) fail, the kubelet kills the compute
+/// container, the VMI fails and the VM controller creates a new one (`runStrategy: Always`).
+fn probes_make_the_vmi_ready_and_restart_the_vm(stack: &Stack) {
+    let mut vm = stack.demo_vm().expect("the demo VM as JSON");
+    vm["metadata"]["name"] = "probed".into();
+    vm["metadata"]["labels"]["kubevirt.io/vm"] = "probed".into();
+    vm["spec"]["template"]["metadata"]["labels"]["kubevirt.io/vm"] = "probed".into();
+    let spec = &mut vm["spec"]["template"]["spec"];
+    spec["readinessProbe"] = serde_json::json!({"guestAgentPing": {}, "periodSeconds": 2});
+    spec["livenessProbe"] = serde_json::json!({
+        "exec": {"command": ["/bin/sh", "-c", "test ! -e /tmp/unhealthy"]},
+        // The probe runs through the guest agent, which answers only once the guest has
+        // booted; KubeVirt's own probe tests give a TCG boot the same two minutes.
+        "initialDelaySeconds": 120,
+        "periodSeconds": 2,
+        "failureThreshold": 2,
+    });
+    stack.apply(&vm);
+    let probed = |stack: &Stack| -> Result<serde_json::Value, String> {
+        stack
+            .get_json("default", "vmi", "probed")
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| {
+                let vm = stack.get_json("default", "vm", "probed");
+                format!("no VMI yet; the VM: {vm:?}")
+            })
+    };
+    let ready = |vmi: &serde_json::Value| {
+        vmi["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+    };
+    let first = wait_for("the probed VMI to be Ready", BOOT, || {
+        let vmi = probed(stack)?;
+        if ready(&vmi) {
+            Ok(Some(vmi))
+        } else {
+            Err(format!("status {}", vmi["status"]))
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}; localcluster log in {}", stack.dir().display()));
+    let pod = stack
+        .kubectl(&[
+            "get",
+            "pods",
+            "-l",
+            &format!(
+                "kubevirt.io/created-by={}",
+                first["metadata"]["uid"].as_str().expect("uid")
+            ),
+            "-o",
+            "jsonpath={.items[0].spec.containers[0].readinessProbe.exec.command}",
+        ])
+        .expect("the launcher pod");
+    assert_eq!(
+        pod,
+        r#"["virt-probe","--domainName","default_probed","--timeoutSeconds","1","--guestAgentPing"]"#
+    );
+
+    // The guest's shell on its serial console makes the liveness probe fail.
+    let private = stack
+        .vmi_private_dir(&first)
+        .expect("a Running VMI names its node and launcher pod");
+    let log = private.join("virt-serial0-log");
+    wait_for("the probed guest's ready marker", BOOT, || {
+        let text = std::fs::read_to_string(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        Ok(text.contains("KUBEVIRT-RS-GUEST-READY").then_some(()))
+    })
+    .expect("the probed guest boots");
+    // The socket's path is longer than a socket address holds: reach it through its directory.
+    let socket = isolation::open_socket(&private.join("virt-serial0"))
+        .expect("the probed guest's serial console");
+    let mut console = std::os::unix::net::UnixStream::connect(socket.proc_fd_path())
+        .expect("the probed guest's serial console");
+    std::io::Write::write_all(&mut console, b"\ntouch /tmp/unhealthy\n")
+        .expect("writing to the console");
+
+    let first_uid = first["metadata"]["uid"].clone();
+    wait_for("a new VMI after the liveness probe failed", BOOT, || {
+        let vmi = probed(stack)?;
+        if vmi["metadata"]["uid"] != first_uid {
+            Ok(Some(()))
+        } else {
+            Err(format!(
+                "VMI {} phase {}",
+                vmi["metadata"]["uid"], vmi["status"]["phase"]
+            ))
+        }
+    })
+    .unwrap_or_else(|e| panic!("{e}; localcluster log in {}", stack.dir().display()));
 }

@@ -72,7 +72,9 @@ pub fn claim_shared(vmi: &VirtualMachineInstance) -> Option<bool> {
     )
 }
 
-/// KubeVirt's `UpdateVolumeStatus`: the entry names the claim and its access modes.
+/// KubeVirt's `UpdateVolumeStatus`: the entry names the claim and its access modes. The list
+/// stays sorted by name, as virt-controller's hotplug and virt-handler write it, so neither
+/// rewrites the other's order.
 pub fn set_volume_status(
     status: &mut VirtualMachineInstanceStatus,
     claim: &str,
@@ -96,6 +98,7 @@ pub fn set_volume_status(
         persistent_volume_claim_info: Some(info),
         ..VolumeStatus::default()
     });
+    status.volume_status.sort_by(|a, b| a.name.cmp(&b.name));
 }
 
 #[cfg(test)]
@@ -112,6 +115,10 @@ mod tests {
         assert!(needed(&vmi));
         assert_eq!((current_claim(&vmi), claim_shared(&vmi)), (None, None));
         let mut status = VirtualMachineInstanceStatus::default();
+        status.volume_status.push(VolumeStatus {
+            name: "root".into(),
+            ..VolumeStatus::default()
+        });
         set_volume_status(
             &mut status,
             "persistent-state-for-vm1-x",
@@ -123,7 +130,13 @@ mod tests {
             &["ReadWriteMany".into()],
         );
         vmi.status = Some(status);
-        assert_eq!(vmi.status.as_ref().unwrap().volume_status.len(), 1);
+        let status = vmi.status.as_ref().unwrap();
+        let names: Vec<&str> = status
+            .volume_status
+            .iter()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(names, [VOLUME_NAME, "root"], "one entry, sorted by name");
         assert_eq!(current_claim(&vmi), Some("persistent-state-for-vm1-y"));
         assert_eq!(claim_shared(&vmi), Some(true));
         vmi.spec.domain.firmware = None;

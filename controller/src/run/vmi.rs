@@ -330,8 +330,9 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         out.status.volume_status = Box::pin(sync_hotplug(s, key, &vmi, launcher, &claim)).await;
     }
     // As KubeVirt's status update: the backend-storage claim, whenever there is one.
-    if let Some(c) =
-        crate::backendstorage::claim_for(&vmi, s.pvcs.state().iter().map(AsRef::as_ref))
+    if api::backendstorage::needed(&vmi)
+        && let Some(c) =
+            crate::backendstorage::claim_for(&vmi, s.pvcs.state().iter().map(AsRef::as_ref))
     {
         api::backendstorage::set_volume_status(
             &mut out.status,

@@ -292,14 +292,24 @@ pub const DISK_IMAGE: &str = "example.com/container-disk:1";
 
 /// One image store for every node of a test binary, holding the images above (built once, as
 /// `build-images` builds them, into an OCI layout that the store imports).
+///
+/// A static is never dropped, so the store cannot live in a `TempDir`: it lives in
+/// `images-<pid>` under Cargo's test scratch directory, and the directories of test processes
+/// that have ended are removed when the next one starts.
 pub fn images() -> std::sync::Arc<ociimage::Store> {
     use ociimage::{Compression, ImageSpec, Layout, Reference, Source, Tree};
-    static STORE: std::sync::OnceLock<(tempfile::TempDir, std::sync::Arc<ociimage::Store>)> =
-        std::sync::OnceLock::new();
+    static STORE: std::sync::OnceLock<std::sync::Arc<ociimage::Store>> = std::sync::OnceLock::new();
     STORE
         .get_or_init(|| {
-            let dir = tempfile::tempdir().expect("image dir");
-            let layout = Layout::create(&dir.path().join("build")).expect("layout");
+            let scratch = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+            remove_image_dirs_of_ended_processes(scratch);
+            let dir = tempfile::TempDir::with_prefix_in(
+                format!("images-{}-", std::process::id()),
+                scratch,
+            )
+            .expect("image dir")
+            .keep();
+            let layout = Layout::create(&dir.join("build")).expect("layout");
             let tools = imagebuild::recipes::test_tools_layer().expect("test-tools layer");
             let mut spec = ImageSpec::new(Reference::parse(TOOLS_IMAGE).unwrap());
             spec.layers = vec![tools.clone()];
@@ -337,12 +347,31 @@ pub fn images() -> std::sync::Arc<ociimage::Store> {
                 .write_image(&spec, Compression::None)
                 .expect("disk image");
 
-            let store = ociimage::Store::open(&dir.path().join("store")).expect("store");
+            let store = ociimage::Store::open(&dir.join("store")).expect("store");
             store
                 .import(layout.dir())
                 .expect("importing the test images");
-            (dir, std::sync::Arc::new(store))
+            std::sync::Arc::new(store)
         })
-        .1
         .clone()
+}
+
+/// Removes the `images-<pid>-*` directories of processes that no longer run.
+fn remove_image_dirs_of_ended_processes(scratch: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(scratch) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("images-"))
+            .and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        if !std::path::Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }

@@ -315,13 +315,10 @@ fn probes_make_the_vmi_ready_and_restart_the_vm(stack: &Stack) {
     let first_uid = first["metadata"]["uid"].clone();
     wait_for("a new VMI after the liveness probe failed", BOOT, || {
         let vmi = probed(stack)?;
-        if vmi["metadata"]["uid"] != first_uid {
-            Ok(Some(()))
+        if vmi["metadata"]["uid"] == first_uid {
+            Err(format!("the first VMI, phase {}", vmi["status"]["phase"]))
         } else {
-            Err(format!(
-                "VMI {} phase {}",
-                vmi["metadata"]["uid"], vmi["status"]["phase"]
-            ))
+            Ok(Some(()))
         }
     })
     .unwrap_or_else(|e| panic!("{e}; localcluster log in {}", stack.dir().display()));

@@ -12,8 +12,9 @@
 //! another, each waited for until its guest agent answers, until MAX have booted, one fails to
 //! boot within [`BOOT`], or the next one would not fit in the memory this machine has left
 //! (less a reserve for the host). Then it lets them idle, measures their CPU, checks that every
-//! agent still answers, and stops them all. Under TCG an idle guest still costs CPU (its timer
-//! ticks are emulated), so on two cores CPU is what bounds the count, long before memory.
+//! agent still answers, and stops them all. Under TCG each boot takes a core for seconds and an
+//! idle guest still costs a little CPU (its timer ticks are emulated); the run prints what
+//! bounded it and the idle guests' CPU, and docs/controller.md what it found.
 
 use std::time::{Duration, Instant};
 

@@ -225,10 +225,8 @@ async fn install_manifests_apply_and_render_the_components() {
     assert_eq!(
         mounts,
         [
-            (
-                "/var/lib/kubelet/device-plugins",
-                "/var/lib/kubelet/device-plugins"
-            ),
+            // KubeVirt's kubelet volume: device plugins and the CPU manager's checkpoint.
+            ("/var/lib/kubelet", "/var/lib/kubelet"),
             ("/var/lib/kubelet/pods", "/pods"),
             ("/var/run/kubevirt", "/var/run/kubevirt"),
             ("/var/run/kubevirt-private", "/var/run/kubevirt-private"),

@@ -376,7 +376,9 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
         "poddisruptionbudgets.policy [list watch delete]",
         "kubevirts.kubevirt.io [get list watch]",
         "pods [get list watch create delete]",
-        "persistentvolumeclaims [get list watch]",
+        // Creates: the backend-storage claim of a VMI with persistent EFI variables.
+        "persistentvolumeclaims [get list watch create]",
+        "storageclasses.storage.k8s.io [get list]",
         "pods/status [patch]",
         "nodes [get list watch patch]",
         "events.events.k8s.io [create patch]",

@@ -664,14 +664,11 @@ impl Stack {
             ])
             .map_err(|e| e.to_string())?;
         let pods: serde_json::Value = serde_json::from_str(&out).map_err(|e| e.to_string())?;
-        let ready = pods["items"].as_array().into_iter().flatten().find(|p| {
-            p["metadata"]["deletionTimestamp"].is_null()
-                && p["status"]["conditions"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
-        });
+        let ready = pods["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["metadata"]["deletionTimestamp"].is_null() && is_ready(p));
         Ok(ready.and_then(|p| {
             Some(HandlerPod {
                 name: p["metadata"]["name"].as_str()?.to_owned(),
@@ -840,6 +837,15 @@ impl Drop for Tmux {
             .arg("kill-server")
             .output();
     }
+}
+
+/// Whether an object's (a pod's, a VMI's) `Ready` condition is `True`.
+pub fn is_ready(object: &serde_json::Value) -> bool {
+    object["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == "Ready" && c["status"] == "True")
 }
 
 /// A whole serial console session through kube-apiserver, virt-api, virt-handler's console

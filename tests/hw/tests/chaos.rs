@@ -27,7 +27,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use e2e::{Stack, StackError, kill_in_pod, processes, test_guest_firmware, wait_for};
+use e2e::{Stack, StackError, is_ready, kill_in_pod, processes, test_guest_firmware, wait_for};
 use serde_json::{Value, json};
 
 /// The pinned VM: always there, `runStrategy: Always`.
@@ -161,14 +161,6 @@ fn pod_alive(pod: &Value) -> bool {
         pod["status"]["phase"].as_str(),
         Some("Succeeded" | "Failed")
     )
-}
-
-fn pod_ready(pod: &Value) -> bool {
-    pod["status"]["conditions"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .any(|c| c["type"] == "Ready" && c["status"] == "True")
 }
 
 /// A Running VMI's QEMU: the pids in its live launcher pods whose `argv[0]` is QEMU.
@@ -445,7 +437,7 @@ impl Chaos {
             }
         }
         for p in list(&self.stack, "kubevirt", "pods")? {
-            if !pod_ready(&p) || being_deleted(&p) {
+            if !is_ready(&p) || being_deleted(&p) {
                 wrong.push(format!("component pod {} is not Ready", name(&p)));
             }
         }

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use e2e::{Stack, processes, repo_root, wait_for};
+use e2e::{Stack, is_ready, processes, repo_root, wait_for};
 
 const BOOT: Duration = Duration::from_mins(7);
 
@@ -260,16 +260,9 @@ fn probes_make_the_vmi_ready_and_restart_the_vm(stack: &Stack) {
                 format!("no VMI yet; the VM: {vm:?}")
             })
     };
-    let ready = |vmi: &serde_json::Value| {
-        vmi["status"]["conditions"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|c| c["type"] == "Ready" && c["status"] == "True")
-    };
     let first = wait_for("the probed VMI to be Ready", BOOT, || {
         let vmi = probed(stack)?;
-        if ready(&vmi) {
+        if is_ready(&vmi) {
             Ok(Some(vmi))
         } else {
             Err(format!("status {}", vmi["status"]))

@@ -78,18 +78,33 @@ fi
 candidates() {
   apt-cache policy "$@" 2>/dev/null | awk '/^[^ ]/ {p=$1; sub(/:$/, "", p)} /Candidate:/ && $2 != "(none)" {print p "=" $2}'
 }
-kernel_pkg=$(apt-cache depends "$kernel_meta" 2>/dev/null | awk '/Depends: linux-image-/ {print $2; exit}')
-if [[ -z "$kernel_pkg" ]]; then
-  log "apt lists missing: apt-get update"
-  apt-get update -qq
-  kernel_pkg=$(apt-cache depends "$kernel_meta" | awk '/Depends: linux-image-/ {print $2; exit}')
+# Resolves the kernel and every package to the version apt would install, into kernel_pkg and
+# versions; unresolved names the packages apt has no version of.
+resolve() {
+  kernel_pkg=$(apt-cache depends "$kernel_meta" 2>/dev/null | awk '/Depends: linux-image-/ {print $2; exit}')
+  wanted=("${packages[@]}" ${kernel_pkg:+"$kernel_pkg"})
+  mapfile -t versions < <(candidates "${wanted[@]}")
+  unresolved=()
+  [[ -n "$kernel_pkg" ]] || unresolved+=("$kernel_meta")
+  for p in "${wanted[@]}"; do
+    printf '%s\n' "${versions[@]}" | grep -q "^$p=" || unresolved+=("$p")
+  done
+}
+# apt's lists may be missing or partial: a machine image can carry the security suite's list and
+# not the main one, and then installed packages and security updates resolve while the rest do
+# not (a CI run failed so on dropbear-bin). One refresh, retried while the mirror is mid-sync.
+resolve
+if ((${#unresolved[@]})); then
+  log "apt has no version of ${unresolved[*]}: apt-get update"
+  for attempt in 1 2 3; do
+    apt-get update -qq && break
+    ((attempt < 3)) || { log "apt-get update failed 3 times"; exit 1; }
+    log "apt-get update failed (attempt $attempt); retrying in $((attempt * 10)) s"
+    sleep $((attempt * 10))
+  done
+  resolve
 fi
-[[ -n "$kernel_pkg" ]] || { log "cannot resolve $kernel_meta to a kernel package"; exit 1; }
-packages+=("$kernel_pkg")
-mapfile -t versions < <(candidates "${packages[@]}")
-for p in "${packages[@]}"; do
-  printf '%s\n' "${versions[@]}" | grep -q "^$p=" || { log "package $p has no installable version"; exit 1; }
-done
+((${#unresolved[@]} == 0)) || { log "no installable version of ${unresolved[*]} in apt's sources (apt-cache policy ${unresolved[*]})"; exit 1; }
 
 inputs_hash=$(printf '%s\n' "$local_hash" "${versions[@]}" | sha256sum | cut -d' ' -f1)
 

@@ -372,12 +372,19 @@ pub enum Scope {
     Cluster,
 }
 
+/// The singular resource names a matcher's `kind` may spell (KubeVirt's
+/// `SingularResourceName` and friends; also the CRDs' `singular`).
+pub const INSTANCETYPE_SINGULAR: &str = "virtualmachineinstancetype";
+pub const CLUSTER_INSTANCETYPE_SINGULAR: &str = "virtualmachineclusterinstancetype";
+pub const PREFERENCE_SINGULAR: &str = "virtualmachinepreference";
+pub const CLUSTER_PREFERENCE_SINGULAR: &str = "virtualmachineclusterpreference";
+
 /// The scope of an instance type matcher's `kind`, or KubeVirt's error for another kind.
 pub fn instancetype_scope(kind: Option<&str>) -> Result<Scope, String> {
     scope(
         kind,
-        "virtualmachineinstancetype",
-        "virtualmachineclusterinstancetype",
+        INSTANCETYPE_SINGULAR,
+        CLUSTER_INSTANCETYPE_SINGULAR,
         "InstancetypeMatcher",
     )
 }
@@ -386,8 +393,8 @@ pub fn instancetype_scope(kind: Option<&str>) -> Result<Scope, String> {
 pub fn preference_scope(kind: Option<&str>) -> Result<Scope, String> {
     scope(
         kind,
-        "virtualmachinepreference",
-        "virtualmachineclusterpreference",
+        PREFERENCE_SINGULAR,
+        CLUSTER_PREFERENCE_SINGULAR,
         "PreferenceMatcher",
     )
 }
@@ -784,21 +791,7 @@ fn apply_preference(
             spec.domain.firmware.get_or_insert_with(Firmware::default),
         );
     }
-    if let Some(t) = p
-        .machine
-        .as_ref()
-        .and_then(|m| m.preferred_machine_type.as_ref())
-    {
-        let machine = spec.domain.machine.get_or_insert_with(Machine::default);
-        if machine
-            .machine_type
-            .as_deref()
-            .unwrap_or_default()
-            .is_empty()
-        {
-            machine.machine_type = Some(t.clone());
-        }
-    }
+    apply_machine_type(p, spec);
     if let Some(c) = &p.clock {
         let clock = spec.domain.clock.get_or_insert_with(Clock::default);
         if let Some(offset) = &c.preferred_clock_offset
@@ -817,14 +810,47 @@ fn apply_preference(
         p.preferred_termination_grace_period_seconds.as_ref(),
         &mut spec.termination_grace_period_seconds,
     );
+    apply_architecture(p, spec);
+    let annotations = meta.annotations.get_or_insert_default();
+    for (k, v) in p.annotations.iter().flatten() {
+        annotations.entry(k.clone()).or_insert_with(|| v.clone());
+    }
+}
+
+/// What KubeVirt's VM mutating webhook takes from the preference into the VM's own template,
+/// before the VM defaults run (its `mutateArch` and `mutateMachineType`): the machine type must
+/// be there before the default one would be written, and stays with the VM from then on.
+pub fn apply_to_vm_template(
+    p: &VirtualMachinePreferenceSpec,
+    spec: &mut VirtualMachineInstanceSpec,
+) {
+    apply_architecture(p, spec);
+    apply_machine_type(p, spec);
+}
+
+fn apply_machine_type(p: &VirtualMachinePreferenceSpec, spec: &mut VirtualMachineInstanceSpec) {
+    if let Some(t) = p
+        .machine
+        .as_ref()
+        .and_then(|m| m.preferred_machine_type.as_ref())
+    {
+        let machine = spec.domain.machine.get_or_insert_with(Machine::default);
+        if machine
+            .machine_type
+            .as_deref()
+            .unwrap_or_default()
+            .is_empty()
+        {
+            machine.machine_type = Some(t.clone());
+        }
+    }
+}
+
+fn apply_architecture(p: &VirtualMachinePreferenceSpec, spec: &mut VirtualMachineInstanceSpec) {
     if let Some(arch) = p.preferred_architecture.as_ref().filter(|a| !a.is_empty())
         && spec.architecture.as_deref().unwrap_or_default().is_empty()
     {
         spec.architecture = Some(arch.clone());
-    }
-    let annotations = meta.annotations.get_or_insert_default();
-    for (k, v) in p.annotations.iter().flatten() {
-        annotations.entry(k.clone()).or_insert_with(|| v.clone());
     }
 }
 

@@ -953,6 +953,14 @@ fn mutate_vm(req: &Request, ctx: &Context) -> Outcome {
         return Ok(Allowed::default());
     }
     let mut vm = original.clone();
+    // The preference's machine type and architecture go into the VM itself, ahead of the
+    // defaults that would otherwise fill them (KubeVirt's instancetype mutator).
+    if let (Some(preference), Some(spec)) = (
+        ctx.instancetypes.preference.as_ref(),
+        vm.spec.template.spec.as_mut(),
+    ) {
+        api::instancetype::apply_to_vm_template(preference, spec);
+    }
     match req.operation {
         // Only on create: on update the VM controller may be writing the uuid itself.
         Operation::Create => {

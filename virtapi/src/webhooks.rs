@@ -71,9 +71,16 @@ impl Admission for Webhooks {
         if hook == Webhook::VmiMutator {
             ctx.presets = self.presets.state().iter().map(|p| (**p).clone()).collect();
         }
-        if hook == Webhook::VmValidator {
+        // The validator checks the VM with both applied; the mutator takes only the
+        // preference's machine type and architecture (KubeVirt's looks up only the preference).
+        let targets: &[Target] = match hook {
+            Webhook::VmValidator => &[Target::Instancetype, Target::Preference],
+            Webhook::VmMutator => &[Target::Preference],
+            _ => &[],
+        };
+        if !targets.is_empty() {
             return Box::pin(async move {
-                ctx.instancetypes = instancetypes(&self.client, review).await;
+                ctx.instancetypes = instancetypes(&self.client, review, targets).await;
                 Some(admission::admit(hook, review, &ctx))
             });
         }
@@ -91,7 +98,7 @@ impl Admission for Webhooks {
 /// What the reviewed VM's instance type and preference are now. A lookup that fails (the VM
 /// cannot be read, the object does not exist yet) finds nothing, as KubeVirt's admitter
 /// ignores it: the VM is then validated as it is, and virt-controller reports what is missing.
-async fn instancetypes(client: &kube::Client, review: &Value) -> Found {
+async fn instancetypes(client: &kube::Client, review: &Value, targets: &[Target]) -> Found {
     let Some(vm) = review
         .pointer("/request/object")
         .and_then(|o| serde_json::from_value::<api::VirtualMachine>(o.clone()).ok())
@@ -99,13 +106,19 @@ async fn instancetypes(client: &kube::Client, review: &Value) -> Found {
         return Found::default();
     };
     let mut found = Found::default();
-    match find_spec(client, &vm, Target::Instancetype).await {
-        Ok(spec) => found.instancetype = spec,
-        Err(e) => tracing::warn!(error = %e, "ignoring a failure to find the VM's instance type"),
+    if targets.contains(&Target::Instancetype) {
+        match find_spec(client, &vm, Target::Instancetype).await {
+            Ok(spec) => found.instancetype = spec,
+            Err(e) => {
+                tracing::warn!(error = %e, "ignoring a failure to find the VM's instance type");
+            }
+        }
     }
-    match find_spec(client, &vm, Target::Preference).await {
-        Ok(spec) => found.preference = spec,
-        Err(e) => tracing::warn!(error = %e, "ignoring a failure to find the VM's preference"),
+    if targets.contains(&Target::Preference) {
+        match find_spec(client, &vm, Target::Preference).await {
+            Ok(spec) => found.preference = spec,
+            Err(e) => tracing::warn!(error = %e, "ignoring a failure to find the VM's preference"),
+        }
     }
     found
 }

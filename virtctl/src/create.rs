@@ -2,16 +2,20 @@
 //! `pkg/virtctl/create/vm`. Nothing is sent to the cluster.
 //!
 //! The manifest is built as an [`api::VirtualMachine`], so it deserializes and (after the
-//! webhook defaults) validates in kubevirt-rs by construction. Flags for APIs kubevirt-rs does
-//! not have (instancetypes and preferences, CDI DataVolumes, sysprep, access credentials) are
-//! refused by name.
+//! webhook defaults) validates in kubevirt-rs by construction. Flags for what kubevirt-rs does
+//! not have (inferring instance types and preferences from volumes, CDI DataVolumes, sysprep,
+//! access credentials) are refused by name.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use anyhow::bail;
 use api::VirtualMachine;
-use api::vm::{RunStrategy, VirtualMachineSpec};
+use api::instancetype::{
+    CLUSTER_INSTANCETYPE_SINGULAR, CLUSTER_PREFERENCE_SINGULAR, INSTANCETYPE_SINGULAR,
+    PREFERENCE_SINGULAR,
+};
+use api::vm::{Matcher, RunStrategy, VirtualMachineSpec};
 use api::vmi::{
     CloudInitNoCloudSource, ContainerDiskSource, Disk, DomainSpec, Memory,
     PersistentVolumeClaimSource, VirtualMachineInstanceSpec, Volume,
@@ -41,22 +45,26 @@ pub struct CreateVmArgs {
     /// Specify the memory of the VM [default: 512Mi].
     #[arg(long)]
     pub memory: Option<String>,
-    /// Not supported by kubevirt-rs (no instancetype API).
+    /// Specify the Instance Type of the VM: [kind/]name, kind virtualmachineinstancetype or
+    /// virtualmachineclusterinstancetype (the default). Mutually exclusive with --memory and
+    /// the instancetype inference flags.
     #[arg(long)]
     pub instancetype: Option<String>,
-    /// Not supported by kubevirt-rs (no instancetype API); only =false is accepted.
+    /// Not supported by kubevirt-rs (no inference from volumes); only =false is accepted.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub infer_instancetype: Option<bool>,
-    /// Not supported by kubevirt-rs (no instancetype API).
+    /// Not supported by kubevirt-rs (no inference from volumes).
     #[arg(long)]
     pub infer_instancetype_from: Option<String>,
-    /// Not supported by kubevirt-rs (no instancetype API).
+    /// Specify the Preference of the VM: [kind/]name, kind virtualmachinepreference or
+    /// virtualmachineclusterpreference (the default). Mutually exclusive with the preference
+    /// inference flags.
     #[arg(long)]
     pub preference: Option<String>,
-    /// Not supported by kubevirt-rs (no instancetype API); only =false is accepted.
+    /// Not supported by kubevirt-rs (no inference from volumes); only =false is accepted.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
     pub infer_preference: Option<bool>,
-    /// Not supported by kubevirt-rs (no instancetype API).
+    /// Not supported by kubevirt-rs (no inference from volumes).
     #[arg(long)]
     pub infer_preference_from: Option<String>,
     /// Specify a containerdisk to be used by the VM. Can be provided multiple times.
@@ -272,32 +280,84 @@ impl Builder {
     }
 }
 
+/// cobra's `MarkFlagsMutuallyExclusive` groups of KubeVirt's command, checked as cobra does
+/// before anything else, with its message.
+fn refuse_exclusive(a: &CreateVmArgs) -> anyhow::Result<()> {
+    let groups: [&[(&str, bool)]; 2] = [
+        &[
+            ("memory", a.memory.is_some()),
+            ("instancetype", a.instancetype.is_some()),
+            ("infer-instancetype", a.infer_instancetype.is_some()),
+            (
+                "infer-instancetype-from",
+                a.infer_instancetype_from.is_some(),
+            ),
+        ],
+        &[
+            ("preference", a.preference.is_some()),
+            ("infer-preference", a.infer_preference.is_some()),
+            ("infer-preference-from", a.infer_preference_from.is_some()),
+        ],
+    ];
+    for group in groups {
+        let mut set: Vec<&str> = group.iter().filter(|(_, s)| *s).map(|(f, _)| *f).collect();
+        if set.len() > 1 {
+            set.sort_unstable();
+            let names: Vec<&str> = group.iter().map(|(f, _)| *f).collect();
+            bail!(
+                "if any flags in the group [{}] are set none of the others can be; [{}] were all set",
+                names.join(" "),
+                set.join(" ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// KubeVirt's `withInstancetype` / `withPreference`: `[kind/]name`, the kind lower-cased and
+/// left out when not given (the cluster kind is the default).
+fn matcher(flag: &str, value: &str, kinds: [&str; 2], what: &str) -> anyhow::Result<Matcher> {
+    let (kind, name) = split_prefixed_name(value).map_err(|e| flag_err(flag, e))?;
+    let kind = kind.map(str::to_lowercase);
+    if let Some(k) = kind.as_deref().filter(|k| !kinds.contains(k)) {
+        return Err(flag_err(
+            flag,
+            format!(
+                "invalid {what} kind \"{k}\", supported values are: {}, {}",
+                kinds[0], kinds[1]
+            ),
+        ));
+    }
+    Ok(Matcher {
+        name: Some(name.to_owned()),
+        kind,
+        ..Matcher::default()
+    })
+}
+
 fn refuse_unsupported(a: &CreateVmArgs) -> anyhow::Result<()> {
-    const INSTANCETYPES: &str = "instancetypes";
-    const PREFERENCES: &str = "preferences";
+    const INFERENCE: &str = "inferring instance types and preferences from volumes";
     const DATA_VOLUMES: &str = "DataVolumes (CDI)";
     let set = [
-        ("instancetype", a.instancetype.is_some(), INSTANCETYPES),
         (
             "infer-instancetype",
             a.infer_instancetype == Some(true),
-            INSTANCETYPES,
+            INFERENCE,
         ),
         (
             "infer-instancetype-from",
             a.infer_instancetype_from.is_some(),
-            INSTANCETYPES,
+            INFERENCE,
         ),
-        ("preference", a.preference.is_some(), PREFERENCES),
         (
             "infer-preference",
             a.infer_preference == Some(true),
-            PREFERENCES,
+            INFERENCE,
         ),
         (
             "infer-preference-from",
             a.infer_preference_from.is_some(),
-            PREFERENCES,
+            INFERENCE,
         ),
         ("volume-import", !a.volume_import.is_empty(), DATA_VOLUMES),
         (
@@ -333,7 +393,32 @@ pub fn manifest(
     a: &CreateVmArgs,
     inputs: &Inputs,
 ) -> anyhow::Result<(VirtualMachine, Vec<String>)> {
+    refuse_exclusive(a)?;
     refuse_unsupported(a)?;
+    let instancetype = a
+        .instancetype
+        .as_deref()
+        .map(|v| {
+            matcher(
+                "instancetype",
+                v,
+                [INSTANCETYPE_SINGULAR, CLUSTER_INSTANCETYPE_SINGULAR],
+                "instancetype",
+            )
+        })
+        .transpose()?;
+    let preference = a
+        .preference
+        .as_deref()
+        .map(|v| {
+            matcher(
+                "preference",
+                v,
+                [PREFERENCE_SINGULAR, CLUSTER_PREFERENCE_SINGULAR],
+                "preference",
+            )
+        })
+        .transpose()?;
     let name = a
         .name
         .clone()
@@ -358,7 +443,8 @@ pub fn manifest(
         spec: VirtualMachineInstanceSpec {
             termination_grace_period_seconds: Some(a.termination_grace_period),
             domain: DomainSpec {
-                memory: Some(Memory {
+                // The instance type gives the memory.
+                memory: instancetype.is_none().then(|| Memory {
                     guest: Some(Quantity(memory.to_owned())),
                     ..Memory::default()
                 }),
@@ -426,6 +512,8 @@ pub fn manifest(
         &name,
         VirtualMachineSpec {
             run_strategy: Some(RunStrategy::from(*run_strategy)),
+            instancetype,
+            preference,
             ..VirtualMachineSpec::default()
         },
     );
@@ -779,16 +867,36 @@ mod tests {
                 "failed to parse \"--cloud-init\" flag: invalid cloud-init data source type \"ignition\", supported values are: nocloud, configdrive, none",
             ),
             (
-                &["--instancetype", "u1.small"],
-                "failed to parse \"--instancetype\" flag: not supported by kubevirt-rs: instancetypes",
-            ),
-            (
                 &["--infer-instancetype"],
-                "failed to parse \"--infer-instancetype\" flag: not supported by kubevirt-rs: instancetypes",
+                "failed to parse \"--infer-instancetype\" flag: not supported by kubevirt-rs: inferring instance types and preferences from volumes",
             ),
             (
-                &["--preference", "fedora"],
-                "failed to parse \"--preference\" flag: not supported by kubevirt-rs: preferences",
+                &["--infer-preference-from", "disk"],
+                "failed to parse \"--infer-preference-from\" flag: not supported by kubevirt-rs: inferring instance types and preferences from volumes",
+            ),
+            (
+                &["--instancetype", "u1.small", "--memory", "1Gi"],
+                "if any flags in the group [memory instancetype infer-instancetype infer-instancetype-from] are set none of the others can be; [instancetype memory] were all set",
+            ),
+            (
+                &["--preference", "fedora", "--infer-preference=false"],
+                "if any flags in the group [preference infer-preference infer-preference-from] are set none of the others can be; [infer-preference preference] were all set",
+            ),
+            (
+                &["--instancetype", "virtualmachinepreference/u1.small"],
+                "failed to parse \"--instancetype\" flag: invalid instancetype kind \"virtualmachinepreference\", supported values are: virtualmachineinstancetype, virtualmachineclusterinstancetype",
+            ),
+            (
+                &["--preference", "Pods/fedora"],
+                "failed to parse \"--preference\" flag: invalid preference kind \"pods\", supported values are: virtualmachinepreference, virtualmachineclusterpreference",
+            ),
+            (
+                &["--instancetype", "a/b/c"],
+                "failed to parse \"--instancetype\" flag: invalid count 2 of slashes in prefix/name",
+            ),
+            (
+                &["--preference", "kind/"],
+                "failed to parse \"--preference\" flag: name cannot be empty",
             ),
             (
                 &["--volume-import", "type:blank,size:1Gi"],
@@ -809,6 +917,61 @@ mod tests {
         }
         // Inference switched off explicitly is what kubevirt-rs does anyway.
         round_trip(&["--infer-instancetype=false", "--infer-preference=false"]);
+    }
+
+    #[test]
+    fn instancetype_and_preference() {
+        let (vm, _) = manifest(
+            &args(&[
+                "--instancetype",
+                "u1.medium",
+                "--preference",
+                "VirtualMachinePreference/fedora",
+                "--volume-containerdisk",
+                "src:img",
+            ]),
+            &inputs(),
+        )
+        .unwrap();
+        assert_eq!(
+            vm.spec.instancetype,
+            Some(Matcher {
+                name: Some("u1.medium".into()),
+                ..Matcher::default()
+            })
+        );
+        assert_eq!(
+            vm.spec.preference,
+            Some(Matcher {
+                name: Some("fedora".into()),
+                kind: Some("virtualmachinepreference".into()),
+                ..Matcher::default()
+            })
+        );
+        // The instance type gives the memory: none is written, not even the default.
+        assert_eq!(template(&vm).domain.memory, None);
+        let yaml = to_yaml(&vm).unwrap();
+        assert!(
+            yaml.contains("instancetype:\n    name: u1.medium\n"),
+            "{yaml}"
+        );
+        assert!(!yaml.contains("memory"), "{yaml}");
+
+        let (vm, _) = manifest(
+            &args(&["--instancetype", "virtualmachineinstancetype/small"]),
+            &inputs(),
+        )
+        .unwrap();
+        assert_eq!(
+            vm.spec.instancetype.unwrap().kind.as_deref(),
+            Some("virtualmachineinstancetype")
+        );
+        // A preference alone leaves the memory flag's default in place.
+        let (vm, _) = manifest(&args(&["--preference", "fedora"]), &inputs()).unwrap();
+        assert_eq!(
+            template(&vm).domain.memory.as_ref().unwrap().guest,
+            Some(Quantity(DEFAULT_MEMORY.into()))
+        );
     }
 
     #[test]

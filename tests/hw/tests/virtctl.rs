@@ -189,11 +189,75 @@ fn admission(stack: &Stack) {
         .expect("delete");
 }
 
+/// `virtctl create vm --instancetype --preference`, as users pipe it to kubectl: virt-api
+/// admits the manifest and virt-controller resolves both (snapshots them into revisions). The VM
+/// stays halted: what runs from an instance type is the controller's cluster test's part.
+fn create_vm_with_an_instancetype(stack: &Stack) {
+    stack.apply(&serde_json::json!({
+        "apiVersion": "instancetype.kubevirt.io/v1beta1",
+        "kind": "VirtualMachineClusterInstancetype",
+        "metadata": {"name": "tiny"},
+        "spec": {"cpu": {"guest": 1}, "memory": {"guest": "64Mi"}}
+    }));
+    stack.apply(&serde_json::json!({
+        "apiVersion": "instancetype.kubevirt.io/v1beta1",
+        "kind": "VirtualMachinePreference",
+        "metadata": {"name": "virtio-disks", "namespace": "default"},
+        "spec": {"devices": {"preferredDiskBus": "virtio"}}
+    }));
+    let manifest = stack
+        .virtctl(&[
+            "create",
+            "vm",
+            "--name",
+            "typed",
+            "--run-strategy",
+            "Halted",
+            "--instancetype",
+            "tiny",
+            "--preference",
+            "virtualmachinepreference/virtio-disks",
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+    stack
+        .kubectl_with_input(&["create", "-f", "-"], &manifest)
+        .unwrap_or_else(|e| panic!("kubectl create of\n{manifest}\n{e}"));
+    let status = wait_for(
+        "the VM's instance type and preference resolved",
+        CHANGE,
+        || {
+            let vm = stack
+                .get_json("default", "vm", "typed")
+                .map_err(|e| e.to_string())?
+                .ok_or("no VM yet")?;
+            let status = vm["status"].clone();
+            let resolved = |r: &str| status[r]["controllerRevisionRef"]["name"].is_string();
+            if resolved("instancetypeRef") && resolved("preferenceRef") {
+                Ok(Some(status))
+            } else {
+                Err(format!("status: {status}"))
+            }
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    // The kinds as the matchers spell them: none for the cluster kind, as KubeVirt's status.
+    assert_eq!(status["instancetypeRef"]["name"], "tiny", "{status:#}");
+    assert!(status["instancetypeRef"]["kind"].is_null(), "{status:#}");
+    assert_eq!(
+        status["preferenceRef"]["kind"], "virtualmachinepreference",
+        "{status:#}"
+    );
+    stack
+        .kubectl(&["delete", "vm", "typed"])
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
 #[test]
 fn guest_virtctl_reaches_the_vm_through_virt_api() {
     let stack = Stack::up().expect("the stack comes up");
     let kubeconfig = stack.kubeconfig();
     admission(&stack);
+    create_vm_with_an_instancetype(&stack);
 
     // The demo VM, with a fresh key authorised for root by its cloud-init user-data and port 22
     // open.

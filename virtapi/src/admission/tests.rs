@@ -977,6 +977,42 @@ fn vm_mutator() {
     );
 }
 
+/// KubeVirt's instancetype mutator: the preference's machine type goes into a VM whose template
+/// names none, ahead of the default; one the template names stays.
+#[test]
+fn vm_mutator_takes_the_preferred_machine_type() {
+    let mut c = ctx();
+    c.instancetypes = Found {
+        instancetype: None,
+        preference: serde_json::from_value(
+            json!({"machine": {"preferredMachineType": "pc-q35-7.2"}}),
+        )
+        .unwrap(),
+    };
+    let mut with_pref = vm();
+    with_pref["spec"]["preference"] = json!({"name": "q35-7.2"});
+    let create = review("virtualmachines", "CREATE", USER, &with_pref, None);
+    let stored = patched(&with_pref, &run_with(Webhook::VmMutator, &create, &c));
+    assert_eq!(
+        stored["spec"]["template"]["spec"]["domain"]["machine"],
+        json!({"type": "pc-q35-7.2"})
+    );
+
+    with_pref["spec"]["template"]["spec"]["domain"]["machine"] = json!({"type": "q35"});
+    let update = review(
+        "virtualmachines",
+        "UPDATE",
+        USER,
+        &with_pref,
+        Some(&with_pref),
+    );
+    let stored = patched(&with_pref, &run_with(Webhook::VmMutator, &update, &c));
+    assert_eq!(
+        stored["spec"]["template"]["spec"]["domain"]["machine"],
+        json!({"type": "q35"})
+    );
+}
+
 #[test]
 fn vm_validator() {
     let cases: [(&str, &str, Edit, Want); 6] = [

@@ -6,7 +6,7 @@
 set -euo pipefail
 
 packages=(
-  qemu-system-x86   # QEMU 7.2: the hypervisor the launcher drives
+  qemu-system-x86   # QEMU 7.2: the hypervisor the launcher drives; with qemu-system-common's virtiofsd
   qemu-utils        # qemu-img: overlays, empty disks, test images
   ovmf              # EFI firmware for efi VMIs
   nftables          # masquerade binding; kube-proxy's nftables mode
@@ -66,4 +66,6 @@ if ((${#missing_tools[@]})); then
   exit 1
 fi
 qemu-img --version >/dev/null || { echo "deps: qemu-img does not run" >&2; exit 1; }
+# virtiofsd is not on PATH: Debian 12 ships QEMU's C daemon there (the launcher image carries it).
+/usr/lib/qemu/virtiofsd --version >/dev/null || { echo "deps: /usr/lib/qemu/virtiofsd (qemu-system-common) does not run" >&2; exit 1; }
 pkg-config --exists fuse3 || { echo "deps: pkg-config does not find fuse3 (libfuse3-dev)" >&2; exit 1; }

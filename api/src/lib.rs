@@ -54,6 +54,7 @@ pub mod status;
 pub mod subresources;
 pub mod support;
 pub mod validation;
+pub mod virtiofs;
 pub mod vm;
 pub mod vmi;
 

@@ -221,6 +221,8 @@ pub const INTERFACE_NOT_LIVE_MIGRATABLE: &str = "InterfaceNotLiveMigratable";
 pub const HOST_DEVICE_NOT_LIVE_MIGRATABLE: &str = "HostDeviceNotLiveMigratable";
 /// `DisksNotLiveMigratable`.
 pub const DISKS_NOT_LIVE_MIGRATABLE: &str = "DisksNotLiveMigratable";
+/// KubeVirt's `VirtualMachineInstanceReasonVirtIOFSNotMigratable`.
+pub const VIRTIOFS_NOT_LIVE_MIGRATABLE: &str = "VirtIOFSNotLiveMigratable";
 /// KubeVirt's `VirtualMachineInstanceReasonHotplugNotMigratable`.
 pub const HOTPLUG_NOT_LIVE_MIGRATABLE: &str = "HotplugNotLiveMigratable";
 /// Ours: persistent EFI variables on a backend-storage claim that is not `ReadWriteMany`
@@ -266,6 +268,14 @@ pub fn live_migratable(
                     .into(),
             });
         }
+    }
+    // KubeVirt's check before virtiofsd could migrate its state: QEMU 7.2 marks
+    // vhost-user-fs unmigratable and Debian 12's virtiofsd has no migration support.
+    if crate::virtiofs::enabled(spec) {
+        return Err(NotMigratable {
+            reason: VIRTIOFS_NOT_LIVE_MIGRATABLE,
+            message: "VMI uses virtiofs".into(),
+        });
     }
     if spec.domain.devices.host_devices.is_some() {
         return Err(NotMigratable {
@@ -433,8 +443,14 @@ mod tests {
 
         let mut spec = with(masq.clone(), local());
         spec["domain"]["devices"]["gpus"] = json!([{"name": "g", "deviceName": "nvidia"}]);
-        let e = live_migratable(&vmi(spec, json!({})), no).expect_err("a GPU");
+        let e = live_migratable(&vmi(spec.clone(), json!({})), no).expect_err("a GPU");
         assert_eq!(e.reason, "HostDeviceNotLiveMigratable");
+        spec["domain"]["devices"]["filesystems"] = json!([{"name": "scratch", "virtiofs": {}}]);
+        let e = live_migratable(&vmi(spec, json!({})), no).expect_err("virtiofs");
+        assert_eq!(
+            (e.reason, e.message.as_str()),
+            ("VirtIOFSNotLiveMigratable", "VMI uses virtiofs")
+        );
 
         let host = json!([{"name": "root", "hostDisk": {"path": "/d", "type": "Disk"}}]);
         let e =

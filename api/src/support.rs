@@ -206,6 +206,18 @@ pub const IMPLEMENTED: &[Implemented] = &[
         "launcher/src/convert/tests.rs::topology_smm_and_firmware_render_as_asked",
     ),
     field(
+        "spec.domain.devices.filesystems",
+        "launcher/tests/guest.rs::guest_virtiofs_directories_are_read_in_the_guest",
+    ),
+    field(
+        "spec.domain.devices.filesystems[].name",
+        "launcher/src/convert/tests.rs::filesystems_share_guest_memory_with_virtiofsd",
+    ),
+    field(
+        "spec.domain.devices.filesystems[].virtiofs",
+        "launcher/tests/guest.rs::guest_virtiofs_directories_are_read_in_the_guest",
+    ),
+    field(
         "spec.domain.devices.autoattachGraphicsDevice",
         "controller/tests/golden.rs::kernel_boot_launcher_pod_matches_golden",
     ),
@@ -898,7 +910,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.domain.devices.disks[].lun"),
     refused("spec.domain.devices.disks[].tag"),
     refused("spec.domain.devices.downwardMetrics"),
-    refused("spec.domain.devices.filesystems"),
     refused("spec.domain.devices.gpus"),
     refused("spec.domain.devices.hostDevices"),
     refused("spec.domain.devices.interfaces[].binding"),

@@ -121,6 +121,7 @@ pub fn validate_spec(
     cpu(spec, base, &mut e);
     firmware(spec, base, &mut e);
     devices(spec, base, &mut e);
+    filesystems(spec, cfg, base, &mut e);
     volumes(spec, cfg, base, &mut e);
     networks(spec, cfg, base, &mut e);
     boot_order(spec, base, &mut e);
@@ -351,10 +352,6 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     e.unsupported(
         format!("{devices}.hostDevices"),
         list(dev.host_devices.as_ref()),
-    );
-    e.unsupported(
-        format!("{devices}.filesystems"),
-        list(dev.filesystems.as_ref()),
     );
     e.unsupported(
         format!("{devices}.panicDevices"),
@@ -1132,6 +1129,76 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             format!("{path}.video"),
             "not allowed when autoattachGraphicsDevice is false",
         );
+    }
+}
+
+/// KubeVirt's virtiofs rules (`validateFilesystemsWithVirtIOFSEnabled`: a claim needs the
+/// storage gate, config volumes none), and ours for what KubeVirt admits only to fail later:
+/// a name matching no volume (no container would serve it), a volume that is also a disk, a
+/// source that is not a directory of the launcher pod (a container disk, a cloud-init seed), a
+/// hotpluggable claim (the pod's containers are fixed when it starts), a tag longer than QEMU
+/// takes.
+fn filesystems(spec: &VirtualMachineInstanceSpec, cfg: &ClusterConfig, base: &str, e: &mut Errors) {
+    use crate::virtiofs::{STORAGE_VOLUMES_GATE, TAG_MAX};
+    let path = format!("{base}.domain.devices.filesystems");
+    let mut seen = BTreeSet::new();
+    for (i, fs) in spec.domain.devices.filesystems.iter().enumerate() {
+        let npath = format!("{path}[{i}].name");
+        if !seen.insert(fs.name.as_str()) {
+            e.add(
+                npath.clone(),
+                format!("duplicate filesystem name {:?}", fs.name),
+            );
+        }
+        if fs.name.len() > TAG_MAX {
+            e.add(
+                npath.clone(),
+                format!(
+                    "{:?} is longer than the {TAG_MAX} bytes of a virtiofs tag",
+                    fs.name
+                ),
+            );
+        }
+        if spec.domain.devices.disks.iter().any(|d| d.name == fs.name) {
+            e.add(
+                npath.clone(),
+                format!("volume {:?} is used by a disk as well", fs.name),
+            );
+        }
+        let Some(volume) = spec.volume(&fs.name) else {
+            e.add(npath, format!("no volume named {:?}", fs.name));
+            continue;
+        };
+        match volume.source() {
+            Some(VolumeSource::PersistentVolumeClaim(_) | VolumeSource::DataVolume(_))
+                if !cfg.has_feature_gate(STORAGE_VOLUMES_GATE) =>
+            {
+                e.add(
+                    path.clone(),
+                    "virtiofs is not allowed: virtiofs feature gate is not enabled for PVC",
+                );
+            }
+            Some(VolumeSource::PersistentVolumeClaim(p)) if p.hotpluggable == Some(true) => {
+                e.add(npath, "a hotpluggable volume cannot be a filesystem");
+            }
+            Some(
+                VolumeSource::PersistentVolumeClaim(_)
+                | VolumeSource::DataVolume(_)
+                | VolumeSource::ConfigMap(_)
+                | VolumeSource::Secret(_)
+                | VolumeSource::ServiceAccount(_)
+                | VolumeSource::DownwardApi(_),
+            )
+            | None => {}
+            Some(other) => e.add(
+                npath,
+                format!(
+                    "a {} volume cannot be a filesystem (persistentVolumeClaim, dataVolume, \
+                     configMap, secret, serviceAccount, downwardAPI)",
+                    other.field()
+                ),
+            ),
+        }
     }
 }
 

@@ -616,8 +616,9 @@ pub struct Devices {
     pub downward_metrics: Option<Preserved>,
     /// Panic devices (not supported yet).
     pub panic_devices: Option<Preserved>,
-    /// virtiofs filesystems (not supported yet).
-    pub filesystems: Option<Preserved>,
+    /// Volumes shared with the guest as file systems (virtiofs).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub filesystems: Vec<Filesystem>,
     /// Host devices (not supported yet).
     pub host_devices: Option<Preserved>,
     /// USB redirection (not supported yet).
@@ -741,6 +742,16 @@ pub struct Watchdog {
 pub struct WatchdogI6300Esb {
     /// poweroff, reset (default), shutdown.
     pub action: Option<String>,
+}
+
+/// A volume's files shared with the guest through virtiofs; the guest mounts it by its name
+/// (`mount -t virtiofs <name> <dir>`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Filesystem {
+    /// Name; must match a volume, and is the tag the guest mounts.
+    pub name: String,
+    /// Shared through virtiofs, the only kind KubeVirt has.
+    pub virtiofs: Empty,
 }
 
 /// An input device.

@@ -312,7 +312,7 @@ fn unmodelled_kubevirt_fields_are_preserved_not_pruned() {
     let schema = serde_json::to_value(&vmi.spec.versions[0].schema).unwrap();
     let devices = &schema["openAPIV3Schema"]["properties"]["spec"]["properties"]["domain"]["properties"]
         ["devices"]["properties"];
-    for field in ["gpus", "hostDevices", "filesystems", "tpm", "sound"] {
+    for field in ["gpus", "hostDevices", "tpm", "sound"] {
         assert_eq!(
             devices[field]["x-kubernetes-preserve-unknown-fields"],
             serde_json::Value::Bool(true),

@@ -60,7 +60,81 @@ fn m(
 }
 
 fn mistakes() -> Vec<Mistake> {
+    let cfg_volume = json!({"name": "cfg", "configMap": {"name": "app"}});
+    let claim = json!({"name": "data", "persistentVolumeClaim": {"claimName": "data"}});
     vec![
+        m(
+            "filesystem without a volume",
+            vec![(
+                "/spec/domain/devices/filesystems",
+                json!([{"name": "nothing", "virtiofs": {}}]),
+            )],
+            "spec.domain.devices.filesystems[0].name",
+            r#"no volume named "nothing""#,
+        ),
+        m(
+            "filesystem twice",
+            vec![
+                ("/spec/volumes/2", cfg_volume.clone()),
+                (
+                    "/spec/domain/devices/filesystems",
+                    json!([{"name": "cfg", "virtiofs": {}}, {"name": "cfg", "virtiofs": {}}]),
+                ),
+            ],
+            "spec.domain.devices.filesystems[1].name",
+            r#"duplicate filesystem name "cfg""#,
+        ),
+        m(
+            "volume as disk and filesystem",
+            vec![(
+                "/spec/domain/devices/filesystems",
+                json!([{"name": "seed", "virtiofs": {}}]),
+            )],
+            "spec.domain.devices.filesystems[0].name",
+            r#"volume "seed" is used by a disk as well"#,
+        ),
+        m(
+            "container disk as filesystem",
+            vec![
+                (
+                    "/spec/volumes/2",
+                    json!({"name": "img", "containerDisk": {"image": "x"}}),
+                ),
+                (
+                    "/spec/domain/devices/filesystems",
+                    json!([{"name": "img", "virtiofs": {}}]),
+                ),
+            ],
+            "spec.domain.devices.filesystems[0].name",
+            "a containerDisk volume cannot be a filesystem",
+        ),
+        m(
+            "claim as filesystem without the gate",
+            vec![
+                ("/spec/volumes/2", claim.clone()),
+                (
+                    "/spec/domain/devices/filesystems",
+                    json!([{"name": "data", "virtiofs": {}}]),
+                ),
+            ],
+            "spec.domain.devices.filesystems",
+            "virtiofs is not allowed: virtiofs feature gate is not enabled for PVC",
+        ),
+        m(
+            "filesystem tag too long",
+            vec![
+                (
+                    "/spec/volumes/2",
+                    json!({"name": "a".repeat(37), "configMap": {"name": "app"}}),
+                ),
+                (
+                    "/spec/domain/devices/filesystems",
+                    json!([{"name": "a".repeat(37), "virtiofs": {}}]),
+                ),
+            ],
+            "spec.domain.devices.filesystems[0].name",
+            "is longer than the 36 bytes of a virtiofs tag",
+        ),
         m(
             "unknown video type",
             vec![("/spec/domain/devices/video", json!({"type": "qxl"}))],
@@ -814,6 +888,55 @@ fn the_host_disk_gate_lets_host_disks_through() {
     assert_eq!(errors(v, &cfg), vec![]);
 }
 
+#[test]
+fn config_volumes_are_filesystems_and_claims_need_the_storage_gate() {
+    let mut v = valid();
+    for (i, volume) in [
+        json!({"name": "cm", "configMap": {"name": "app"}}),
+        json!({"name": "sec", "secret": {"secretName": "keys"}}),
+        json!({"name": "sa", "serviceAccount": {"serviceAccountName": "default"}}),
+        json!({"name": "down", "downwardAPI": {"fields": []}}),
+        json!({"name": "data", "persistentVolumeClaim": {"claimName": "data"}}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let name = volume["name"].clone();
+        set(&mut v, &format!("/spec/volumes/{}", i + 2), volume);
+        let fs = json!({"name": name, "virtiofs": {}});
+        let pointer = "/spec/domain/devices/filesystems";
+        match v.pointer_mut(pointer) {
+            Some(Value::Array(list)) => list.push(fs),
+            _ => set(&mut v, pointer, json!([fs])),
+        }
+    }
+    let refused = errors(v.clone(), &ClusterConfig::default());
+    assert_eq!(
+        refused.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        [
+            "spec.domain.devices.filesystems: virtiofs is not allowed: virtiofs feature gate is \
+          not enabled for PVC"
+        ]
+    );
+    let cfg = ClusterConfig {
+        feature_gates: vec![api::virtiofs::STORAGE_VOLUMES_GATE.into()],
+        ..ClusterConfig::default()
+    };
+    assert_eq!(errors(v.clone(), &cfg), vec![]);
+    set(
+        &mut v,
+        "/spec/volumes/6/persistentVolumeClaim/hotpluggable",
+        json!(true),
+    );
+    assert_eq!(
+        errors(v, &cfg)
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["spec.domain.devices.filesystems[4].name: a hotpluggable volume cannot be a filesystem"]
+    );
+}
+
 /// A manifest as a KubeVirt user might write it, using features kubevirt-rs does not have.
 const UNSUPPORTED_MANIFEST: &str = r"
 apiVersion: kubevirt.io/v1
@@ -838,7 +961,6 @@ spec:
     devices:
       gpus: [{name: gpu1, deviceName: nvidia.com/GP102GL}]
       hostDevices: [{name: hd, deviceName: vendor.com/dev}]
-      filesystems: [{name: shared, virtiofs: {}}]
       tpm: {}
       sound: {name: snd}
       autoattachVSOCK: true
@@ -887,7 +1009,6 @@ fn unsupported_kubevirt_features_are_refused_by_name() {
         "spec.domain.launchSecurity",
         "spec.domain.devices.gpus",
         "spec.domain.devices.hostDevices",
-        "spec.domain.devices.filesystems",
         "spec.domain.devices.tpm",
         "spec.domain.devices.sound",
         "spec.domain.devices.autoattachVSOCK",

@@ -26,12 +26,14 @@ kernel_meta=linux-image-amd64
 # it a VFAT seed does not mount ("IO charset ascii not found"). crc32c_generic comes first
 # because ext4 and jbd2 only name it as a softdep, which modules.dep does not list and busybox
 # insmod does not resolve, and the metadata checksums mkfs.ext4 turns on by default need it.
+# virtiofs (after fuse, its dependency) mounts a VMI's filesystems: `mount -t virtiofs <name> <dir>`.
 modules=(
   "scsi_mod scan=sync"
   virtio_pci virtio_console virtio_blk virtio_net virtio_scsi virtio_rng virtio_balloon
   sd_mod sr_mod ahci ata_piix
   isofs vfat nls_cp437 nls_iso8859-1 nls_utf8 nls_ascii
   crc32c_generic ext4
+  fuse virtiofs
   button evdev
 )
 # qemu-ga; the SSH server (dropbear, and OpenSSH's sftp-server, which scp uses: OpenSSH 9's

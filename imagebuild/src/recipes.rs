@@ -3,9 +3,9 @@
 //! - Rust components (`virt-operator`, `virt-api`, `virt-controller`, `virt-handler`): a distroless-style base
 //!   layer (the C library closure of our programs, `/etc/passwd`, `/tmp`) shared by every
 //!   component image, plus the program (and for virt-handler, `nft`).
-//! - `virt-launcher`: the same base, a QEMU layer (`qemu-system-x86_64`, `qemu-img`, the TCG
-//!   accelerator module, firmware, VNC keymaps and exactly the libraries they need, copied from
-//!   this machine's Debian packages) and the launcher with `virt-probe` (the kubelet runs it for
+//! - `virt-launcher`: the same base, a QEMU layer (`qemu-system-x86_64`, `qemu-img`,
+//!   `virtiofsd`, the TCG accelerator module, firmware, VNC keymaps and exactly the libraries
+//!   they need, copied from this machine's Debian packages) and the launcher with `virt-probe` (the kubelet runs it for
 //!   a VMI's exec and guestAgentPing probes), `container-disk` and `cp`, which the launcher
 //!   pod's `container-disk-binary` init container runs, as KubeVirt's does.
 //! - `container-disk`: the static helper alone.
@@ -70,7 +70,13 @@ pub enum RecipeError {
     Unknown(String),
 }
 
-const QEMU_PROGRAMS: [&str; 2] = ["/usr/bin/qemu-system-x86_64", "/usr/bin/qemu-img"];
+/// QEMU, qemu-img, and virtiofsd (Debian 12's is QEMU's C daemon, in `qemu-system-common`),
+/// which a launcher pod's `virtiofs-<volume>` containers run from this image.
+const QEMU_PROGRAMS: [&str; 3] = [
+    "/usr/bin/qemu-system-x86_64",
+    "/usr/bin/qemu-img",
+    "/usr/lib/qemu/virtiofsd",
+];
 /// QEMU loads its TCG accelerator as a module (Debian builds it modular); KVM is built in.
 const QEMU_MODULES: [&str; 1] = ["/usr/lib/x86_64-linux-gnu/qemu/accel-tcg-x86_64.so"];
 /// Firmware QEMU finds in its data directories (Debian's qemu-system-data, seabios, ipxe-qemu),

@@ -5,7 +5,7 @@
 //! config in `crate::qemu` has them: machine, CPU and memory ([`machine_kind`], `smm`, `cpu`,
 //! `memory`, `smbios`), firmware (`firmware`, `kernel_boot`), disks (`disks` places and numbers
 //! what [`disk_for`] builds from a disk and its volume, one `Vol` method per volume source),
-//! interfaces (`nic`), then the consoles, agent channel, RNG and balloon. File preparations are
+//! interfaces (`nic`), filesystems (`filesystems`), then the consoles, agent channel, RNG and balloon. File preparations are
 //! collected in that order, and the first problem found is the one reported.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,9 +24,9 @@ use crate::paths::Dirs;
 use crate::prepare::{Prep, Seed, SeedData};
 use crate::qemu::{
     Accel, AgentChannel, Aio, CacheMode, Clock, Controllers, Cpu, CpuFeature, Disk, DiskSource,
-    ErrorPolicy, Firmware, Frontend, ImageFormat, KernelBoot, Machine, MachineKind, Memory,
-    Monitor, Nic, NicModel, QemuConfig, SATA_PORTS, SerialPort, Smbios, Tablet, VirtioModel, Vnc,
-    Watchdog, video_device,
+    ErrorPolicy, Filesystem, Firmware, Frontend, ImageFormat, KernelBoot, Machine, MachineKind,
+    Memory, Monitor, Nic, NicModel, QemuConfig, SATA_PORTS, SerialPort, Smbios, Tablet,
+    VirtioModel, Vnc, Watchdog, video_device,
 };
 
 /// A VMI the launcher cannot run, with the field that says why.
@@ -81,6 +81,10 @@ pub const SPARE_HOTPLUG_PORTS: usize = 4;
 
 /// How long the boot menu of a guest started paused waits (KubeVirt's `bootMenuTimeoutMS`).
 const PAUSED_START_BOOT_MENU_MS: u32 = 10_000;
+
+/// How long a sync waits for a filesystem's virtiofsd to listen: its container starts with the
+/// launcher's in the same pod, and a daemon that is not there by then will not come.
+pub const VIRTIOFS_SOCKET_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 pub fn hotplug_port(i: usize) -> String {
     format!("hotplug-port{i}")
@@ -175,6 +179,8 @@ pub fn convert(
         nics.push(nic(vmi, kind, i, iface, &uid, host, &mut preps)?);
     }
 
+    let filesystems = filesystems(vmi, dirs, &mut preps)?;
+
     let devices = &vmi.spec.domain.devices;
     let config = QemuConfig {
         name: format!("{namespace}_{name}"),
@@ -195,6 +201,7 @@ pub fn convert(
         controllers,
         disks,
         nics,
+        filesystems,
         monitor: Monitor::Socket(dirs.qmp_socket(&uid)),
         serial: devices
             .autoattach_serial_console
@@ -594,7 +601,44 @@ fn memory(
     Ok(Memory {
         size_mib,
         hugepages,
+        shared: api::virtiofs::enabled(&vmi.spec),
     })
+}
+
+/// The VMI's filesystems, each served by virtiofsd in its own container of the pod, which
+/// must be listening before QEMU starts: QEMU connects once, at start.
+fn filesystems(
+    vmi: &VirtualMachineInstance,
+    dirs: &Dirs,
+    preps: &mut Vec<Prep>,
+) -> Result<Vec<Filesystem>, ConvertError> {
+    let mut out = Vec::new();
+    for (i, fs) in vmi.spec.domain.devices.filesystems.iter().enumerate() {
+        let field = format!("spec.domain.devices.filesystems[{i}]");
+        // The tag reaches the argv and the socket path; admission holds it to a DNS label.
+        qemu_id_name(format!("{field}.name"), &fs.name)?;
+        if fs.name.len() > api::virtiofs::TAG_MAX {
+            return Err(err(
+                format!("{field}.name"),
+                format!(
+                    "longer than the {} bytes of a virtiofs tag",
+                    api::virtiofs::TAG_MAX
+                ),
+            ));
+        }
+        let socket = api::virtiofs::socket_path(&dirs.share, &fs.name);
+        preps.push(Prep::WaitForSocket {
+            path: socket.clone(),
+            within: VIRTIOFS_SOCKET_WAIT,
+            field,
+        });
+        out.push(Filesystem {
+            tag: fs.name.clone(),
+            socket,
+            queue_size: 1024,
+        });
+    }
+    Ok(out)
 }
 
 /// SMBIOS system information. QEMU wants a real UUID; Kubernetes uids are, and so must

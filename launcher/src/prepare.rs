@@ -87,6 +87,13 @@ pub enum Prep {
         page_size: u64,
         field: String,
     },
+    /// A unix socket another container of the pod binds (virtiofsd's) must appear within
+    /// `within`. It is not connected to: virtiofsd serves the first connection only.
+    WaitForSocket {
+        path: PathBuf,
+        within: std::time::Duration,
+        field: String,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -164,6 +171,16 @@ pub enum PrepareError {
         path: PathBuf,
         page_size: u64,
         found: String,
+    },
+    #[error(
+        "{field}: no virtiofsd listens on {} after {within:?} (its container, virtiofs-<name>, \
+         serves it)",
+        path.display()
+    )]
+    NoSocket {
+        field: String,
+        path: PathBuf,
+        within: std::time::Duration,
     },
 }
 
@@ -291,8 +308,37 @@ async fn run_one(bin: &Path, prep: &Prep) -> Result<(), PrepareError> {
             page_size,
             field,
         } => require_hugetlbfs(path, *page_size, field)?,
+        Prep::WaitForSocket {
+            path,
+            within,
+            field,
+        } => wait_for_socket(path, *within, field).await?,
     }
     Ok(())
+}
+
+/// Polls until `path` is a unix socket: the other container's start is not something this
+/// process can be told about.
+async fn wait_for_socket(
+    path: &Path,
+    within: std::time::Duration,
+    field: &str,
+) -> Result<(), PrepareError> {
+    use std::os::unix::fs::FileTypeExt;
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if std::fs::metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(PrepareError::NoSocket {
+                field: field.to_owned(),
+                path: path.to_owned(),
+                within,
+            });
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
 }
 
 /// A fresh qcow2 overlay over `backing` (any old one removed), in the backing format given or
@@ -641,6 +687,38 @@ mod tests {
             assert!(msg.contains(&path.display().to_string()), "{msg}");
             assert!(msg.contains("not a hugetlbfs mount"), "{msg}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_virtiofs_socket_is_waited_for_and_a_missing_one_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let wait = |path: PathBuf, within| Prep::WaitForSocket {
+            path,
+            within,
+            field: "spec.domain.devices.filesystems[0]".into(),
+        };
+        let socket = dir.path().join("virtiofs-containers/cfg.sock");
+        let prep = wait(socket.clone(), std::time::Duration::from_secs(20));
+        let waiting = tokio::spawn(async move { run(&qemu_img_bin(), &[prep]).await });
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        waiting.await.unwrap().unwrap();
+
+        // A file that is not a socket never satisfies the wait.
+        let plain = dir.path().join("plain.sock");
+        std::fs::write(&plain, "").unwrap();
+        let e = run(
+            &qemu_img_bin(),
+            &[wait(plain.clone(), std::time::Duration::from_millis(200))],
+        )
+        .await
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("spec.domain.devices.filesystems[0]: no virtiofsd listens on "),
+            "{msg}"
+        );
+        assert!(msg.contains(&plain.display().to_string()), "{msg}");
     }
 
     #[tokio::test]

@@ -808,6 +808,124 @@ fn guest_q35_pvc_filesystem_and_block_on_hugepages() {
     assert_eq!(d["state"], "Shutoff", "{d}");
 }
 
+/// Debian's virtiofsd serving `dir` on `socket`, as a launcher pod's `virtiofs-<name>`
+/// container runs it; killed, and its pid file (`/run/virtiofsd/<socket path with dots>.pid`,
+/// which it leaves behind) removed, when dropped.
+struct Virtiofsd {
+    child: std::process::Child,
+    pid_file: std::path::PathBuf,
+}
+
+impl Virtiofsd {
+    fn serve(dir: &Path, socket: &Path) -> Self {
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let child = std::process::Command::new(api::virtiofs::VIRTIOFSD)
+            .arg(format!("--socket-path={}", socket.display()))
+            .args(["-o", &format!("source={}", dir.display())])
+            .args([
+                "-o",
+                "sandbox=chroot",
+                "-o",
+                "cache=auto",
+                "--rlimit-nofile=0",
+            ])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{}: {e} (hack/deps.sh)", api::virtiofs::VIRTIOFSD));
+        let pid_file = Path::new("/run/virtiofsd").join(format!(
+            "{}.pid",
+            socket.display().to_string().replace('/', ".")
+        ));
+        Self { child, pid_file }
+    }
+}
+
+impl Drop for Virtiofsd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.pid_file);
+    }
+}
+
+/// Two directories shared through virtiofs, as a ConfigMap and a claim reach the guest: guest
+/// RAM is a shared memfd, virtiofsd (started after the sync began: the launcher waits for its
+/// socket) serves each, and the guest mounts them by name, reads the files and writes one back.
+#[test]
+fn guest_virtiofs_directories_are_read_in_the_guest() {
+    let shared = tempfile::tempdir().unwrap();
+    let cfg = shared.path().join("cfg");
+    let data = shared.path().join("data");
+    std::fs::create_dir_all(&cfg).unwrap();
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(cfg.join("app.conf"), "mode=virtiofs\n").unwrap();
+    std::fs::write(data.join("seed.txt"), "CLAIM-DATA\n").unwrap();
+    let l = Launcher::start_with(&["--keep-after-shutdown"], common::place_kernel);
+    let id = uid();
+    let v = vmi(
+        "fs",
+        &id,
+        json!({
+            "domain": {
+                "machine": {"type": "q35"},
+                "memory": {"guest": "256Mi"},
+                "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
+                    "image": "guest", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}},
+                "devices": {"filesystems": [
+                    {"name": "cfg", "virtiofs": {}},
+                    {"name": "data", "virtiofs": {}},
+                ]},
+            },
+            "volumes": [
+                {"name": "cfg", "configMap": {"name": "app"}},
+                {"name": "data", "persistentVolumeClaim": {"claimName": "data"}},
+            ],
+        }),
+    );
+    let sync = std::thread::spawn({
+        let socket = l.socket.clone();
+        move || common::http(&socket, "PUT", "/v1/sync", Some(&v))
+    });
+    let share = l.dir("share");
+    let _daemons = [
+        Virtiofsd::serve(&cfg, &api::virtiofs::socket_path(&share, "cfg")),
+        Virtiofsd::serve(&data, &api::virtiofs::socket_path(&share, "data")),
+    ];
+    let (status, d) = sync.join().unwrap();
+    assert_eq!(status, 200, "{d}\n{}", l.log());
+    let pid = d["qemuPid"].as_i64().unwrap();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    // A shared mapping (`rw-s`) of the backend's memfd, which virtiofsd maps too.
+    assert!(
+        maps.lines()
+            .any(|m| m.contains("/memfd:memory-backend-memfd")
+                && m.split_whitespace()
+                    .nth(1)
+                    .is_some_and(|p| p.ends_with('s'))),
+        "guest RAM is not a shared memfd:\n{maps}"
+    );
+
+    l.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
+    let mut console = Console::connect(&l.vm_dir(&id).join("virt-serial0"));
+    assert_eq!(
+        console.run(
+            "mkdir -p /mnt/cfg /mnt/data && mount -t virtiofs cfg /mnt/cfg && \
+             mount -t virtiofs data /mnt/data && cat /mnt/cfg/app.conf /mnt/data/seed.txt",
+            BOOT
+        ),
+        "mode=virtiofs\nCLAIM-DATA"
+    );
+    console.run("echo GUEST-WROTE > /mnt/data/from-guest; sync", BOOT);
+    assert_eq!(
+        std::fs::read_to_string(data.join("from-guest")).unwrap(),
+        "GUEST-WROTE\n"
+    );
+    let d = l.post("/v1/kill");
+    assert_eq!(d["state"], "Shutoff", "{d}");
+}
+
 /// Clears a PE image's Authenticode signature: the certificate table entry of the optional
 /// header's data directories (PE32+), so firmware sees an unsigned image.
 fn strip_signature(pe: &mut [u8]) {

@@ -398,6 +398,90 @@ fn hugepages_need_whole_pages() {
     );
 }
 
+/// As libvirt renders KubeVirt's domain with filesystems: guest RAM from a shared memfd (or
+/// shared hugepages), each filesystem a vhost-user-fs device on virtiofsd's socket in the
+/// share dir, tagged with its name, after waiting for that socket.
+#[test]
+fn filesystems_share_guest_memory_with_virtiofsd() {
+    let args = |s: serde_json::Value| {
+        let argv = conv(s).unwrap().config.argv();
+        argv.windows(2)
+            .filter(|w| {
+                w[0] == "-machine"
+                    || (["-object", "-chardev", "-device"].contains(&w[0].as_str())
+                        && (w[1].contains("guest-ram") || w[1].contains("-fs")))
+            })
+            .map(|w| format!("{} {}", w[0], w[1]))
+            .collect::<Vec<_>>()
+    };
+    let mut s = base_spec();
+    s["volumes"].as_array_mut().unwrap().extend([
+        serde_json::json!({"name": "cfg", "configMap": {"name": "app"}}),
+        serde_json::json!({"name": "data", "persistentVolumeClaim": {"claimName": "d"}}),
+    ]);
+    s["domain"]["devices"]["filesystems"] = serde_json::json!([
+        {"name": "cfg", "virtiofs": {}},
+        {"name": "data", "virtiofs": {}},
+    ]);
+    let plan = conv(s.clone()).unwrap();
+    assert_eq!(
+        plan.preps
+            .iter()
+            .filter_map(|p| match p {
+                Prep::WaitForSocket {
+                    path,
+                    within,
+                    field,
+                } => Some((path.display().to_string(), *within, field.as_str())),
+                _ => None,
+            })
+            .collect::<Vec<_>>(),
+        [
+            (
+                "/s/virtiofs-containers/cfg.sock".to_owned(),
+                VIRTIOFS_SOCKET_WAIT,
+                "spec.domain.devices.filesystems[0]"
+            ),
+            (
+                "/s/virtiofs-containers/data.sock".to_owned(),
+                VIRTIOFS_SOCKET_WAIT,
+                "spec.domain.devices.filesystems[1]"
+            ),
+        ]
+    );
+    assert_eq!(
+        args(s.clone()),
+        [
+            "-machine q35,memory-backend=guest-ram",
+            "-object memory-backend-memfd,id=guest-ram,size=128M,share=on",
+            "-chardev socket,id=chr-vu-fs0,path=/s/virtiofs-containers/cfg.sock",
+            "-device vhost-user-fs-pci,id=fs0,chardev=chr-vu-fs0,queue-size=1024,tag=cfg",
+            "-chardev socket,id=chr-vu-fs1,path=/s/virtiofs-containers/data.sock",
+            "-device vhost-user-fs-pci,id=fs1,chardev=chr-vu-fs1,queue-size=1024,tag=data",
+        ]
+    );
+    s["domain"]["memory"] = serde_json::json!({"guest": "128Mi", "hugepages": {"pageSize": "2Mi"}});
+    assert_eq!(
+        args(s.clone())[..2],
+        [
+            "-machine q35,memory-backend=guest-ram",
+            "-object memory-backend-file,id=guest-ram,size=128M,mem-path=/dev/hugepages,\
+             prealloc=on,share=on",
+        ]
+    );
+    // Without filesystems guest RAM stays QEMU's own, unshared.
+    s["domain"]["devices"]["filesystems"] = serde_json::json!([]);
+    s["domain"]["memory"] = serde_json::json!({"guest": "128Mi"});
+    assert_eq!(args(s), ["-machine q35"]);
+    // The launcher takes VMIs from virt-handler: a name QEMU cannot take is refused there too.
+    let mut s = base_spec();
+    s["domain"]["devices"]["filesystems"] = serde_json::json!([{"name": "a,b", "virtiofs": {}}]);
+    assert_eq!(
+        conv(s).unwrap_err().field,
+        "spec.domain.devices.filesystems[0].name"
+    );
+}
+
 #[test]
 fn pvcs_are_files_or_block_devices_and_hotpluggable_ones_get_a_port() {
     let mut s = base_spec();

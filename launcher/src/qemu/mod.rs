@@ -92,7 +92,7 @@ impl Machine {
             .set_opt("acpi", (!self.acpi).then_some(false))
             .set_opt("hpet", self.hpet)
             .set_opt("graphics", self.bios_serial_console.then_some(false));
-        if memory.hugepages.is_some() {
+        if memory.has_backend() {
             p = p.set("memory-backend", Memory::BACKEND_ID);
         }
         if let Firmware::Efi { .. } = firmware {
@@ -165,23 +165,71 @@ pub struct Memory {
     pub size_mib: u64,
     /// Back guest RAM with a file on this hugetlbfs mount.
     pub hugepages: Option<PathBuf>,
+    /// Guest RAM is mapped shared, so that a vhost-user back end (virtiofsd) can map it too:
+    /// libvirt's `<memoryBacking><source type='memfd'/><access mode='shared'/>`, which
+    /// KubeVirt asks for whenever a VMI has a filesystem.
+    pub shared: bool,
 }
 
 impl Memory {
     const BACKEND_ID: &'static str = "guest-ram";
+
+    /// Guest RAM comes from an explicit backend object rather than QEMU's anonymous memory.
+    fn has_backend(&self) -> bool {
+        self.hugepages.is_some() || self.shared
+    }
 }
 
 impl Args for Memory {
     fn push_args(&self, argv: &mut Vec<String>) {
         push(argv, "-m", format!("{}M", self.size_mib));
-        if let Some(dir) = &self.hugepages {
-            let backend = Props::new()
-                .set("id", Self::BACKEND_ID)
-                .set("size", format!("{}M", self.size_mib))
-                .set("mem-path", path_str(dir))
-                .set("prealloc", true);
-            push(argv, "-object", backend.keyval_with("memory-backend-file"));
+        if !self.has_backend() {
+            return;
         }
+        let backend = Props::new()
+            .set("id", Self::BACKEND_ID)
+            .set("size", format!("{}M", self.size_mib));
+        let backend = match &self.hugepages {
+            Some(dir) => backend
+                .set("mem-path", path_str(dir))
+                .set("prealloc", true)
+                .set_opt("share", self.shared.then_some(true))
+                .keyval_with("memory-backend-file"),
+            None => backend
+                .set("share", true)
+                .keyval_with("memory-backend-memfd"),
+        };
+        push(argv, "-object", backend);
+    }
+}
+
+/// A directory shared with the guest through virtiofs: QEMU's vhost-user-fs device, whose
+/// file system is served by virtiofsd on `socket`, as libvirt renders KubeVirt's
+/// `<filesystem type='mount'><driver type='virtiofs' queue='1024'/>` with an external
+/// daemon's socket (chardev `chr-vu-fs<n>`, device `fs<n>`). The device sits on the root bus;
+/// the guest mounts it by `tag`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Filesystem {
+    /// The VMI's filesystem name, the tag the guest mounts.
+    pub tag: String,
+    pub socket: PathBuf,
+    /// QEMU's virtqueue size of the request queue (KubeVirt's 1024).
+    pub queue_size: u32,
+}
+
+impl Filesystem {
+    fn push_args(&self, index: usize, argv: &mut Vec<String>) {
+        let chardev = format!("chr-vu-fs{index}");
+        let socket = Props::new()
+            .set("id", &chardev)
+            .set("path", path_str(&self.socket));
+        push(argv, "-chardev", socket.keyval_with("socket"));
+        let device = Props::new()
+            .set("id", format!("fs{index}"))
+            .set("chardev", chardev)
+            .set("queue-size", self.queue_size)
+            .set("tag", &self.tag);
+        push(argv, "-device", device.keyval_with("vhost-user-fs-pci"));
     }
 }
 
@@ -967,6 +1015,7 @@ pub struct QemuConfig {
     pub controllers: Controllers,
     pub disks: Vec<Disk>,
     pub nics: Vec<Nic>,
+    pub filesystems: Vec<Filesystem>,
     pub monitor: Monitor,
     pub serial: Option<SerialPort>,
     pub agent: Option<AgentChannel>,
@@ -1049,6 +1098,9 @@ impl QemuConfig {
         }
         for n in placed_nics {
             n.push_args(&mut a);
+        }
+        for (i, f) in self.filesystems.iter().enumerate() {
+            f.push_args(i, &mut a);
         }
         if let Some(s) = &self.serial {
             s.push_args(&mut a);

@@ -87,11 +87,7 @@ fn migrated_volumes(vmi: &VirtualMachineInstance) -> BTreeSet<String> {
 fn expected_disks(vmi: &VirtualMachineInstance, declarative: bool) -> Result<(), Refusal> {
     let names: BTreeSet<&str> = vmi.spec.volumes.iter().map(|v| v.name.as_str()).collect();
     let devices = &vmi.spec.domain.devices;
-    let filesystems = devices
-        .filesystems
-        .as_ref()
-        .and_then(|f| f.0.as_array())
-        .map_or(0, Vec::len);
+    let filesystems = devices.filesystems.len();
     let disks = devices
         .disks
         .iter()

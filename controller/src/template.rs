@@ -543,6 +543,14 @@ pub fn render_launcher_pod(
         compute_mounts.push(mount("hugepages", HUGEPAGES_DIR));
     }
     config_volumes(vmi, cfg, &mut volumes, &mut compute_mounts);
+    if api::virtiofs::enabled(spec) {
+        // KubeVirt's `withVirioFS`: the sockets' emptyDir, shared with every virtiofs container.
+        volumes.push(empty_dir(api::virtiofs::CONTAINERS_VOLUME));
+        compute_mounts.push(mount(
+            api::virtiofs::CONTAINERS_VOLUME,
+            &virtiofs_sockets_dir(cfg),
+        ));
+    }
     if let Some(kb) = spec.kernel_boot().and_then(|k| k.container.as_ref()) {
         disks.push(DiskImage {
             volume: KERNEL_BOOT_VOLUME,
@@ -609,6 +617,7 @@ pub fn render_launcher_pod(
             .iter()
             .map(|d| d.container(&disk_mount_dir, DiskContainerRole::Serve, dedicated)),
     );
+    containers.extend(virtiofs_containers(vmi, cfg, dedicated));
     let init_containers = (!disks.is_empty()).then(|| {
         let mut init = vec![Container {
             name: "container-disk-binary".into(),
@@ -856,6 +865,116 @@ fn config_volumes(
             ));
         }
     }
+}
+
+fn virtiofs_sockets_dir(cfg: &TemplateConfig) -> String {
+    format!("{}/{}", cfg.share_dir, api::virtiofs::CONTAINERS_VOLUME)
+}
+
+/// KubeVirt's `generateVirtioFSContainers`: a `virtiofs-<volume>` container per filesystem, in
+/// the volumes' order, running virtiofsd from the launcher image on the directory the volume
+/// is mounted at (a config volume where the compute container would have it, a claim at
+/// `/<volume>`, the service account's token where the pod's automount puts it), its socket in
+/// the shared `virtiofs-containers` emptyDir. KubeVirt's resources (10m/100m CPU, 1M/80M
+/// memory; the request is the limit in a Guaranteed pod).
+///
+/// Debian 12's virtiofsd is QEMU 7.2's C daemon, not KubeVirt's Rust one, so its arguments
+/// are that daemon's spelling of KubeVirt's (`-o source=`, `-o cache=auto`), with the
+/// `chroot` sandbox (its mode for containers; KubeVirt's `--sandbox=none` does not exist
+/// there) and the open-file limit left as the runtime set it (raising it needs
+/// `CAP_SYS_RESOURCE`). It cannot run unprivileged as KubeVirt's user 107 does: it keeps a
+/// file server's capabilities for itself and needs `CAP_SYS_CHROOT` for the sandbox, so the
+/// container runs as the image's root with exactly those. KubeVirt's migration flags
+/// (`--migration-*`) and its service account `--translate-uid` have no counterpart; a VMI
+/// with filesystems is not live-migratable (`api::migration`).
+fn virtiofs_containers(
+    vmi: &VirtualMachineInstance,
+    cfg: &TemplateConfig,
+    dedicated: bool,
+) -> Vec<Container> {
+    let filesystems = &vmi.spec.domain.devices.filesystems;
+    let sockets = virtiofs_sockets_dir(cfg);
+    let q = |cpu: &str, mem: &str| {
+        BTreeMap::from([
+            ("cpu".to_owned(), Quantity(cpu.into())),
+            ("memory".to_owned(), Quantity(mem.into())),
+        ])
+    };
+    let resources = ResourceRequirements {
+        requests: Some(if dedicated {
+            q("100m", "80M")
+        } else {
+            q("10m", "1M")
+        }),
+        limits: Some(q("100m", "80M")),
+        ..ResourceRequirements::default()
+    };
+    vmi.spec
+        .volumes
+        .iter()
+        .filter(|v| filesystems.iter().any(|f| f.name == v.name))
+        .map(|v| {
+            let kind = v.source().as_ref().and_then(ConfigKind::of);
+            let shared_dir = match kind {
+                Some(kind) => kind.source_dir().map_or_else(
+                    || configdisk::SERVICE_ACCOUNT_SOURCE_DIR.to_owned(),
+                    |dir| format!("{}/{dir}/{}", cfg.private_dir, v.name),
+                ),
+                None => format!("/{}", v.name),
+            };
+            let mut mounts = vec![mount(api::virtiofs::CONTAINERS_VOLUME, &sockets)];
+            // The token comes with the pod's automount, into every container.
+            if kind != Some(ConfigKind::ServiceAccount) {
+                mounts.push(mount(&v.name, &shared_dir));
+            }
+            let socket = api::virtiofs::socket_path(std::path::Path::new(&cfg.share_dir), &v.name);
+            Container {
+                name: api::virtiofs::container_name(&v.name),
+                image: Some(cfg.launcher_image.clone()),
+                image_pull_policy: Some(
+                    api::defaults::pull_policy_for(&cfg.launcher_image)
+                        .as_str()
+                        .to_owned(),
+                ),
+                command: Some(vec![api::virtiofs::VIRTIOFSD.into()]),
+                args: Some(vec![
+                    format!("--socket-path={}", socket.display()),
+                    "-o".into(),
+                    format!("source={shared_dir}"),
+                    "-o".into(),
+                    "sandbox=chroot".into(),
+                    "-o".into(),
+                    "cache=auto".into(),
+                    "--rlimit-nofile=0".into(),
+                ]),
+                volume_mounts: Some(mounts),
+                resources: Some(resources.clone()),
+                security_context: Some(SecurityContext {
+                    allow_privilege_escalation: Some(false),
+                    capabilities: Some(Capabilities {
+                        add: Some(
+                            [
+                                "CHOWN",
+                                "DAC_OVERRIDE",
+                                "FOWNER",
+                                "FSETID",
+                                "SETGID",
+                                "SETUID",
+                                "MKNOD",
+                                "SETFCAP",
+                                "SYS_CHROOT",
+                            ]
+                            .map(str::to_owned)
+                            .to_vec(),
+                        ),
+                        drop: Some(vec!["ALL".into()]),
+                    }),
+                    ..SecurityContext::default()
+                }),
+                ..Container::default()
+            }
+        })
+        .collect()
 }
 
 /// KubeVirt's non-root support containers: user 107, no privilege escalation, no capabilities.

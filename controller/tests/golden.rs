@@ -136,3 +136,17 @@ fn persistent_efi_launcher_pod_matches_golden() {
         &ClusterConfig::default(),
     );
 }
+
+/// `filesystems` (KubeVirt's `generateVirtioFSContainers` and `withVirioFS`): a
+/// `virtiofs-<volume>` container per filesystem running the launcher image's virtiofsd on the
+/// volume's directory (a ConfigMap where the compute container would mount it, the service
+/// account's token through the pod's automount, a claim at `/<volume>`), and the
+/// `virtiofs-containers` emptyDir of their sockets in both.
+#[test]
+fn virtiofs_launcher_pod_matches_golden() {
+    check(
+        "vmi-virtiofs.yaml",
+        "launcher-pod-virtiofs.yaml",
+        &ClusterConfig::default(),
+    );
+}

@@ -894,21 +894,7 @@ fn virtiofs_containers(
 ) -> Vec<Container> {
     let filesystems = &vmi.spec.domain.devices.filesystems;
     let sockets = virtiofs_sockets_dir(cfg);
-    let q = |cpu: &str, mem: &str| {
-        BTreeMap::from([
-            ("cpu".to_owned(), Quantity(cpu.into())),
-            ("memory".to_owned(), Quantity(mem.into())),
-        ])
-    };
-    let resources = ResourceRequirements {
-        requests: Some(if dedicated {
-            q("100m", "80M")
-        } else {
-            q("10m", "1M")
-        }),
-        limits: Some(q("100m", "80M")),
-        ..ResourceRequirements::default()
-    };
+    let resources = support_container_resources(("10m", "1M"), ("100m", "80M"), dedicated);
     vmi.spec
         .volumes
         .iter()
@@ -991,23 +977,28 @@ pub(crate) fn non_root_security_context() -> SecurityContext {
     }
 }
 
-/// KubeVirt's minimal container-disk resources: the containers only serve a file. With
-/// dedicated CPUs the request is the limit, as every container of a Guaranteed pod needs
-/// (`initContainerDedicatedCPURequiredResources`).
+/// KubeVirt's minimal container-disk resources: the containers only serve a file.
 fn container_disk_resources(dedicated: bool) -> ResourceRequirements {
-    let q = |cpu: &str, mem: &str| {
+    support_container_resources(("1m", "1M"), ("10m", "40M"), dedicated)
+}
+
+/// A support container's `(cpu, memory)` request and limit. With dedicated CPUs the request is
+/// the limit, as every container of a Guaranteed pod needs
+/// (`initContainerDedicatedCPURequiredResources`).
+fn support_container_resources(
+    request: (&str, &str),
+    limit: (&str, &str),
+    dedicated: bool,
+) -> ResourceRequirements {
+    let q = |(cpu, mem): (&str, &str)| {
         BTreeMap::from([
             ("cpu".to_owned(), Quantity(cpu.into())),
             ("memory".to_owned(), Quantity(mem.into())),
         ])
     };
     ResourceRequirements {
-        requests: Some(if dedicated {
-            q("10m", "40M")
-        } else {
-            q("1m", "1M")
-        }),
-        limits: Some(q("10m", "40M")),
+        requests: Some(q(if dedicated { limit } else { request })),
+        limits: Some(q(limit)),
         ..ResourceRequirements::default()
     }
 }

@@ -316,14 +316,14 @@ fn refuse_exclusive(a: &CreateVmArgs) -> anyhow::Result<()> {
 
 /// KubeVirt's `withInstancetype` / `withPreference`: `[kind/]name`, the kind lower-cased and
 /// left out when not given (the cluster kind is the default).
-fn matcher(flag: &str, value: &str, kinds: [&str; 2], what: &str) -> anyhow::Result<Matcher> {
+fn matcher(flag: &str, value: &str, kinds: [&str; 2]) -> anyhow::Result<Matcher> {
     let (kind, name) = split_prefixed_name(value).map_err(|e| flag_err(flag, e))?;
     let kind = kind.map(str::to_lowercase);
     if let Some(k) = kind.as_deref().filter(|k| !kinds.contains(k)) {
         return Err(flag_err(
             flag,
             format!(
-                "invalid {what} kind \"{k}\", supported values are: {}, {}",
+                "invalid {flag} kind \"{k}\", supported values are: {}, {}",
                 kinds[0], kinds[1]
             ),
         ));
@@ -403,7 +403,6 @@ pub fn manifest(
                 "instancetype",
                 v,
                 [INSTANCETYPE_SINGULAR, CLUSTER_INSTANCETYPE_SINGULAR],
-                "instancetype",
             )
         })
         .transpose()?;
@@ -415,7 +414,6 @@ pub fn manifest(
                 "preference",
                 v,
                 [PREFERENCE_SINGULAR, CLUSTER_PREFERENCE_SINGULAR],
-                "preference",
             )
         })
         .transpose()?;

@@ -8,8 +8,9 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{BOOT, Console, Launcher, uid, vmi, wait_until};
+use common::{BOOT, Launcher, uid, vmi, wait_until};
 use serde_json::{Value, json};
+use testguest::Console;
 
 fn serials(console: &mut Console) -> String {
     console.run("cat /sys/block/*/serial 2>/dev/null | tr '\\n' ' '", BOOT)

@@ -6,8 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{BOOT, Console, Launcher, uid, vmi, wait_until};
+use common::{BOOT, Launcher, uid, vmi, wait_until};
 use serde_json::{Value, json};
+use testguest::Console;
 
 const STREAMS: [&str; 2] = ["share/sockets/mig-mem", "share/sockets/mig-nbd"];
 

@@ -11,9 +11,10 @@ use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::{BOOT, Console, Launcher, place_kernel, uid};
+use common::{BOOT, Launcher, place_kernel, uid};
 use netfix::{Netns, PEER_IP, PEER_IP6, POD_IP, POD_IP6, Pod, in_netns};
 use serde_json::{Value, json};
+use testguest::Console;
 
 /// A launcher started inside the pod's network namespace (a child inherits the namespace of
 /// the thread that forks it). It outlives its domain, so teardown can still find the pod.

@@ -1,8 +1,11 @@
 //! The test guest's side of the tests (docs/test-guest.md): where `hack/guest/build.sh` put
 //! it, and the disks its init script looks for. Shared by every crate whose tests boot it.
 
+use std::io::{Read as _, Write as _};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 /// `$KUBEVIRT_RS_GUEST_DIR`, else the build's cache in the repository (`.cache/guest`).
 pub fn dir() -> PathBuf {
@@ -41,4 +44,79 @@ pub fn load_average() -> String {
         .take(3)
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// Whether the console's last line is the shell's continuation prompt (`> `, perhaps followed
+/// by the line editor's cursor query).
+fn at_continuation_prompt(out: &[u8]) -> bool {
+    String::from_utf8_lossy(out)
+        .rsplit('\n')
+        .next()
+        .is_some_and(|last| last.starts_with("> "))
+}
+
+/// The test guest's serial console (a root shell on ttyS0 once its init script is done): runs
+/// shell commands and returns what they printed between two markers.
+#[derive(Debug)]
+pub struct Console {
+    s: UnixStream,
+    seq: u32,
+}
+
+impl Console {
+    pub fn connect(path: &Path) -> Self {
+        let s = UnixStream::connect(path)
+            .unwrap_or_else(|e| panic!("the console {}: {e}", path.display()));
+        s.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        Self { s, seq: 0 }
+    }
+
+    pub fn run(&mut self, cmd: &str, limit: Duration) -> String {
+        self.seq += 1;
+        let begin = format!("BEGIN-{}-MARK", self.seq);
+        let end = format!("END-{}-MARK", self.seq);
+        // The markers are built by the shell (`echo BEGIN-1-''MARK`) so the echoed command line
+        // itself never matches them.
+        let line = format!(
+            "echo BEGIN-{n}-''MARK; {cmd}; echo END-{n}-''MARK\n",
+            n = self.seq
+        );
+        let deadline = Instant::now() + limit;
+        let mut out = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut last_send = None::<Instant>;
+        loop {
+            // Resend until the shell answers: the first bytes may reach a console that is still
+            // starting its getty.
+            if last_send.is_none_or(|t| t.elapsed() > Duration::from_secs(20))
+                && !String::from_utf8_lossy(&out).contains(&begin)
+            {
+                // A line sent while the getty was still starting can reach the shell cut, e.g.
+                // only its tail `'MARK`: an open quote that swallows every later line at the
+                // shell's continuation prompt `> `. Ctrl-C drops it for a fresh prompt; sent
+                // only then, since before the shell runs it would interrupt login instead.
+                if at_continuation_prompt(&out) {
+                    self.s.write_all(b"\x03").unwrap();
+                }
+                self.s.write_all(line.as_bytes()).unwrap();
+                last_send = Some(Instant::now());
+            }
+            match self.s.read(&mut buf) {
+                Ok(0) => panic!("console closed"),
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                Err(_) => {}
+            }
+            let text = String::from_utf8_lossy(&out).into_owned();
+            if let (Some(b), Some(e)) = (text.find(&begin), text.rfind(&end))
+                && b < e
+            {
+                return text[b + begin.len()..e].replace('\r', "").trim().to_owned();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "console: no answer to {cmd:?}; got {text:?}"
+            );
+        }
+    }
 }

@@ -46,6 +46,7 @@ pub mod metrics;
 pub mod migration;
 pub mod migrationpolicy;
 pub mod overhead;
+pub mod pci;
 pub mod pool;
 pub mod preset;
 pub mod quantity;

@@ -283,7 +283,7 @@ pub const IMPLEMENTED: &[Implemented] = &[
     ),
     field(
         "spec.domain.devices.disks[].disk.pciAddress",
-        "launcher/src/convert/tests.rs::disk_pci_addresses_are_on_the_root_bus_before_other_devices",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
     ),
     field(
         "spec.domain.devices.disks[].disk.readonly",
@@ -343,7 +343,7 @@ pub const IMPLEMENTED: &[Implemented] = &[
     ),
     field(
         "spec.domain.devices.interfaces[].pciAddress",
-        "launcher/src/convert/tests.rs::interfaces_take_pci_addresses_and_acpi_indexes",
+        "launcher/src/convert/tests.rs::pci_addresses_off_the_root_bus_get_the_controllers_libvirt_adds",
     ),
     field(
         "spec.domain.devices.interfaces[].ports",

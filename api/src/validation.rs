@@ -378,19 +378,14 @@ fn unsupported_fields(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Err
     );
 }
 
-/// A KubeVirt PCI address whose slot a PCI bus has (libvirt's limit); only the root bus has
-/// devices placed on it.
+/// A KubeVirt PCI address (`PCI_ADDRESS_PATTERN`) with a slot a PCI bus has; where it can
+/// go is [`pci_placement`]'s question.
 fn pci_address(field: String, a: &str, e: &mut Errors) {
-    match crate::vmi::PciAddress::parse(a).filter(|p| p.slot < 32) {
-        None => e.add(
+    if crate::vmi::PciAddress::parse(a).is_none_or(|p| p.slot >= 32) {
+        e.add(
             field,
             format!("{a:?} is not a PCI address (e.g. 0000:00:05.0)"),
-        ),
-        Some(p) if !p.on_root_bus() => e.add(
-            field,
-            format!("{a}: a bus other than 0000:00: {UNSUPPORTED}"),
-        ),
-        Some(_) => {}
+        );
     }
 }
 
@@ -1733,29 +1728,14 @@ fn once<K: Ord>(used: &mut BTreeMap<K, String>, key: K, path: String, what: &str
     }
 }
 
-/// QEMU refuses a second device in a PCI slot or with an ACPI index already given (as libvirt
-/// would, once the VMI is admitted), so the second is named here with the first.
+/// Whether libvirt could place the devices with a `pciAddress` (the buses it would add for
+/// them, a slot that bus has, no address used twice, see [`crate::pci`]), and QEMU refuses an
+/// ACPI index given twice.
 fn pci_placement(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
     let devices = &spec.domain.devices;
-    let disks = devices.disks.iter().enumerate().filter_map(|(i, d)| {
-        let a = d.disk.as_ref()?.pci_address.as_deref()?;
-        Some((
-            format!("{base}.domain.devices.disks[{i}].disk.pciAddress"),
-            a,
-        ))
-    });
-    let ifaces = devices.interfaces.iter().enumerate().filter_map(|(i, n)| {
-        let a = n.pci_address.as_deref()?;
-        Some((
-            format!("{base}.domain.devices.interfaces[{i}].pciAddress"),
-            a,
-        ))
-    });
-    let mut slots = BTreeMap::new();
-    for (path, a) in disks.chain(ifaces) {
-        if let Some(p) = crate::vmi::PciAddress::parse(a) {
-            once(&mut slots, p, path, &format!("PCI address {a}"), e);
-        }
+    // Admission takes q35 machines only.
+    if let Err(r) = crate::pci::place(crate::pci::RootBus::Pcie, &crate::pci::pinned(spec, base)) {
+        e.add(r.field, r.reason);
     }
     let mut indexes = BTreeMap::new();
     for (i, n) in devices.interfaces.iter().enumerate() {

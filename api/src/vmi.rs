@@ -711,10 +711,15 @@ impl PciAddress {
                 .filter(|f| *f < 8)?,
         })
     }
+}
 
-    /// On the machine's root bus (`0000:00`), the only one kubevirt-rs places devices on.
-    pub fn on_root_bus(self) -> bool {
-        self.domain == 0 && self.bus == 0
+impl std::fmt::Display for PciAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:04x}:{:02x}:{:02x}.{:x}",
+            self.domain, self.bus, self.slot, self.function
+        )
     }
 }
 

@@ -1177,7 +1177,7 @@ fn clock_and_disk_values_qemu_cannot_honour_are_named() {
             "/spec/domain/devices/disks/0/disk/pciAddress",
             json!("0000:01:05.0"),
             "spec.domain.devices.disks[0].disk.pciAddress",
-            UNSUPPORTED,
+            "0000:01:05.0: on bus 01 (pcie-root-port) the slot must be 00-00",
         ),
         (
             "/spec/domain/ioThreadsPolicy",
@@ -1218,7 +1218,7 @@ fn clock_and_disk_values_qemu_cannot_honour_are_named() {
         errs.iter()
             .any(|e| e.path == "spec.domain.devices.interfaces[0].pciAddress"
                 && e.message
-                    == "PCI address 0000:00:0A.0 is already used by \
+                    == "PCI address 0000:00:0a.0 is already used by \
                     spec.domain.devices.disks[0].disk.pciAddress"),
         "{errs:#?}"
     );
@@ -1274,6 +1274,12 @@ fn clock_and_disk_values_qemu_cannot_honour_are_named() {
         &mut v,
         "/spec/domain/devices/disks/0/disk/pciAddress",
         json!("0000:00:0a.0"),
+    );
+    // Off the root bus: libvirt's root ports 1 and 2, the NIC behind the second.
+    set(
+        &mut v,
+        "/spec/domain/devices/interfaces/0/pciAddress",
+        json!("0000:02:00.0"),
     );
     set(&mut v, "/spec/domain/devices/blockMultiQueue", json!(true));
     assert_eq!(errors(v, &ClusterConfig::default()), []);

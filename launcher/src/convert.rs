@@ -166,7 +166,7 @@ pub fn convert(
     let kernel_boot = kernel_boot(vmi, dirs, &mut preps)?;
     let Storage {
         mut controllers,
-        disks,
+        mut disks,
         hotpluggable,
         iothreads,
     } = disks(vmi, kind, dirs, host, &namespace, &name, &mut preps)?;
@@ -176,8 +176,9 @@ pub fn convert(
     controllers.virtio = virtio;
     let mut nics = Vec::new();
     for (i, iface) in vmi.spec.domain.devices.interfaces.iter().enumerate() {
-        nics.push(nic(vmi, kind, i, iface, &uid, host, &mut preps)?);
+        nics.push(nic(vmi, i, iface, &uid, host, &mut preps)?);
     }
+    place_pinned(vmi, kind, &mut controllers, &mut disks, &mut nics)?;
 
     let filesystems = filesystems(vmi, dirs, &mut preps)?;
 
@@ -832,8 +833,9 @@ fn disks(
                     "a hotpluggable disk sits on a PCIe root port of its own",
                 ));
             }
-            disk.pci_bus = Some(kind.root_bus().to_owned());
-            disk.pci_addr = Some(pci_slot(a).ok_or_else(|| err(afield, ROOT_BUS_ONLY))?);
+            if PciAddress::parse(a).is_none() {
+                return Err(err(afield, NOT_A_PCI_ADDRESS));
+            }
         }
         match disk.frontend {
             Frontend::Sata { .. } | Frontend::SataCdrom { .. } => {
@@ -962,19 +964,44 @@ impl IoThreads {
     }
 }
 
-/// Where a KubeVirt PCI address (`0000:00:05.0`) is on the root bus: `0x5`, `0x5.0x1`. Only
-/// the root bus exists to place a device on (libvirt adds the buses an address names; the
-/// launcher lets QEMU place everything else).
-fn pci_slot(address: &str) -> Option<String> {
-    let a = PciAddress::parse(address).filter(|a| a.on_root_bus() && a.slot < 32)?;
-    Some(if a.function == 0 {
-        format!("{:#x}", a.slot)
-    } else {
-        format!("{:#x}.{:#x}", a.slot, a.function)
-    })
-}
+const NOT_A_PCI_ADDRESS: &str = "is not a PCI address (e.g. 0000:00:05.0)";
 
-const ROOT_BUS_ONLY: &str = "is not an address on the root bus (0000:00:<slot>.<function>), the only bus this launcher places devices on";
+/// Puts the disks and NICs with a `pciAddress` where libvirt would ([`api::pci::place`]) and
+/// gives the controllers it would add for them.
+fn place_pinned(
+    vmi: &VirtualMachineInstance,
+    kind: MachineKind,
+    controllers: &mut Controllers,
+    disks: &mut [Disk],
+    nics: &mut [Nic],
+) -> Result<(), ConvertError> {
+    let root = match kind {
+        MachineKind::Q35 => api::pci::RootBus::Pcie,
+        MachineKind::Pc => api::pci::RootBus::Pci,
+    };
+    let placement = api::pci::place(root, &api::pci::pinned(&vmi.spec, "spec"))
+        .map_err(|r| err(r.field, r.reason))?;
+    for p in &placement.devices {
+        let bus = Some(crate::qemu::pci_bus_id(kind, p.address.bus));
+        let addr = Some(crate::qemu::pci_slot_function(
+            p.address.slot,
+            p.address.function,
+        ));
+        let (pci_bus, pci_addr, multifunction) = match p.device {
+            api::pci::Device::Disk(i) => {
+                let d = &mut disks[i];
+                (&mut d.pci_bus, &mut d.pci_addr, &mut d.pci_multifunction)
+            }
+            api::pci::Device::Interface(i) => {
+                let n = &mut nics[i];
+                (&mut n.pci_bus, &mut n.pci_addr, &mut n.pci_multifunction)
+            }
+        };
+        (*pci_bus, *pci_addr, *multifunction) = (bus, addr, p.multifunction);
+    }
+    controllers.pci_buses = placement.controllers;
+    Ok(())
+}
 
 /// The host cache mode and AIO of a disk. Unset, the cache is write-back through the host page
 /// cache: KubeVirt picks `none` where the file system supports O_DIRECT, and tmpfs (common in
@@ -1134,6 +1161,7 @@ pub fn disk_for(
             serial: d.serial.clone(),
             pci_bus: None,
             pci_addr: None,
+            pci_multifunction: false,
             aio,
             error_policy: error_policy(d, field)?,
             share_rw,
@@ -1451,7 +1479,6 @@ fn cloud_init_data(
 /// MAC and MTU phase 1 cached.
 fn nic(
     vmi: &VirtualMachineInstance,
-    kind: MachineKind,
     i: usize,
     iface: &Interface,
     uid: &str,
@@ -1506,11 +1533,13 @@ fn nic(
                 "is not a MAC address (e.g. de:ad:00:00:be:af)",
             )
         })?;
-    let pci_addr = iface
+    if iface
         .pci_address
         .as_deref()
-        .map(|a| pci_slot(a).ok_or_else(|| err(format!("{field}.pciAddress"), ROOT_BUS_ONLY)))
-        .transpose()?;
+        .is_some_and(|a| PciAddress::parse(a).is_none())
+    {
+        return Err(err(format!("{field}.pciAddress"), NOT_A_PCI_ADDRESS));
+    }
     let acpi_index = iface
         .acpi_index
         .map(|a| {
@@ -1528,8 +1557,9 @@ fn nic(
         mtu: cached.map(|c| c.mtu),
         boot_index: iface.boot_order,
         virtio: virtio_model(vmi),
-        pci_bus: pci_addr.as_ref().map(|_| kind.root_bus()),
-        pci_addr,
+        pci_bus: None,
+        pci_addr: None,
+        pci_multifunction: false,
         acpi_index,
         link_up: !iface.link_down(),
         queues: vmi.spec.network_queues(iface),

@@ -16,9 +16,9 @@ fn serials(console: &mut Console) -> String {
     console.run("cat /sys/block/*/serial 2>/dev/null | tr '\\n' ' '", BOOT)
 }
 
-/// q35, kernel boot, every local volume kind, a ConfigMap disk read in the guest, NoCloud
-/// user-data from a Secret, the agent, virt-probe, the console, pause / unpause, a refused
-/// foreign sync, disk hotplug and unplug, ACPI shutdown.
+/// q35, kernel boot, every local volume kind, a disk at a PCI address off the root bus, a
+/// ConfigMap disk read in the guest, NoCloud user-data from a Secret, the agent, virt-probe, the
+/// console, pause / unpause, a refused foreign sync, disk hotplug and unplug, ACPI shutdown.
 #[test]
 fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
     let mut l = Launcher::start_with(&["--grace-period-seconds", "120"], |root| {
@@ -49,7 +49,8 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
                 "image": "guest", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}},
             "devices": {"disks": [
                 {"name": "scratch", "disk": {"bus": "virtio"}, "serial": "EMPTY1"},
-                {"name": "host", "disk": {"bus": "virtio"}, "serial": "HOST1"},
+                // Off the root bus: libvirt's root ports 1-3, the disk behind the third.
+                {"name": "host", "disk": {"bus": "virtio", "pciAddress": "0000:03:00.0"}, "serial": "HOST1"},
                 {"name": "cdisk", "disk": {"bus": "virtio"}, "serial": "CDISK1"},
                 {"name": "ci", "disk": {"bus": "virtio"}},
                 {"name": "cfg", "disk": {"bus": "virtio"}},
@@ -112,6 +113,16 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
         assert!(s.contains(want), "{want} not in guest serials {s:?}");
     }
     assert_eq!(console.run("echo $((6*7))", BOOT), "42");
+    // The pciAddress off the root bus is where the guest finds the disk: a modern virtio-blk
+    // (1af4:1042) at 0000:03:00.0, with the host disk's serial.
+    let dev = "/sys/bus/pci/devices/0000:03:00.0";
+    assert_eq!(
+        console.run(
+            &format!("echo $(cat {dev}/vendor {dev}/device {dev}/virtio*/block/*/serial)"),
+            BOOT
+        ),
+        "0x1af4 0x1042 HOST1"
+    );
     // cpu.features: the disabled flag is gone from the guest's CPU (TCG's `max` has it), the
     // required one is there.
     let flags = console.run("grep -m1 '^flags' /proc/cpuinfo", BOOT);

@@ -1170,7 +1170,8 @@ fn disk_pci_addresses_are_on_the_root_bus_before_other_devices() {
     let argv = conv(s.clone()).unwrap().config.argv();
     assert!(disk_args(&argv, "ci").1.contains(",bus=pci.0,addr=0xa,"));
 
-    for (address, bus) in [("0000:01:00.0", "virtio"), ("0000:00:03.0", "sata")] {
+    // A root port has slot 0 only.
+    for (address, bus) in [("0000:01:05.0", "virtio"), ("0000:00:03.0", "sata")] {
         let mut bad = base_spec();
         bad["domain"]["devices"]["disks"][3]["disk"] =
             serde_json::json!({"bus": bus, "pciAddress": address});
@@ -1179,6 +1180,69 @@ fn disk_pci_addresses_are_on_the_root_bus_before_other_devices() {
             "spec.domain.devices.disks[3].disk.pciAddress"
         );
     }
+}
+
+#[test]
+fn pci_addresses_off_the_root_bus_get_the_controllers_libvirt_adds() {
+    let mut s = base_spec();
+    // A disk and a NIC sharing the slot of root port 2 (libvirt's bus 2), root port 1 empty.
+    s["domain"]["devices"]["disks"][3]["disk"]["pciAddress"] = "0000:02:00.0".into();
+    s["domain"]["devices"]["interfaces"] = serde_json::json!([
+        {"name": "default", "masquerade": {}, "pciAddress": "0000:02:00.1"},
+    ]);
+    s["networks"] = serde_json::json!([{"name": "default", "pod": {}}]);
+    let argv = conv(s.clone()).unwrap().config.argv();
+    let device = |prefix: &str| {
+        argv.iter()
+            .position(|a| a.starts_with(prefix))
+            .unwrap_or_else(|| panic!("{prefix} in {argv:?}"))
+    };
+    let port1 = device("pcie-root-port,id=pci.1,bus=pcie.0,addr=0x1,multifunction=on,chassis=1");
+    let port2 = device("pcie-root-port,id=pci.2,bus=pcie.0,addr=0x1.0x1,chassis=2");
+    let disk = disk_args(&argv, "ci").1;
+    assert!(
+        disk.contains(",bus=pci.2,addr=0x0,multifunction=on,"),
+        "{disk}"
+    );
+    let nic = device("virtio-net-pci-non-transitional,id=ua-default,");
+    assert!(
+        argv[nic].contains(",bus=pci.2,addr=0x0.0x1"),
+        "{}",
+        argv[nic]
+    );
+    // The buses first, so that they are the lowest on the root bus and firmware numbers them
+    // 1 and 2; the hotplug ports' chassis come after theirs.
+    assert!(port1 < port2 && port2 < nic);
+    assert!(argv[device("pcie-root-port,id=hotplug-port0,")].ends_with(",chassis=3"));
+    // A conventional PCI NIC: libvirt's root port holding a pcie-to-pci-bridge, onto which
+    // the NIC moves (bus 1 asked, bus 2 given: the bridge is the first bus that takes it).
+    s["domain"]["devices"]["disks"][3]["disk"]
+        .as_object_mut()
+        .unwrap()
+        .remove("pciAddress");
+    s["domain"]["devices"]["interfaces"] = serde_json::json!([
+        {"name": "default", "masquerade": {}, "model": "e1000", "pciAddress": "0000:01:03.0"},
+    ]);
+    let argv = conv(s.clone()).unwrap().config.argv();
+    for pair in [
+        [
+            "-device",
+            "pcie-root-port,id=pci.1,bus=pcie.0,addr=0x1,chassis=1",
+        ],
+        ["-device", "pcie-pci-bridge,id=pci.2,bus=pci.1,addr=0x0"],
+    ] {
+        assert!(argv.windows(2).any(|w| w == pair), "{pair:?} in {argv:?}");
+    }
+    assert!(
+        argv.iter()
+            .any(|a| a.starts_with("e1000,id=ua-default,") && a.contains(",bus=pci.2,addr=0x3")),
+        "{argv:?}"
+    );
+    // Slot 0 of the bridge is its hotplug controller's.
+    s["domain"]["devices"]["interfaces"][0]["pciAddress"] = "0000:01:00.0".into();
+    let e = conv(s).unwrap_err();
+    assert_eq!(e.field, "spec.domain.devices.interfaces[0].pciAddress");
+    assert!(e.message.contains("slot must be 01-1f"), "{e}");
 }
 
 /// The devices (QEMU's driver names) a spec's command line has.

@@ -557,6 +557,9 @@ pub struct Disk {
     /// Slot and function on `pci_bus` (`0x5.0x0`); `None` lets QEMU choose.
     #[serde(default)]
     pub pci_addr: Option<String>,
+    /// Function 0 of a slot whose other functions other devices use.
+    #[serde(default)]
+    pub pci_multifunction: bool,
     #[serde(default)]
     pub aio: Aio,
     #[serde(default)]
@@ -623,6 +626,7 @@ impl Disk {
             Frontend::Virtio => p
                 .set_opt("bus", self.pci_bus.as_ref())
                 .set_opt("addr", self.pci_addr.as_ref())
+                .set_opt("multifunction", self.pci_multifunction.then_some(true))
                 .set_opt("iothread", self.iothread.map(iothread_id))
                 .set_opt("num-queues", self.num_queues),
             Frontend::Sata { unit } | Frontend::SataCdrom { unit } => {
@@ -728,9 +732,11 @@ pub struct Nic {
     pub boot_index: Option<u32>,
     pub virtio: VirtioModel,
     /// The bus of `pci_addr`.
-    pub pci_bus: Option<&'static str>,
+    pub pci_bus: Option<String>,
     /// Slot and function on `pci_bus` (`0x5.0x0`); `None` lets QEMU choose.
     pub pci_addr: Option<String>,
+    /// Function 0 of a slot whose other functions other devices use.
+    pub pci_multifunction: bool,
     /// The guest names the NIC after this ACPI index (`acpi-index`; `eno<n>` on Linux).
     pub acpi_index: Option<u32>,
     /// `false` for `state: down`. QEMU has no option for it: the launcher sets the link with
@@ -767,8 +773,9 @@ impl Args for Nic {
                 self.mtu.filter(|_| self.model == NicModel::Virtio),
             )
             .set_opt("bootindex", self.boot_index)
-            .set_opt("bus", self.pci_bus)
+            .set_opt("bus", self.pci_bus.as_ref())
             .set_opt("addr", self.pci_addr.as_ref())
+            .set_opt("multifunction", self.pci_multifunction.then_some(true))
             .set_opt("acpi-index", self.acpi_index);
         push(
             argv,
@@ -965,6 +972,53 @@ pub struct Controllers {
     /// Empty PCIe root ports kept free for hotplugging virtio disks (q35 only: on pc the root
     /// bus itself takes hotplugged devices).
     pub hotplug_ports: Vec<String>,
+    /// The buses libvirt would add for devices with a `pciAddress` off the root bus.
+    pub pci_buses: Vec<api::pci::Controller>,
+}
+
+/// The QEMU id of the bus of libvirt's PCI controller `index`: libvirt's alias (`pci.<index>`),
+/// the machine's own bus for 0.
+pub fn pci_bus_id(kind: MachineKind, index: u8) -> String {
+    if index == 0 {
+        kind.root_bus().to_owned()
+    } else {
+        format!("pci.{index}")
+    }
+}
+
+/// A slot and function as QEMU's `addr` takes them: `0x5`, `0x5.0x1`.
+pub fn pci_slot_function(slot: u8, function: u8) -> String {
+    if function == 0 {
+        format!("{slot:#x}")
+    } else {
+        format!("{slot:#x}.{function:#x}")
+    }
+}
+
+impl Controllers {
+    /// The buses of [`Controllers::pci_buses`], parents first; they come before every device,
+    /// so that their places on the root bus are the lowest (firmware numbers buses in slot
+    /// order) and the devices pinned to them find them.
+    fn push_buses(&self, kind: MachineKind, argv: &mut Vec<String>) {
+        for c in &self.pci_buses {
+            let p = Props::new()
+                .set("id", pci_bus_id(kind, c.index))
+                .set("bus", pci_bus_id(kind, c.bus))
+                .set("addr", pci_slot_function(c.slot, c.function))
+                .set_opt("multifunction", c.multifunction.then_some(true));
+            let dev = match c.model {
+                // libvirt's chassis for a root port is its index; hotplug ports count on.
+                api::pci::Model::PcieRootPort => p
+                    .set("chassis", u32::from(c.index))
+                    .keyval_with("pcie-root-port"),
+                api::pci::Model::PcieToPciBridge => p.keyval_with("pcie-pci-bridge"),
+                api::pci::Model::PciBridge => p
+                    .set("chassis_nr", u32::from(c.index))
+                    .keyval_with("pci-bridge"),
+            };
+            push(argv, "-device", dev);
+        }
+    }
 }
 
 impl Args for Controllers {
@@ -986,11 +1040,18 @@ impl Args for Controllers {
         if self.usb {
             push(argv, "-device", format!("qemu-xhci,id={USB_CONTROLLER}"));
         }
+        // Chassis numbers after the root ports of `pci_buses`, which take their indexes.
+        let chassis = self
+            .pci_buses
+            .iter()
+            .map(|c| usize::from(c.index))
+            .max()
+            .unwrap_or(0);
         for (i, port) in self.hotplug_ports.iter().enumerate() {
-            let p = Props::new()
-                .set("id", port)
-                .set("bus", "pcie.0")
-                .set("chassis", u32::try_from(i + 1).unwrap_or(u32::MAX));
+            let p = Props::new().set("id", port).set("bus", "pcie.0").set(
+                "chassis",
+                u32::try_from(chassis + i + 1).unwrap_or(u32::MAX),
+            );
             push(argv, "-device", p.keyval_with("pcie-root-port"));
         }
     }
@@ -1080,6 +1141,7 @@ impl QemuConfig {
             "-mon",
             "chardev=charmonitor,id=monitor,mode=control".to_owned(),
         );
+        self.controllers.push_buses(self.machine.kind, &mut a);
         // Devices at a fixed PCI address come before any QEMU places, which then places those
         // around them instead of taking their slots first.
         let (pinned, placed): (Vec<&Disk>, Vec<&Disk>) =
@@ -1184,6 +1246,7 @@ mod tests {
             serial: Some("SER,1".to_owned()),
             pci_bus: None,
             pci_addr: None,
+            pci_multifunction: false,
             aio: Aio::Threads,
             error_policy: ErrorPolicy::Stop,
             share_rw: false,

@@ -629,6 +629,7 @@ mod tests {
             serial: None,
             pci_bus: None,
             pci_addr: None,
+            pci_multifunction: false,
             aio: crate::qemu::Aio::Threads,
             error_policy: crate::qemu::ErrorPolicy::Stop,
             share_rw: false,

@@ -558,9 +558,11 @@ fn guest_kill_is_served_while_sigterm_waits_for_the_guest() {
 
 /// Every device kind the converter emits, in one machine: QEMU 7.2 must accept the command line
 /// (secure-boot EFI with SMM, sata and scsi disks and cdroms, read-only, serials, cache modes,
-/// native AIO, error policies, a shared disk, IOThreads, transitional virtio, an offset RTC with
-/// catch-up, no HPET, a hidden KVM, rng, balloon, VNC) and run it. Whether the guest boots is
-/// not waited for: this is about the device model, and QMP shows every device.
+/// native AIO, error policies, a shared disk, IOThreads, transitional virtio, a transitional
+/// virtio disk off the root bus behind libvirt's root port, pcie-to-pci-bridge and pci-bridges,
+/// an offset RTC with catch-up, no HPET, a hidden KVM, rng, balloon, VNC) and run it. Whether
+/// the guest boots is not waited for: this is about the device model, and QMP shows every
+/// device.
 #[test]
 fn guest_every_device_kind_is_accepted_by_qemu() {
     let l = Launcher::start_with(&["--keep-after-shutdown"], |root| {
@@ -598,6 +600,9 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
                          "io": "native", "errorPolicy": "enospace", "shareable": true, "dedicatedIOThread": true},
                         {"name": "cd1", "cdrom": {"bus": "sata"}},
                         {"name": "cd2", "cdrom": {"bus": "scsi"}},
+                        // Conventional PCI (transitional): buses 1-4 are a root port, a
+                        // pcie-to-pci-bridge and two pci-bridges on it.
+                        {"name": "bridged", "disk": {"bus": "virtio", "pciAddress": "0000:04:05.0"}},
                     ],
                 },
             },
@@ -606,6 +611,7 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
                 {"name": "data", "hostDisk": {"path": raw, "type": "DiskOrCreate", "capacity": "8Mi"}},
                 {"name": "cd1", "cloudInitNoCloud": {"userData": "#cloud-config\n"}},
                 {"name": "cd2", "emptyDisk": {"capacity": "8Mi"}},
+                {"name": "bridged", "emptyDisk": {"capacity": "8Mi"}},
             ],
         }),
     );
@@ -627,7 +633,7 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
         .iter()
         .map(|x| x["bus"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(buses, ["sata", "scsi", "sata", "scsi"]);
+    assert_eq!(buses, ["sata", "scsi", "sata", "scsi", "virtio"]);
     assert!(l.vm_dir(&id).join("virt-vnc").exists(), "VNC socket");
     assert_eq!(
         l.get("/v1/info")["qemuVersion"],
@@ -652,18 +658,18 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
     let d = l.domain();
     assert_eq!(d["state"], "Running");
     assert!(d["syncError"].as_str().unwrap().contains("hot"), "{d}");
-    spec["domain"]["devices"]["disks"][4]
+    spec["domain"]["devices"]["disks"][5]
         .as_object_mut()
         .unwrap()
         .remove("bootOrder");
     let (status, d) = l.sync(&vmi("devices", &id, spec.clone()));
     assert_eq!(status, 200, "{d}\n{}", l.log());
     assert!(d.get("syncError").is_none(), "{d}");
-    assert_eq!(d["disks"][4]["name"], "hot");
-    assert_eq!(d["disks"][4]["bus"], "scsi");
+    assert_eq!(d["disks"][5]["name"], "hot");
+    assert_eq!(d["disks"][5]["bus"], "scsi");
     let (status, d) = l.sync(&v);
     assert_eq!(status, 200, "{d}\n{}", l.log());
-    assert_eq!(d["disks"].as_array().unwrap().len(), 4);
+    assert_eq!(d["disks"].as_array().unwrap().len(), 5);
     // Reset and kill through the API; the kill is ours, so the domain is Shutoff/Destroyed.
     l.post("/v1/reset");
     let d = l.post("/v1/kill");

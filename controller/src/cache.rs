@@ -24,14 +24,18 @@ pub fn trim_meta(meta: &mut ObjectMeta) {
 }
 
 /// A launcher or attachment pod as the controllers read it: metadata, status and, of the
-/// spec, `nodeName`, the tolerations (an attachment pod copies its launcher's) and which
-/// volumes are claims (hotplug compares them). The containers and the volumes' other sources,
-/// most of a launcher pod's size, are written by the VMI controller and never read back.
+/// spec, `nodeName`, the tolerations (an attachment pod copies its launcher's) and the claim
+/// volumes (hotplug compares their names with the VMI's claims). The containers and the
+/// other volumes, most of a launcher pod's size, are written by the VMI controller and never
+/// read back. A `Volume` holds every source inline (3,280 bytes however few are set): the
+/// 8 non-claim volumes of a launcher pod, kept by name only, took 26 KB per cached pod, 70 %
+/// of the controller's heap (heaptrack, 2,000 VMIs on kube-apiserver).
 pub fn trim_pod(pod: &mut Pod) {
     trim_meta(&mut pod.metadata);
     if let Some(spec) = pod.spec.as_mut() {
         let volumes = spec.volumes.take().map(|vs| {
             vs.into_iter()
+                .filter(|v| v.persistent_volume_claim.is_some())
                 .map(|v| Volume {
                     name: v.name,
                     persistent_volume_claim: v.persistent_volume_claim,
@@ -164,13 +168,7 @@ mod tests {
             pod.spec,
             Some(PodSpec {
                 node_name: Some("node-1".into()),
-                volumes: Some(vec![
-                    Volume {
-                        name: "private".into(),
-                        ..Volume::default()
-                    },
-                    claim,
-                ]),
+                volumes: Some(vec![claim]),
                 ..PodSpec::default()
             })
         );

@@ -23,6 +23,12 @@ use serde_json::json;
 /// client-go's window).
 pub const SERIES_WINDOW: SignedDuration = SignedDuration::from_mins(6);
 
+/// How many series are remembered at most (client-go's `maxLruCacheEntries`): bounded by
+/// time alone, a controller that creates 10,000 launcher pods within the window kept one
+/// entry (about 650 bytes) for each. Past the bound the least recently written is forgotten,
+/// and its next repeat is an Event of its own, as in client-go.
+pub const SERIES_LIMIT: usize = 4096;
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Key {
     regarding: (
@@ -45,11 +51,43 @@ struct Written {
     last: Timestamp,
 }
 
+/// The Events written lately, by what makes a repeat: within [`SERIES_WINDOW`], at most
+/// [`SERIES_LIMIT`].
+#[derive(Debug, Default)]
+struct Series(HashMap<Key, Written>);
+
+impl Series {
+    /// The Event `key` repeats, its count raised, if one is remembered.
+    fn repeat(&mut self, key: &Key, now: Timestamp) -> Option<Written> {
+        self.0.retain(|_, w| w.last + SERIES_WINDOW > now);
+        self.0.get_mut(key).map(|w| {
+            w.count += 1;
+            w.last = now;
+            w.clone()
+        })
+    }
+
+    /// A new Event was written.
+    fn record(&mut self, key: Key, written: Written) {
+        if self.0.len() >= SERIES_LIMIT
+            && !self.0.contains_key(&key)
+            && let Some(oldest) = self
+                .0
+                .iter()
+                .min_by_key(|(_, w)| w.last)
+                .map(|(k, _)| k.clone())
+        {
+            self.0.remove(&oldest);
+        }
+        self.0.insert(key, written);
+    }
+}
+
 /// Writes Events for one component (`reportingController`, `reportingInstance`).
 pub struct Publisher {
     client: kube::Client,
     reporter: Reporter,
-    written: std::sync::Mutex<HashMap<Key, Written>>,
+    written: std::sync::Mutex<Series>,
     sequence: AtomicU64,
 }
 
@@ -71,7 +109,7 @@ impl Publisher {
         }
     }
 
-    fn written(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Written>> {
+    fn written(&self) -> std::sync::MutexGuard<'_, Series> {
         self.written
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -99,15 +137,7 @@ impl Publisher {
             action: ev.action.clone(),
             note: ev.note.clone(),
         };
-        let repeat = {
-            let mut written = self.written();
-            written.retain(|_, w| w.last + SERIES_WINDOW > now);
-            written.get_mut(&key).map(|w| {
-                w.count += 1;
-                w.last = now;
-                w.clone()
-            })
-        };
+        let repeat = self.written().repeat(&key, now);
         if let Some(w) = repeat {
             let api: Api<K8sEvent> = Api::namespaced(self.client.clone(), &w.namespace);
             let series = EventSeries {
@@ -167,7 +197,7 @@ impl Publisher {
         let api: Api<K8sEvent> = Api::namespaced(self.client.clone(), &namespace);
         let created = api.create(&PostParams::default(), &event).await?;
         if let Some(name) = created.metadata.name {
-            self.written().insert(
+            self.written().record(
                 key,
                 Written {
                     namespace,
@@ -178,5 +208,62 @@ impl Publisher {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str) -> Key {
+        Key {
+            regarding: (None, Some("ns".into()), Some(name.into()), None),
+            warning: false,
+            reason: "SuccessfulCreate".into(),
+            action: "SuccessfulCreate".into(),
+            note: None,
+        }
+    }
+
+    fn written(last: Timestamp) -> Written {
+        Written {
+            namespace: "ns".into(),
+            name: "e".into(),
+            count: 1,
+            last,
+        }
+    }
+
+    #[test]
+    fn a_repeat_within_the_window_counts_into_its_series() {
+        let t0 = Timestamp::UNIX_EPOCH;
+        let mut s = Series::default();
+        s.record(key("a"), written(t0));
+        let again = s.repeat(&key("a"), t0 + SignedDuration::from_mins(1));
+        assert_eq!(again.map(|w| w.count), Some(2));
+        assert!(s.repeat(&key("b"), t0).is_none());
+        assert!(
+            s.repeat(&key("a"), t0 + SERIES_WINDOW + SignedDuration::from_mins(1))
+                .is_none(),
+            "a series ends a window after its last repeat"
+        );
+    }
+
+    #[test]
+    fn past_the_limit_the_least_recently_written_series_is_forgotten() {
+        let t0 = Timestamp::UNIX_EPOCH;
+        let mut s = Series::default();
+        for i in 0..SERIES_LIMIT {
+            let at = t0 + SignedDuration::from_millis(i64::try_from(i).expect("small"));
+            s.record(key(&i.to_string()), written(at));
+        }
+        // `0` repeated lately: `1` is now the least recently written.
+        let now = t0 + SignedDuration::from_secs(10);
+        assert!(s.repeat(&key("0"), now).is_some());
+        s.record(key("new"), written(now));
+        assert_eq!(s.0.len(), SERIES_LIMIT);
+        assert!(s.repeat(&key("1"), now).is_none());
+        assert!(s.repeat(&key("0"), now).is_some());
+        assert!(s.repeat(&key("new"), now).is_some());
     }
 }

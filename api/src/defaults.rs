@@ -398,16 +398,15 @@ fn set_default_network(
     Ok(())
 }
 
+/// Every volume neither a disk nor a filesystem uses becomes a disk (KubeVirt's
+/// `SetDefaultVolumeDisk`).
 fn set_volume_disks(spec: &mut VirtualMachineInstanceSpec) {
+    let devices = &mut spec.domain.devices;
     for volume in &spec.volumes {
-        if !spec
-            .domain
-            .devices
-            .disks
-            .iter()
-            .any(|d| d.name == volume.name)
-        {
-            spec.domain.devices.disks.push(crate::vmi::Disk {
+        let used = devices.disks.iter().any(|d| d.name == volume.name)
+            || devices.filesystems.iter().any(|f| f.name == volume.name);
+        if !used {
+            devices.disks.push(crate::vmi::Disk {
                 name: volume.name.clone(),
                 ..Default::default()
             });

@@ -234,6 +234,19 @@ fn cases() -> Vec<Case> {
             )],
         },
         Case {
+            name: "a volume shared as a filesystem gets no disk (KubeVirt's SetDefaultVolumeDisk)",
+            cfg: base,
+            spec: spec(json!({
+                "volumes": [{"name": "cfg", "configMap": {"name": "app"}},
+                            {"name": "cd", "containerDisk": {"image": "i:1"}}],
+                "domain": {"devices": {"filesystems": [{"name": "cfg", "virtiofs": {}}]}}
+            })),
+            expect: &[(
+                "/domain/devices/disks",
+                r#"[{"name":"cd","disk":{"bus":"sata"}}]"#,
+            )],
+        },
+        Case {
             name: "a disk without a target becomes a disk; an explicit bus is kept",
             cfg: base,
             spec: spec(json!({

@@ -2,8 +2,9 @@
 //! virt-controller, virt-handler and virt-launcher, is reachable on its pod's IP through the
 //! masquerade binding, and stops when its run strategy says Halted. Every component runs from
 //! its image: virt-handler and the guest's QEMU see their image's layers as `/`, not the host.
-//! Then a VM with readiness and liveness probes through the guest agent is Ready, and
-//! restarted when its liveness probe fails.
+//! Then a VM with readiness and liveness probes through the guest agent, and a ConfigMap shared
+//! with virtiofs, is Ready, reads the ConfigMap in the guest, and is restarted when its liveness
+//! probe fails.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -228,19 +229,33 @@ fn guest_vm_applied_with_kubectl_boots_and_halts() {
         .expect("the VM stays");
     assert_eq!(vm["status"]["printableStatus"], "Stopped");
 
-    probes_make_the_vmi_ready_and_restart_the_vm(&stack);
+    probed_vm_reads_its_config_and_restarts_on_liveness_failure(&stack);
 }
 
-/// A VM with KubeVirt's agent probes: its `guestAgentPing` readiness probe, run by the kubelet
-/// as `virt-probe` in the launcher pod, makes the VMI Ready; once the guest makes its `exec`
-/// liveness probe (run in the guest by the agent) fail, the kubelet kills the compute
-/// container, the VMI fails and the VM controller creates a new one (`runStrategy: Always`).
-fn probes_make_the_vmi_ready_and_restart_the_vm(stack: &Stack) {
+/// A VM with KubeVirt's agent probes and a ConfigMap shared through virtiofs: its
+/// `guestAgentPing` readiness probe, run by the kubelet as `virt-probe` in the launcher pod,
+/// makes the VMI Ready; the guest mounts the ConfigMap by its filesystem's name, served by the
+/// pod's `virtiofs-<name>` container; once the guest makes its `exec` liveness probe (run in the
+/// guest by the agent) fail, the kubelet kills the compute container, the VMI fails and the VM
+/// controller creates a new one (`runStrategy: Always`).
+fn probed_vm_reads_its_config_and_restarts_on_liveness_failure(stack: &Stack) {
+    stack.apply(&serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "probed-config", "namespace": "default"},
+        "data": {"app.conf": "mode=virtiofs-on-the-stack"},
+    }));
     let mut vm = stack.demo_vm().expect("the demo VM as JSON");
     vm["metadata"]["name"] = "probed".into();
     vm["metadata"]["labels"]["kubevirt.io/vm"] = "probed".into();
     vm["spec"]["template"]["metadata"]["labels"]["kubevirt.io/vm"] = "probed".into();
     let spec = &mut vm["spec"]["template"]["spec"];
+    spec["domain"]["devices"]["filesystems"] =
+        serde_json::json!([{"name": "app-config", "virtiofs": {}}]);
+    spec["volumes"]
+        .as_array_mut()
+        .expect("the demo VM's volumes")
+        .push(serde_json::json!({"name": "app-config", "configMap": {"name": "probed-config"}}));
     spec["readinessProbe"] = serde_json::json!({"guestAgentPing": {}, "periodSeconds": 2});
     spec["livenessProbe"] = serde_json::json!({
         "exec": {"command": ["/bin/sh", "-c", "test ! -e /tmp/unhealthy"]},
@@ -287,16 +302,24 @@ fn probes_make_the_vmi_ready_and_restart_the_vm(stack: &Stack) {
         r#"["virt-probe","--domainName","default_probed","--timeoutSeconds","1","--guestAgentPing"]"#
     );
 
-    // The guest's shell on its serial console makes the liveness probe fail. `Console::run`
-    // resends the command until the shell answers: bytes written right after the guest's
-    // ready marker reach a console whose login shell is not yet started, and are lost.
+    // `Console::run` resends a command until the shell answers: bytes written right after the
+    // guest's ready marker reach a console whose login shell is not yet started, and are lost.
     let private = stack
         .vmi_private_dir(&first)
         .expect("a Running VMI names its node and launcher pod");
     // The socket's path is longer than a socket address holds: reach it through its directory.
     let socket = isolation::open_socket(&private.join("virt-serial0"))
         .expect("the probed guest's serial console");
-    testguest::Console::connect(&socket.proc_fd_path()).run("touch /tmp/unhealthy", BOOT);
+    let mut console = testguest::Console::connect(&socket.proc_fd_path());
+    assert_eq!(
+        console.run(
+            "mkdir -p /mnt/cfg && mount -t virtiofs app-config /mnt/cfg && cat /mnt/cfg/app.conf",
+            BOOT
+        ),
+        "mode=virtiofs-on-the-stack"
+    );
+    // The guest's shell makes the liveness probe fail.
+    console.run("touch /tmp/unhealthy", BOOT);
 
     let first_uid = first["metadata"]["uid"].clone();
     wait_for("a new VMI after the liveness probe failed", BOOT, || {

@@ -307,6 +307,22 @@ pub fn place(root: RootBus, pinned: &[Pinned]) -> Result<Placement, Refusal> {
     for d in &mut devices {
         d.multifunction = shared(d.address.bus, d.address.slot, d.address.function);
     }
+    // A guest finds a slot's functions through its function 0, and QEMU puts a device of its
+    // own choosing at an empty function 0 of the root bus without `multifunction`, which then
+    // fails to start. libvirt admits such an address and the guest never sees the device.
+    for (d, p) in devices.iter().zip(pinned) {
+        let a = d.address;
+        if a.function != 0 && !buses[usize::from(a.bus)].used.contains_key(&(a.slot, 0)) {
+            return Err(Refusal {
+                field: p.field.clone(),
+                reason: format!(
+                    "{}: nothing is at function 0 of its slot, and a guest finds the other \
+                     functions of a slot through function 0",
+                    p.address
+                ),
+            });
+        }
+    }
     Ok(Placement {
         controllers,
         devices,
@@ -476,6 +492,20 @@ mod tests {
         let p = q35(&[("a", "0000:01:00.0", true), ("b", "0000:01:00.1", false)]).unwrap();
         assert!(p.devices[0].multifunction);
         assert!(!p.devices[1].multifunction);
+    }
+
+    #[test]
+    fn a_function_other_than_0_needs_function_0_of_its_slot_in_use() {
+        let err = q35(&[("a", "0000:00:0a.3", true)]).unwrap_err();
+        assert_eq!(err.field, "a");
+        assert!(
+            err.reason.contains("nothing is at function 0"),
+            "{}",
+            err.reason
+        );
+        assert!(q35(&[("a", "0000:00:0a.3", true), ("b", "0000:00:0a.0", true)]).is_ok());
+        // The chipset's function 0 counts.
+        assert!(q35(&[("a", "0000:00:1f.4", true)]).is_ok());
     }
 
     #[test]

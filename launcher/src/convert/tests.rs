@@ -1155,13 +1155,13 @@ fn io_threads_are_shared_or_dedicated_as_kubevirt_assigns_them() {
 fn disk_pci_addresses_are_on_the_root_bus_before_other_devices() {
     let mut s = base_spec();
     s["domain"]["devices"]["disks"][3]["disk"]["pciAddress"] = "0000:00:0a.0".into();
-    s["domain"]["devices"]["disks"][0]["disk"]["pciAddress"] = "0000:00:1e.3".into();
+    s["domain"]["devices"]["disks"][0]["disk"]["pciAddress"] = "0000:00:0a.3".into();
     let argv = conv(s.clone()).unwrap().config.argv();
     assert!(disk_args(&argv, "ci").1.contains(",bus=pcie.0,addr=0xa,"));
     assert!(
         disk_args(&argv, "root")
             .1
-            .contains(",bus=pcie.0,addr=0x1e.0x3,")
+            .contains(",bus=pcie.0,addr=0xa.0x3,")
     );
     // Placed before the controllers, whose slots QEMU picks around them.
     let position = |needle: &str| argv.iter().position(|a| a.contains(needle)).unwrap();

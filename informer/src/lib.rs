@@ -11,6 +11,7 @@
 pub mod events;
 pub mod instancetype;
 pub mod leader;
+pub mod packed;
 pub mod patch;
 
 use std::collections::HashSet;
@@ -102,33 +103,120 @@ where
     let (reader, writer) = reflector::store();
     let objects = watcher(api, wc).modify(trim);
     let stream = reflector::reflector(writer, objects).default_backoff();
-    let cached = reader.clone();
+    dispatch(tasks, stream, reader.clone(), |_| {}, on);
+    reader
+}
+
+/// [`reflect`] into a [`packed::PackedStore`], for kinds cached by the thousand and read one
+/// object at a time.
+pub fn reflect_packed<K>(
+    tasks: &mut JoinSet<()>,
+    api: Api<K>,
+    wc: watcher::Config,
+    trim: fn(&mut K),
+    on: impl Fn(Seen<'_, K>) + Send + 'static,
+) -> packed::PackedStore<K>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::Serialize
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (mut writer, reader) = packed::PackedWriter::new();
+    let stream = watcher(api, wc).modify(trim).default_backoff();
+    dispatch(
+        tasks,
+        stream,
+        reader.clone(),
+        move |ev| writer.apply(ev),
+        on,
+    );
+    reader
+}
+
+/// Runs `stream` on `tasks`: each event goes to `apply` (the cache's writer, unless the stream
+/// wrote it already), then to `on` as [`Seen`]. A failed watch is logged.
+fn dispatch<K, C>(
+    tasks: &mut JoinSet<()>,
+    stream: impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+    cached: C,
+    mut apply: impl FnMut(&watcher::Event<K>) + Send + 'static,
+    on: impl Fn(Seen<'_, K>) + Send + 'static,
+) where
+    K: Resource<DynamicType = ()> + Clone + Send + Sync + 'static,
+    C: Cache<K> + Send + 'static,
+    C::Entry: Send,
+{
     tasks.spawn(async move {
         let mut dispatch = Dispatch::default();
         futures::pin_mut!(stream);
         while let Some(ev) = stream.next().await {
             match ev {
-                Ok(ev) => dispatch.event(&ev, &cached, &on),
+                Ok(ev) => {
+                    apply(&ev);
+                    dispatch.event(&ev, &cached, &on);
+                }
                 Err(e) => {
                     tracing::warn!(kind = %K::kind(&()), error = %e, "watch failed; retrying");
                 }
             }
         }
     });
-    reader
+}
+
+/// What [`Dispatch`] reads of a cache: its objects by key, and all of them as they were when
+/// a re-list began (cheap to take; an entry is opened only for an object the re-list lost).
+trait Cache<K: Resource<DynamicType = ()>> {
+    type Entry;
+    fn get(&self, key: &reflector::ObjectRef<K>) -> Option<Arc<K>>;
+    fn entries(&self) -> Vec<Self::Entry>;
+    fn open(entry: &Self::Entry) -> Option<Arc<K>>;
+}
+
+impl<K: Resource<DynamicType = ()> + Clone> Cache<K> for Store<K> {
+    type Entry = Arc<K>;
+    fn get(&self, key: &reflector::ObjectRef<K>) -> Option<Arc<K>> {
+        Store::get(self, key)
+    }
+    fn entries(&self) -> Vec<Arc<K>> {
+        self.state()
+    }
+    fn open(entry: &Arc<K>) -> Option<Arc<K>> {
+        Some(entry.clone())
+    }
+}
+
+impl<K> Cache<K> for packed::PackedStore<K>
+where
+    K: Resource<DynamicType = ()> + serde::de::DeserializeOwned,
+{
+    type Entry = Arc<[u8]>;
+    fn get(&self, key: &reflector::ObjectRef<K>) -> Option<Arc<K>> {
+        packed::PackedStore::get(self, key)
+    }
+    fn entries(&self) -> Vec<Arc<[u8]>> {
+        self.packed_entries()
+    }
+    fn open(entry: &Arc<[u8]>) -> Option<Arc<K>> {
+        packed::decode(entry)
+    }
 }
 
 /// Turns watch events, once the reflector's store has applied them, into what a handler sees.
-struct Dispatch<K: Resource<DynamicType = ()>> {
+struct Dispatch<K: Resource<DynamicType = ()>, E> {
     /// The uids reported and not deleted since.
     seen: HashSet<String>,
     /// The cache as it was when a (re-)list began.
-    before: Vec<Arc<K>>,
+    before: Vec<E>,
     /// The objects a (re-)list in progress has listed, in order.
     listed: Vec<reflector::ObjectRef<K>>,
 }
 
-impl<K: Resource<DynamicType = ()>> Default for Dispatch<K> {
+impl<K: Resource<DynamicType = ()>, E> Default for Dispatch<K, E> {
     fn default() -> Self {
         Dispatch {
             seen: HashSet::new(),
@@ -138,8 +226,13 @@ impl<K: Resource<DynamicType = ()>> Default for Dispatch<K> {
     }
 }
 
-impl<K: Resource<DynamicType = ()> + Clone> Dispatch<K> {
-    fn event(&mut self, ev: &watcher::Event<K>, cached: &Store<K>, on: &impl Fn(Seen<'_, K>)) {
+impl<K: Resource<DynamicType = ()> + Clone, E> Dispatch<K, E> {
+    fn event<C: Cache<K, Entry = E>>(
+        &mut self,
+        ev: &watcher::Event<K>,
+        cached: &C,
+        on: &impl Fn(Seen<'_, K>),
+    ) {
         match ev {
             watcher::Event::Apply(o) => {
                 if self.seen.insert(o.uid().unwrap_or_default()) {
@@ -153,7 +246,7 @@ impl<K: Resource<DynamicType = ()> + Clone> Dispatch<K> {
                 on(Seen::Deleted(o));
             }
             watcher::Event::Init => {
-                self.before = cached.state();
+                self.before = cached.entries();
                 self.listed.clear();
             }
             // The store swaps in a (re-)list's objects only at InitDone: a handler told about
@@ -174,7 +267,7 @@ impl<K: Resource<DynamicType = ()> + Clone> Dispatch<K> {
                 }
                 // A re-list only lists what exists: what was deleted while no watch ran never
                 // comes as a Delete. The cache as it was before the re-list tells which.
-                for o in self.before.drain(..) {
+                for o in self.before.drain(..).filter_map(|e| C::open(&e)) {
                     let uid = o.uid().unwrap_or_default();
                     if !listed.contains(&uid) && self.seen.remove(&uid) {
                         on(Seen::Deleted(o.as_ref()));

@@ -30,7 +30,8 @@ use api::{
     VirtualMachineInstanceReplicaSet,
 };
 use informer::events::{Publisher, Reporter};
-use informer::{Seen, obj_key, reflect};
+use informer::packed::PackedStore;
+use informer::{Seen, obj_key, reflect, reflect_packed};
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -131,7 +132,8 @@ struct Shared {
     recorder: Publisher,
     vms: Store<VirtualMachine>,
     vmis: Store<VirtualMachineInstance>,
-    pods: Store<Pod>,
+    /// Kept as JSON: a cached `Pod` took 4.5 KB of heap, its trimmed JSON takes 1.4 KB.
+    pods: PackedStore<Pod>,
     pod_index: Arc<Mutex<OwnerIndex>>,
     /// Hotplug attachment pods by the VMI they serve (their controller is the launcher pod).
     attachment_index: Arc<Mutex<OwnerIndex>>,
@@ -245,7 +247,7 @@ async fn start_caches(
     );
     let pod_index: Arc<Mutex<OwnerIndex>> = Arc::default();
     let attachment_index: Arc<Mutex<OwnerIndex>> = Arc::default();
-    let pods = reflect(
+    let pods = reflect_packed(
         tasks,
         Api::all(client.clone()),
         wc().labels(&format!(

@@ -61,10 +61,26 @@ pub fn current_claim(vmi: &VirtualMachineInstance) -> Option<&str> {
 
 /// Whether the claim the status names is `ReadWriteMany` (`None`: no claim named yet).
 pub fn claim_shared(vmi: &VirtualMachineInstance) -> Option<bool> {
-    let info = &volume_status(vmi.status.as_ref()?)?
-        .persistent_volume_claim_info
-        .as_ref()?
-        .0;
+    volume_status(vmi.status.as_ref()?).and_then(read_write_many)
+}
+
+/// Whether the claim `name` is `ReadWriteMany`, from the facts virt-controller puts in a VMI's
+/// `volumeStatus` (`None`: not there).
+pub fn named_claim_shared(volumes: &[VolumeStatus], name: &str) -> Option<bool> {
+    volumes
+        .iter()
+        .find(|v| {
+            v.persistent_volume_claim_info
+                .as_ref()
+                .and_then(|i| i.0.get("claimName"))
+                .and_then(serde_json::Value::as_str)
+                == Some(name)
+        })
+        .and_then(read_write_many)
+}
+
+fn read_write_many(volume: &VolumeStatus) -> Option<bool> {
+    let info = &volume.persistent_volume_claim_info.as_ref()?.0;
     Some(
         info.get("accessModes")
             .and_then(serde_json::Value::as_array)

@@ -229,6 +229,53 @@ pub const HOTPLUG_NOT_LIVE_MIGRATABLE: &str = "HotplugNotLiveMigratable";
 /// (KubeVirt hands such a claim over to a new one; kubevirt-rs does not yet).
 pub const PERSISTENT_EFI_NOT_LIVE_MIGRATABLE: &str = "PersistentEFINotLiveMigratable";
 
+/// KubeVirt's live-migration status of a running VMI: the `LiveMigratable` condition (with
+/// the reason and message of the first failing check) and `migrationMethod`. virt-controller
+/// keeps them; virt-handler sets them in its write that makes the VMI Running, as KubeVirt's
+/// handler does, so they cost no write of their own. `pvc_shared` as for [`live_migratable`].
+pub fn set_live_migration_status(
+    status: &mut crate::VirtualMachineInstanceStatus,
+    vmi: &VirtualMachineInstance,
+    pvc_shared: impl Fn(&str) -> Option<bool>,
+    now: &k8s_openapi::apimachinery::pkg::apis::meta::v1::Time,
+) {
+    use crate::common::ConditionStatus;
+    use crate::status::{VirtualMachineInstanceCondition, VirtualMachineInstanceConditionType};
+    let (cond_status, reason, message) = match live_migratable(vmi, pvc_shared) {
+        Ok(()) => (ConditionStatus::True, None, None),
+        Err(e) => (
+            ConditionStatus::False,
+            Some(e.reason.to_owned()),
+            Some(e.message),
+        ),
+    };
+    let method = migration_method(vmi);
+    if status.migration_method.as_deref() != Some(method) {
+        status.migration_method = Some(method.to_owned());
+    }
+    let type_ = VirtualMachineInstanceConditionType::LiveMigratable;
+    if let Some(c) = status.conditions.iter_mut().find(|c| c.type_ == type_) {
+        if c.status == cond_status && c.reason == reason && c.message == message {
+            return;
+        }
+        if c.status != cond_status {
+            c.last_transition_time = Some(now.clone());
+        }
+        c.status = cond_status;
+        c.reason = reason;
+        c.message = message;
+        return;
+    }
+    status.conditions.push(VirtualMachineInstanceCondition {
+        type_,
+        status: cond_status,
+        last_probe_time: None,
+        last_transition_time: Some(now.clone()),
+        reason,
+        message,
+    });
+}
+
 /// Whether `vmi` can be live-migrated, checked in KubeVirt's order (the first failing check
 /// names the reason). `pvc_shared` says whether a claim is `ReadWriteMany` (`None`: unknown).
 pub fn live_migratable(

@@ -360,46 +360,6 @@ fn leftover_pods(vmi: &VirtualMachineInstance, mine: &[&Pod], current: &Pod) -> 
         .collect()
 }
 
-/// The `LiveMigratable` condition of a running VMI (`api::migration::live_migratable`): `True`
-/// without a reason, or `False` with KubeVirt's reason and message. Untouched when unchanged,
-/// so a VMI whose migratability stays the same costs no write.
-pub fn set_live_migratable(
-    status: &mut VirtualMachineInstanceStatus,
-    vmi: &VirtualMachineInstance,
-    pvc_shared: &dyn Fn(&str) -> Option<bool>,
-    now: Timestamp,
-) {
-    let (cond_status, reason, message) = match api::migration::live_migratable(vmi, pvc_shared) {
-        Ok(()) => (ConditionStatus::True, None, None),
-        Err(e) => (
-            ConditionStatus::False,
-            Some(e.reason.to_owned()),
-            Some(e.message),
-        ),
-    };
-    let type_ = VirtualMachineInstanceConditionType::LiveMigratable;
-    if let Some(c) = status.conditions.iter_mut().find(|c| c.type_ == type_) {
-        if c.status == cond_status && c.reason == reason && c.message == message {
-            return;
-        }
-        if c.status != cond_status {
-            c.last_transition_time = Some(Time(now));
-        }
-        c.status = cond_status;
-        c.reason = reason;
-        c.message = message;
-        return;
-    }
-    status.conditions.push(VirtualMachineInstanceCondition {
-        type_,
-        status: cond_status,
-        last_probe_time: None,
-        last_transition_time: Some(Time(now)),
-        reason,
-        message,
-    });
-}
-
 /// [`sync`], with `pvc_shared` telling whether a claim is `ReadWriteMany` (`None`: unknown).
 pub fn sync_with(
     vmi: &VirtualMachineInstance,
@@ -557,11 +517,7 @@ pub fn sync_with(
         .active_pods
         .retain(|uid, _| mine.iter().any(|p| p.metadata.uid.as_deref() == Some(uid)));
     if status.phase == Some(Ph::Running) {
-        set_live_migratable(&mut status, vmi, pvc_shared, now);
-        let method = api::migration::migration_method(vmi);
-        if status.migration_method.as_deref() != Some(method) {
-            status.migration_method = Some(method.to_owned());
-        }
+        api::migration::set_live_migration_status(&mut status, vmi, pvc_shared, &Time(now));
     }
     let leftovers = leftover_pods(vmi, &mine, pod);
     if !leftovers.is_empty() {

@@ -406,6 +406,22 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
         &mut status.conditions,
         ready_condition(&obs.pod, running, &obs.now),
     );
+    // Set once, with the Running phase; virt-controller keeps it from then on, so the two
+    // never write it back and forth should they judge a claim differently.
+    if running
+        && !status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == Cond::LiveMigratable)
+    {
+        let claims = status.volume_status.clone();
+        api::migration::set_live_migration_status(
+            &mut status,
+            vmi,
+            |name| api::backendstorage::named_claim_shared(&claims, name),
+            &obs.now,
+        );
+    }
 
     if status.phase != old.phase
         && let Some(p) = &status.phase
@@ -672,6 +688,62 @@ mod tests {
             let reasons: Vec<&str> = out.events.iter().map(|e| e.reason.as_str()).collect();
             assert_eq!(reasons, want_events, "case {i}");
         }
+    }
+
+    #[test]
+    fn live_migratable_is_set_with_running_from_the_claims_in_the_volume_status() {
+        let scheduled = |modes: &str| {
+            let mut v = vmi(Some(Phase::Scheduled), None);
+            v.spec.volumes.push(
+                serde_json::from_value(serde_json::json!(
+                    {"name": "data", "persistentVolumeClaim": {"claimName": "c"}}
+                ))
+                .expect("a claim volume"),
+            );
+            let status = v.status.as_mut().expect("a status");
+            status.volume_status = vec![
+                serde_json::from_value(serde_json::json!({"name": "data", "target": "",
+                    "persistentVolumeClaimInfo": {"claimName": "c", "accessModes": [modes]}}))
+                .expect("a volume status"),
+            ];
+            v
+        };
+        let condition = |out: &Outcome| {
+            out.status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == Cond::LiveMigratable)
+                .map(|c| (c.status.clone(), c.reason.clone()))
+        };
+        let booted = || obs(dom(DomainState::Running, "Booted"), running_pod());
+        let shared = compute(&scheduled("ReadWriteMany"), &booted());
+        assert_eq!(condition(&shared), Some((ConditionStatus::True, None)));
+        assert_eq!(
+            shared.status.migration_method.as_deref(),
+            Some("LiveMigration")
+        );
+        let own = compute(&scheduled("ReadWriteOnce"), &booted());
+        assert_eq!(
+            condition(&own),
+            Some((
+                ConditionStatus::False,
+                Some(api::migration::DISKS_NOT_LIVE_MIGRATABLE.to_owned())
+            ))
+        );
+        // virt-controller's answer stays once there, whatever the handler would say.
+        let mut running = scheduled("ReadWriteOnce");
+        running.status.as_mut().expect("a status").phase = Some(Phase::Running);
+        running.status.as_mut().expect("a status").conditions = shared.status.conditions;
+        assert_eq!(
+            condition(&compute(&running, &booted())),
+            Some((ConditionStatus::True, None))
+        );
+        // Not before the guest runs.
+        let starting = obs(dom(DomainState::Starting, "Starting"), running_pod());
+        assert_eq!(
+            condition(&compute(&scheduled("ReadWriteMany"), &starting)),
+            None
+        );
     }
 
     #[test]

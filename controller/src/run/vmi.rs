@@ -328,6 +328,13 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
     }
     if let Some(launcher) = hotplug_launcher(&vmi, &out.status, &pods) {
         out.status.volume_status = Box::pin(sync_hotplug(s, key, &vmi, launcher, &claim)).await;
+    } else if let Some(launcher) = handed_over_launcher(&vmi, &out.status, &pods) {
+        // KubeVirt's `updateVolumeStatus` at the hand-off and while Scheduled: virt-handler's
+        // write that makes the VMI Running then fills in the targets of entries that are
+        // there, instead of a second write of each side once this controller adds them.
+        // Attachment pods come only once the VMI runs, so no hotplug phase moves here and
+        // there are no events.
+        out.status.volume_status = hotplug::volume_status(&vmi, launcher, &[], &claim).0;
     }
     // As KubeVirt's status update: the backend-storage claim, whenever there is one.
     if api::backendstorage::needed(&vmi)
@@ -466,6 +473,18 @@ fn hotplug_launcher<'a>(
         .is_some_and(|m| m.completed != Some(true) && m.failed != Some(true));
     let pod = vmi::current_pod(vmi, pods)?;
     (running && !migrating && pod.metadata.deletion_timestamp.is_none()).then_some(pod)
+}
+
+/// The launcher pod of a VMI handed over to its node and not running yet.
+fn handed_over_launcher<'a>(
+    vmi: &VirtualMachineInstance,
+    status: &VirtualMachineInstanceStatus,
+    pods: &'a [Pod],
+) -> Option<&'a Pod> {
+    let pod = vmi::current_pod(vmi, pods)?;
+    (status.phase == Some(api::VirtualMachineInstancePhase::Scheduled)
+        && pod.metadata.deletion_timestamp.is_none())
+    .then_some(pod)
 }
 
 /// Creates and deletes the attachment pods of `launcher` as `hotplug::plan_attachments`

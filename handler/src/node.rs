@@ -196,6 +196,8 @@ pub struct Node {
     entries: Mutex<HashMap<String, Entry>>,
     next_watch: AtomicU64,
     stop: CancellationToken,
+    /// Status patches the VMI cache has not caught up with: not sent again from it.
+    vmi_writes: informer::ownwrites::OwnWrites,
 }
 
 impl std::fmt::Debug for Node {
@@ -437,6 +439,13 @@ impl Node {
         obs: &Observed,
     ) -> Result<(), ReconcileError> {
         let ns = vmi.namespace().unwrap_or_default();
+        let key = informer::key_of(Some(&ns), &vmi.name_any());
+        if self
+            .vmi_writes
+            .cache_behind(&key, vmi.metadata.resource_version.as_deref())
+        {
+            return Ok(());
+        }
         let api: Api<VirtualMachineInstance> = Api::namespaced(self.client.clone(), &ns);
         let mut current = vmi.clone();
         for _ in 0..MAX_CONFLICTS {
@@ -461,6 +470,8 @@ impl Node {
                 .await
             {
                 Ok(_) => {
+                    self.vmi_writes
+                        .wrote(&key, current.metadata.resource_version.as_deref());
                     self.record(&current, &out.events).await;
                     return Ok(());
                 }
@@ -1118,6 +1129,7 @@ pub async fn start(
         entries: Mutex::default(),
         next_watch: AtomicU64::new(0),
         stop: stop.clone(),
+        vmi_writes: informer::ownwrites::OwnWrites::default(),
     });
     for _ in 0..node.cfg.workers.max(1) {
         tasks.spawn(worker(Arc::clone(&node)));

@@ -11,6 +11,7 @@
 pub mod events;
 pub mod instancetype;
 pub mod leader;
+pub mod ownwrites;
 pub mod packed;
 pub mod patch;
 

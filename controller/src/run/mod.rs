@@ -173,6 +173,8 @@ struct Shared {
     namespaces: Store<Namespace>,
     /// The disruption-budget controller's queue: PDB keys.
     pdb_q: Arc<Queue>,
+    /// VMI status patches the VMI cache has not caught up with: not sent again from it.
+    vmi_writes: informer::ownwrites::OwnWrites,
 }
 
 /// Runs the VM, VMI, ReplicaSet and Node controllers until the task is dropped.
@@ -423,6 +425,7 @@ async fn start_caches(
         migration_policies,
         namespaces,
         pdb_q,
+        vmi_writes: informer::ownwrites::OwnWrites::default(),
     })
 }
 

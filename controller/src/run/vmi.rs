@@ -239,6 +239,7 @@ pub(super) async fn sync_vmi(s: &Shared, key: &str) {
         .map(|p| (*p).clone())
         .collect();
     let Some(vmi) = s.vmis.get(&ObjectRef::new(name).within(ns)) else {
+        s.vmi_writes.forget(key);
         // The garbage collector's job too (the pods' owner reference names the VMI); this
         // does not wait for it.
         s.pod_exp.delete(key);
@@ -685,7 +686,10 @@ async fn write_vmi(s: &Shared, key: &str, vmi: &VirtualMachineInstance, w: VmiWr
     if !metadata.is_empty() {
         patch.insert("metadata".into(), metadata.into());
     }
-    if patch.is_empty() {
+    if patch.is_empty()
+        || s.vmi_writes
+            .cache_behind(key, vmi.metadata.resource_version.as_deref())
+    {
         return;
     }
     // The resourceVersion makes this a compare-and-swap: the whole status computed from
@@ -696,7 +700,7 @@ async fn write_vmi(s: &Shared, key: &str, vmi: &VirtualMachineInstance, w: VmiWr
     metadata["resourceVersion"] = json!(vmi.metadata.resource_version);
     let vmi_api: Api<VirtualMachineInstance> =
         Api::namespaced(s.client.clone(), &vmi.namespace().unwrap_or_default());
-    if let Err(e) = vmi_api
+    match vmi_api
         .patch(
             &vmi.name_any(),
             &PatchParams::default(),
@@ -704,7 +708,10 @@ async fn write_vmi(s: &Shared, key: &str, vmi: &VirtualMachineInstance, w: VmiWr
         )
         .await
     {
-        retry_later(&s.vmi_q, key, "updating the VMI status", &e);
+        Ok(_) => s
+            .vmi_writes
+            .wrote(key, vmi.metadata.resource_version.as_deref()),
+        Err(e) => retry_later(&s.vmi_q, key, "updating the VMI status", &e),
     }
 }
 

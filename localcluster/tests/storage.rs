@@ -248,8 +248,15 @@ async fn a_block_claim_is_refused_and_a_pod_waits_for_its_claim() {
     )
     .await
     .expect("the pod");
+    // The first try may read the claim before kube-apiserver's node authorizer has linked the
+    // new pod to it (403 for the node, as a real kubelet sees too); the kubelet tries again.
     let waiting = wait_pod(&pods, "user", "the pod waiting for its claim", |p| {
-        condition(p, "PodReadyToStartContainers").is_some_and(|c| c["status"] == "False")
+        condition(p, "PodReadyToStartContainers").is_some_and(|c| {
+            c["status"] == "False"
+                && c["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("is not bound"))
+        })
     })
     .await;
     let message =

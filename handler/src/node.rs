@@ -343,6 +343,7 @@ impl Node {
     }
 
     fn forget_entry(&self, key: &str) {
+        self.vmi_writes.forget(key);
         if let Some(e) = self.lock().remove(key)
             && let Some((_, t)) = e.watch
         {
@@ -435,17 +436,17 @@ impl Node {
     /// a concurrent write (virt-controller's) is never lost. Records the events of the change.
     async fn write_status(
         &self,
+        key: &str,
         vmi: &VirtualMachineInstance,
         obs: &Observed,
     ) -> Result<(), ReconcileError> {
-        let ns = vmi.namespace().unwrap_or_default();
-        let key = informer::key_of(Some(&ns), &vmi.name_any());
         if self
             .vmi_writes
-            .cache_behind(&key, vmi.metadata.resource_version.as_deref())
+            .cache_behind(key, vmi.metadata.resource_version.as_deref())
         {
             return Ok(());
         }
+        let ns = vmi.namespace().unwrap_or_default();
         let api: Api<VirtualMachineInstance> = Api::namespaced(self.client.clone(), &ns);
         let mut current = vmi.clone();
         for _ in 0..MAX_CONFLICTS {
@@ -471,7 +472,7 @@ impl Node {
             {
                 Ok(_) => {
                     self.vmi_writes
-                        .wrote(&key, current.metadata.resource_version.as_deref());
+                        .wrote(key, current.metadata.resource_version.as_deref());
                     self.record(&current, &out.events).await;
                     return Ok(());
                 }
@@ -812,7 +813,7 @@ impl Node {
             hotplug_mounted,
             now: now(),
         };
-        self.write_status(&vmi, &obs).await?;
+        self.write_status(key, &vmi, &obs).await?;
         Ok(match (sync_error, recheck) {
             (Some(e), _) => {
                 tracing::info!(key, error = %e, "the launcher refused the sync");

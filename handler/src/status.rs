@@ -408,12 +408,7 @@ pub fn compute(vmi: &VirtualMachineInstance, obs: &Observed) -> Outcome {
     );
     // Set once, with the Running phase; virt-controller keeps it from then on, so the two
     // never write it back and forth should they judge a claim differently.
-    if running
-        && !status
-            .conditions
-            .iter()
-            .any(|c| c.type_ == Cond::LiveMigratable)
-    {
+    if running && !has(&status.conditions, &Cond::LiveMigratable) {
         let claims = status.volume_status.clone();
         api::migration::set_live_migration_status(
             &mut status,

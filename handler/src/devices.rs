@@ -66,7 +66,8 @@ const PTY_MAJORS: std::ops::Range<u32> = 136..152;
 pub struct Wanted {
     /// Character devices (major, minor): the [`VM_DEVICES`] the host has.
     pub char_devices: Vec<(u32, u32)>,
-    /// Hotplugged block devices (major, minor).
+    /// Block devices (major, minor): the pod's `volumeDevices` the kubelet mapped
+    /// ([`mapped_block_devices`]) and the hotplugged ones.
     pub block: Vec<(u32, u32)>,
     /// Block devices hotplugged before and unplugged since: their access is taken away.
     pub unplugged_block: Vec<(u32, u32)>,
@@ -170,6 +171,39 @@ pub fn host_vm_devices(dev_dir: &Path) -> Vec<(u32, u32)> {
         })
         .map(|d| (d.major, d.minor))
         .collect()
+}
+
+/// The block devices the kubelet mapped for pod `pod_uid`'s `volumeDevices`, from its own
+/// record on the host: `<pods_dir>/<uid>/volumeDevices/<plugin>/<volume>`, a link to the
+/// device (the kubelet's `MapBlockVolume`). The runtime's device program allowed them, and a
+/// cgroup2 program set here replaces that one, so they must be in it. The kubelet's record,
+/// not the container's `/dev`, which a pod that may `mknod` could fill with any host disk.
+/// Entries that are not block devices (a link whose device is gone) are skipped.
+pub fn mapped_block_devices(pods_dir: &Path, pod_uid: &str) -> Vec<(u32, u32)> {
+    let entries = |dir: &Path| {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect::<Vec<_>>()
+    };
+    let mut found: Vec<(u32, u32)> = entries(&pods_dir.join(pod_uid).join("volumeDevices"))
+        .iter()
+        .flat_map(|plugin| entries(plugin))
+        .filter_map(|link| std::fs::metadata(link).ok())
+        .filter(|m| m.file_type().is_block_device())
+        .filter_map(|m| {
+            let rdev = m.rdev();
+            Some((
+                u32::try_from(nix::sys::stat::major(rdev)).ok()?,
+                u32::try_from(nix::sys::stat::minor(rdev)).ok()?,
+            ))
+        })
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    found
 }
 
 /// Sets the device rules of the launcher's container cgroup (the cgroups of process

@@ -593,12 +593,13 @@ impl Node {
         &self,
         key: &str,
         vmi: &Arc<VirtualMachineInstance>,
-        socket: &Path,
+        pod_uid: &str,
         in_domain: BTreeSet<String>,
     ) -> Result<(Option<String>, BTreeSet<String>), ReconcileError> {
         let uid = vmi.metadata.uid.as_deref().unwrap_or_default();
         self.with_entry(key, uid, |e| e.prepared = Some(Arc::clone(vmi)));
-        let path = socket.to_owned();
+        let path = pod_socket(&self.cfg.pods_dir, pod_uid);
+        let pod_uid = pod_uid.to_owned();
         let v = VirtualMachineInstance::clone(vmi);
         let cfg = self.cfg.mounts.clone();
         let setup = self.cgroups.clone();
@@ -608,10 +609,11 @@ impl Node {
         // namespaces on threads of their own.
         let (pid, prepared, hot) = tokio::task::spawn_blocking(move || {
             let iso = isolation::detect_from_socket(&path)?;
-            // QEMU opens /dev/kvm, /dev/net/tun and /dev/vhost-net (those the host has).
-            // Hotplugged block volumes are not offered yet, so there are no block devices.
+            // QEMU opens /dev/kvm, /dev/net/tun and /dev/vhost-net (those the host has) and
+            // the pod's block claims. Hotplugged block volumes are not offered yet.
             let wanted = devices::Wanted {
                 char_devices: devices::host_vm_devices(Path::new("/dev")),
+                block: devices::mapped_block_devices(&pods_dir, &pod_uid),
                 ..devices::Wanted::default()
             };
             devices::apply(&setup, &iso, &wanted)?;
@@ -770,7 +772,7 @@ impl Node {
             && !d.state.is_final()
         {
             let in_domain = d.disks.iter().map(|disk| disk.name.clone()).collect();
-            match self.prepare(key, &vmi, &socket, in_domain).await {
+            match self.prepare(key, &vmi, &pod_uid, in_domain).await {
                 Ok((None, mounted)) => {
                     sync_error = self.sync(key, &vmi, &socket, d, &mounted).await?;
                     hotplug_mounted = mounted;

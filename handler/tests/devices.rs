@@ -187,18 +187,29 @@ fn cgroup2_rules_become_a_device_program() {
             root: "/".into(),
         }),
     };
+    // The kubelet's record of the pod's block claim (7:0), and a dangling one.
+    let pods = tempfile::tempdir().unwrap();
+    let record = pods
+        .path()
+        .join("pod-uid/volumeDevices/kubernetes.io~local-volume");
+    std::fs::create_dir_all(&record).unwrap();
+    std::os::unix::fs::symlink("/dev/loop0", record.join("data")).unwrap();
+    std::os::unix::fs::symlink("/dev/no-such-disk", record.join("gone")).unwrap();
     let wanted = Wanted {
         char_devices: devices::host_vm_devices(Path::new("/dev")),
-        block: vec![],
+        block: devices::mapped_block_devices(pods.path(), "pod-uid"),
         unplugged_block: vec![],
     };
+    assert_eq!(wanted.block, vec![(7, 0)]);
     assert!(l.can_open("/dev/kmsg"), "no program yet");
     let applied = devices::apply(&setup, &l.isolation(), &wanted).unwrap();
     assert!(applied.changed);
     assert!(l.can_open("/dev/null"));
     assert!(l.can_open("/dev/urandom"));
+    assert!(l.can_open("/dev/loop0"), "the pod's block claim");
     if kvm() {
         assert!(l.can_open("/dev/kvm"));
     }
     assert!(!l.can_open("/dev/kmsg"));
+    assert!(!l.can_open("/dev/loop1"), "a disk the pod was not given");
 }

@@ -314,7 +314,7 @@ impl Drop for LoopDevice {
 
 /// A claim bound to a `local` volume with `volumeMode: Block` (a loop device) reaches the
 /// container as a device node at its `devicePath`, written through to the device, with no
-/// node left in the host's `/dev`; a `HugePages` emptyDir is a hugetlbfs of the size the pod
+/// node left in the host's `/dev` and the mapping recorded in the pod dir; a `HugePages` emptyDir is a hugetlbfs of the size the pod
 /// requests, at `/dev/hugepages` as KubeVirt's launcher mounts it, gone with the pod; the
 /// node reports the host's huge pages, which are not allocatable as memory.
 #[tokio::test]
@@ -450,6 +450,15 @@ async fn a_local_block_claim_is_a_device_and_a_hugepages_empty_dir_a_hugetlbfs()
     assert!(
         !std::path::Path::new("/dev/xvda").exists(),
         "a node in the host's /dev"
+    );
+    // The host-side record of the mapping, as the kubelet keeps one, which virt-handler reads.
+    let record = node
+        .pods_dir()
+        .join(&uid)
+        .join("volumeDevices/kubernetes.io~local-volume/data");
+    assert_eq!(
+        std::fs::read_link(&record).expect("the volumeDevices record"),
+        std::path::Path::new(&device.path)
     );
 
     pods.delete("user", &DeleteParams::default())

@@ -397,7 +397,7 @@ impl Node {
         let mut d = *d;
         if d.migration.is_none() {
             // A VMI with hotplugged volumes is not migratable: nothing to mount or unmount.
-            match self.prepare(key, vmi, &socket, BTreeSet::new()).await {
+            match self.prepare(key, vmi, &pod_uid, BTreeSet::new()).await {
                 Ok((None, _)) => {}
                 Ok((Some(_waiting), _)) => return Ok(Next::After(NOT_READY_RECHECK)),
                 Err(ReconcileError::Mounts(e)) => {

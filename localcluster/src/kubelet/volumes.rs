@@ -485,6 +485,23 @@ fn local_volume(
     }
 }
 
+/// Records on the host which block device the pod's volume `name` is, as the kubelet's
+/// `MapBlockVolume` does: a link `volumeDevices/kubernetes.io~local-volume/<name>` in the pod
+/// dir to the device. virt-handler reads it to let the launcher's cgroup open the device,
+/// since it cannot trust the container's own `/dev`.
+fn map_block_device(pod_dir: &Path, name: &str, device: &Path) -> Result<(), KubeletError> {
+    let dir = pod_dir
+        .join("volumeDevices")
+        .join("kubernetes.io~local-volume");
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let link = dir.join(name);
+    match std::fs::remove_file(&link) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&link)(e)),
+        _ => {}
+    }
+    std::os::unix::fs::symlink(device, &link).map_err(io(&link))
+}
+
 /// The volume bound to a pod's claim (in the pod's namespace): the persistent volume's
 /// hostPath or local path, read-only when the pod's volume says so. The Node authorizer lets the node read
 /// the claims of its pods and the volumes bound to them.
@@ -632,7 +649,11 @@ pub async fn prepare(
         return Ok(HostVolume::writable(host_path_volume(node_root, hp, name)?));
     }
     if let Some(claim) = &volume.persistent_volume_claim {
-        return claimed_volume(client, &namespace, node_root, claim, name).await;
+        let host = claimed_volume(client, &namespace, node_root, claim, name).await?;
+        if host.block {
+            map_block_device(pod_dir, name, &host.path)?;
+        }
+        return Ok(host);
     }
     if let Some(cm) = &volume.config_map {
         let path = plugin_dir(pod_dir, "configmap", name);

@@ -9,9 +9,6 @@
 //!   `<path>: ... not supported by kubevirt-rs yet`. A field refused this way may still take
 //!   KubeVirt's default value, which is what kubevirt-rs does anyway (`autoattachVSOCK: false`,
 //!   `cdrom.tray: closed`, `interfaces[].state: up`).
-//! - [`ACCEPTED_BUT_IGNORED`]: known gaps that cannot be refused yet, each with the reason
-//!   (KubeVirt's defaults write them into every VMI, so refusing them would refuse every VMI).
-//!   Open work of issue 19; no field may be added here to silence the test.
 //! - [`CONTAINERS`]: objects with no effect of their own (`spec.domain`, `spec.domain.devices`),
 //!   whose fields are each listed.
 //!
@@ -93,13 +90,6 @@ const fn discontinued(path: &'static str) -> Refused {
         example: None,
         message: "discontinued",
     }
-}
-
-/// A field accepted and not honoured, and why it cannot be refused yet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Gap {
-    pub path: &'static str,
-    pub why: &'static str,
 }
 
 /// Fields whose effect a test shows.
@@ -192,6 +182,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.cpu.isolateEmulatorThread",
         "launcher/tests/guest.rs::guest_q35_efi_paused_start_pinned_disk_boot_sigterm",
+    ),
+    field(
+        "spec.domain.cpu.maxSockets",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
     ),
     field(
         "spec.domain.cpu.model",
@@ -508,6 +502,10 @@ pub const IMPLEMENTED: &[Implemented] = &[
     field(
         "spec.domain.memory.hugepages.pageSize",
         "launcher/src/convert/tests.rs::hugepages_need_whole_pages",
+    ),
+    field(
+        "spec.domain.memory.maxGuest",
+        "launcher/tests/guest.rs::guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown",
     ),
     field(
         "spec.domain.resources.limits",
@@ -946,20 +944,6 @@ pub const REFUSED: &[Refused] = &[
     refused("spec.volumes[].hostDisk.shared"),
     refused("spec.volumes[].memoryDump"),
     refused("spec.volumes[].sysprep"),
-];
-
-/// Known gaps: accepted, not honoured, and not refusable yet.
-pub const ACCEPTED_BUT_IGNORED: &[Gap] = &[
-    Gap {
-        path: "spec.domain.cpu.maxSockets",
-        why: "KubeVirt's defaults (LiveUpdate rollout) set it on every VMI; the launcher \
-              starts the vCPUs of sockets x cores x threads and has no CPU hotplug",
-    },
-    Gap {
-        path: "spec.domain.memory.maxGuest",
-        why: "KubeVirt's defaults (LiveUpdate rollout) set it on every VMI of 1Gi or more; the \
-              launcher has no memory hotplug",
-    },
 ];
 
 /// Objects with no effect of their own; each of their fields is listed.

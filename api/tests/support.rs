@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use api::support::{ACCEPTED_BUT_IGNORED, CONTAINERS, IMPLEMENTED, REFUSED};
+use api::support::{CONTAINERS, IMPLEMENTED, REFUSED};
 use api::{ClusterConfig, VirtualMachineInstance, crds, validation};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     JSONSchemaProps, JSONSchemaPropsOrArray,
@@ -78,10 +78,6 @@ fn every_vmi_spec_field_is_in_exactly_one_list() {
             IMPLEMENTED.iter().map(|i| i.path).collect::<Vec<_>>(),
         ),
         ("REFUSED", REFUSED.iter().map(|r| r.path).collect()),
-        (
-            "ACCEPTED_BUT_IGNORED",
-            ACCEPTED_BUT_IGNORED.iter().map(|g| g.path).collect(),
-        ),
         ("CONTAINERS", CONTAINERS.to_vec()),
     ];
     for (list, paths) in &lists {
@@ -274,33 +270,4 @@ fn every_named_test_and_function_exists() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
-}
-
-/// A gap is only a gap while KubeVirt's defaults write it into VMIs; once they do not, it
-/// belongs in `REFUSED`.
-#[test]
-fn every_known_gap_is_written_by_kubevirts_defaults() {
-    let pointer = |path: &str| format!("/{}", path.replace("[]", ".0").replace('.', "/"));
-    let mut v = common::valid();
-    // maxGuest is defaulted for guests of 1Gi or more only.
-    v["spec"]["domain"]["memory"] = json!({"guest": "1Gi"});
-    v["spec"]["domain"]["resources"] = json!({"requests": {"memory": "1Gi"}});
-    for gap in ACCEPTED_BUT_IGNORED {
-        let at = pointer(gap.path);
-        let (parent, name) = at.rsplit_once('/').unwrap();
-        if let Some(Value::Object(o)) = v.pointer_mut(parent) {
-            o.remove(name);
-        }
-    }
-    let mut vmi: VirtualMachineInstance = serde_json::from_value(v).unwrap();
-    api::defaults::apply_vmi(&mut vmi, &ClusterConfig::default()).unwrap();
-    let defaulted = serde_json::to_value(vmi).unwrap();
-    for gap in ACCEPTED_BUT_IGNORED {
-        assert!(
-            defaulted.pointer(&pointer(gap.path)).is_some(),
-            "{}: not written by the defaults, so it can be refused now ({})",
-            gap.path,
-            gap.why
-        );
-    }
 }

@@ -387,6 +387,7 @@ fn cpu(vmi: &VirtualMachineInstance, accel: Accel) -> Cpu {
         sockets: c.sockets.unwrap_or(1).max(1),
         cores: c.cores.unwrap_or(1).max(1),
         threads: c.threads.unwrap_or(1).max(1),
+        max_sockets: c.max_sockets.unwrap_or(0),
     }
 }
 
@@ -599,8 +600,24 @@ fn memory(
             Some(host.hugepages_dir.clone())
         }
     };
+    // KubeVirt gives QEMU a maximum only when it differs from the guest's size.
+    let max_mib = match domain.memory.as_ref().and_then(|m| m.max_guest.as_ref()) {
+        None => None,
+        Some(max) => {
+            let mfield = "spec.domain.memory.maxGuest";
+            let max_bytes = quantity::bytes(&max.0).map_err(|e| err(mfield, e.to_string()))?;
+            if max_bytes < bytes {
+                return Err(err(
+                    mfield,
+                    format!("{} is less than the guest's {}", max.0, q.0),
+                ));
+            }
+            Some(max_bytes.div_ceil(1 << 20)).filter(|&m| m > size_mib)
+        }
+    };
     Ok(Memory {
         size_mib,
+        max_mib,
         hugepages,
         shared: api::virtiofs::enabled(&vmi.spec),
     })

@@ -43,7 +43,9 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
     let mut spec = json!({
         "domain": {
             "machine": {"type": "q35"},
-            "cpu": {"features": [{"name": "pdpe1gb", "policy": "disable"}, {"name": "smep"}]},
+            "cpu": {"features": [{"name": "pdpe1gb", "policy": "disable"}, {"name": "smep"}],
+                    "sockets": 1, "maxSockets": 2},
+            "memory": {"guest": "256Mi", "maxGuest": "1Gi"},
             "resources": {"requests": {"memory": "256Mi"}},
             "firmware": {"kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
                 "image": "guest", "kernelPath": "/boot/vmlinuz", "initrdPath": "/boot/initrd.img"}}},
@@ -122,6 +124,19 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
             BOOT
         ),
         "0x1af4 0x1042 HOST1"
+    );
+    // maxSockets: a second socket the guest may bring online, not present at start.
+    assert_eq!(
+        console.run(
+            "echo $(cat /sys/devices/system/cpu/possible /sys/devices/system/cpu/online)",
+            BOOT
+        ),
+        "0-1 0"
+    );
+    // maxGuest: the firmware's memory map has the hotplug range, 1Gi - 256Mi above 4 GiB.
+    assert_eq!(
+        console.run("dmesg | grep -o 'mem [x0-9a-f-]*. hotplug'", BOOT),
+        "mem 0x100000000-0x12fffffff] hotplug"
     );
     // cpu.features: the disabled flag is gone from the guest's CPU (TCG's `max` has it), the
     // required one is there.

@@ -1361,6 +1361,36 @@ fn autoattach_input_device_adds_kubevirts_usb_tablet() {
     assert!(!argv.iter().any(|a| a.contains("tablet")));
 }
 
+/// KubeVirt's CPU and memory hotplug bounds (`maxSockets`, `maxGuest`, which its defaults set
+/// under the LiveUpdate rollout): QEMU's topology has every socket, only `sockets` of them
+/// present, and its memory map room up to `maxGuest`. Equal bounds give neither.
+#[test]
+fn hotplug_bounds_become_maxcpus_and_maxmem() {
+    let mut s = base_spec();
+    s["domain"]["cpu"] =
+        serde_json::json!({"sockets": 2, "cores": 1, "threads": 2, "maxSockets": 8});
+    s["domain"]["memory"] = serde_json::json!({"guest": "1Gi", "maxGuest": "4Gi"});
+    let argv = conv(s.clone()).unwrap().config.argv();
+    for pair in [
+        ["-smp", "4,maxcpus=16,sockets=8,cores=1,threads=2"],
+        ["-m", "1024M,maxmem=4096M"],
+    ] {
+        assert!(argv.windows(2).any(|w| w == pair), "{pair:?} in {argv:?}");
+    }
+    s["domain"]["cpu"]["maxSockets"] = serde_json::json!(2);
+    s["domain"]["memory"]["maxGuest"] = serde_json::json!("1Gi");
+    let argv = conv(s.clone()).unwrap().config.argv();
+    for pair in [["-smp", "4,sockets=2,cores=1,threads=2"], ["-m", "1024M"]] {
+        assert!(argv.windows(2).any(|w| w == pair), "{pair:?} in {argv:?}");
+    }
+    s["domain"]["memory"]["maxGuest"] = serde_json::json!("512Mi");
+    let e = conv(s).unwrap_err().to_string();
+    assert!(
+        e.contains("spec.domain.memory.maxGuest") && e.contains("less than"),
+        "{e}"
+    );
+}
+
 #[test]
 fn topology_smm_and_firmware_render_as_asked() {
     let mut s = base_spec();

@@ -119,6 +119,10 @@ pub struct Cpu {
     pub sockets: u32,
     pub cores: u32,
     pub threads: u32,
+    /// Sockets the guest may grow to (KubeVirt's `maxSockets`, libvirt's hotpluggable
+    /// `<vcpus>`): the topology QEMU builds, with only `sockets` of them present at start.
+    /// Equal to `sockets` when the VMI has no CPU hotplug.
+    pub max_sockets: u32,
 }
 
 impl Cpu {
@@ -152,8 +156,17 @@ impl Args for Cpu {
                 format!("{line},{}={}", f.name, if f.enabled { "on" } else { "off" })
             });
         push(argv, "-cpu", cpu);
+        let max_sockets = self.max_sockets.max(self.sockets);
         let smp = Props::new()
-            .set("sockets", self.sockets)
+            .set_opt(
+                "maxcpus",
+                (max_sockets > self.sockets).then(|| {
+                    max_sockets
+                        .saturating_mul(self.cores)
+                        .saturating_mul(self.threads)
+                }),
+            )
+            .set("sockets", max_sockets)
             .set("cores", self.cores)
             .set("threads", self.threads);
         push(argv, "-smp", format!("{},{}", self.vcpus(), smp.keyval()));
@@ -163,6 +176,9 @@ impl Args for Cpu {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Memory {
     pub size_mib: u64,
+    /// What the guest's memory may grow to (KubeVirt's `maxGuest`, libvirt's `<maxMemory>`):
+    /// QEMU reserves the address space for a virtio-mem device. `None` without memory hotplug.
+    pub max_mib: Option<u64>,
     /// Back guest RAM with a file on this hugetlbfs mount.
     pub hugepages: Option<PathBuf>,
     /// Guest RAM is mapped shared, so that a vhost-user back end (virtiofsd) can map it too:
@@ -182,7 +198,11 @@ impl Memory {
 
 impl Args for Memory {
     fn push_args(&self, argv: &mut Vec<String>) {
-        push(argv, "-m", format!("{}M", self.size_mib));
+        let size = match self.max_mib.filter(|&max| max > self.size_mib) {
+            Some(max) => format!("{}M,maxmem={max}M", self.size_mib),
+            None => format!("{}M", self.size_mib),
+        };
+        push(argv, "-m", size);
         if !self.has_backend() {
             return;
         }
@@ -1227,6 +1247,7 @@ mod tests {
             sockets: 65536,
             cores: 65536,
             threads: 2,
+            max_sockets: 65536,
         };
         assert_eq!(cpu.vcpus(), u32::MAX);
     }

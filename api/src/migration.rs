@@ -225,9 +225,6 @@ pub const DISKS_NOT_LIVE_MIGRATABLE: &str = "DisksNotLiveMigratable";
 pub const VIRTIOFS_NOT_LIVE_MIGRATABLE: &str = "VirtIOFSNotLiveMigratable";
 /// KubeVirt's `VirtualMachineInstanceReasonHotplugNotMigratable`.
 pub const HOTPLUG_NOT_LIVE_MIGRATABLE: &str = "HotplugNotLiveMigratable";
-/// Ours: persistent EFI variables on a backend-storage claim that is not `ReadWriteMany`
-/// (KubeVirt hands such a claim over to a new one; kubevirt-rs does not yet).
-pub const PERSISTENT_EFI_NOT_LIVE_MIGRATABLE: &str = "PersistentEFINotLiveMigratable";
 
 /// KubeVirt's live-migration status of a running VMI: the `LiveMigratable` condition (with
 /// the reason and message of the first failing check) and `migrationMethod`. virt-controller
@@ -370,20 +367,6 @@ pub fn live_migratable(
         return Err(NotMigratable {
             reason: DISKS_NOT_LIVE_MIGRATABLE,
             message,
-        });
-    }
-    // A shared claim is mounted by the target as it is; a node-local one would need KubeVirt's
-    // hand-off (a target claim, the variables copied, the source's deleted).
-    if crate::backendstorage::needed(vmi) && crate::backendstorage::claim_shared(vmi) != Some(true)
-    {
-        return Err(NotMigratable {
-            reason: PERSISTENT_EFI_NOT_LIVE_MIGRATABLE,
-            message: format!(
-                "cannot migrate VMI: {} keeps the EFI variables on a backend-storage PVC that \
-                 is not shared (ReadWriteMany); set the KubeVirt CR's \
-                 spec.configuration.vmStateStorageClass to a class that offers ReadWriteMany",
-                crate::backendstorage::PERSISTENT_EFI_FIELD
-            ),
         });
     }
     Ok(())
@@ -539,25 +522,17 @@ mod tests {
             Ok(())
         );
 
-        // Persistent EFI: migratable only on a shared backend-storage claim.
+        // Persistent EFI migrates on any backend-storage claim: a claim that is not shared is
+        // handed over to one made for the target (virt-controller's migration controller).
         let mut spec = with(masq, local());
         spec["domain"]["firmware"] = json!({"bootloader": {"efi": {"persistent": true}}});
         let mut efi = vmi(spec, json!({}));
-        let e = live_migratable(&efi, no).expect_err("no backend-storage claim yet");
-        assert_eq!(e.reason, "PersistentEFINotLiveMigratable");
-        assert!(
-            e.message
-                .contains("spec.domain.firmware.bootloader.efi.persistent"),
-            "{}",
-            e.message
-        );
         let mut status = crate::status::VirtualMachineInstanceStatus::default();
-        let claim = "persistent-state-for-vm1-abcde";
-        crate::backendstorage::set_volume_status(&mut status, claim, &["ReadWriteOnce".into()]);
-        efi.status = Some(status.clone());
-        let e = live_migratable(&efi, no).expect_err("a ReadWriteOnce claim");
-        assert_eq!(e.reason, "PersistentEFINotLiveMigratable");
-        crate::backendstorage::set_volume_status(&mut status, claim, &["ReadWriteMany".into()]);
+        crate::backendstorage::set_volume_status(
+            &mut status,
+            "persistent-state-for-vm1-abcde",
+            &["ReadWriteOnce".into()],
+        );
         efi.status = Some(status);
         assert_eq!(live_migratable(&efi, no), Ok(()));
     }

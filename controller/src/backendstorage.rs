@@ -3,8 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use api::VirtualMachineInstance;
 use api::backendstorage::{PVC_PREFIX, PVC_SIZE};
+use api::{VirtualMachineInstance, labels};
 use k8s_openapi::api::core::v1::{
     PersistentVolumeClaim, PersistentVolumeClaimSpec, VolumeResourceRequirements,
 };
@@ -79,6 +79,59 @@ pub fn new_claim(
     configured: bool,
 ) -> PersistentVolumeClaim {
     let name = vmi.metadata.name.clone().unwrap_or_default();
+    claim_labelled(vmi, class, configured, (PVC_PREFIX, name))
+}
+
+/// KubeVirt's `CreatePVCForMigrationTarget` when the VMI's claim is not `ReadWriteMany`: a
+/// claim made as [`new_claim`] but labelled with the migration's name instead of the VMI's,
+/// so that it is not the VMI's claim until the migration hands it over ([`handed_over`]).
+pub fn new_target_claim(
+    vmi: &VirtualMachineInstance,
+    class: String,
+    configured: bool,
+    migration: &str,
+) -> PersistentVolumeClaim {
+    claim_labelled(
+        vmi,
+        class,
+        configured,
+        (labels::MIGRATION_NAME, migration.to_owned()),
+    )
+}
+
+/// KubeVirt's `pvcForMigrationTargetFromStore`: the claim labelled with the migration's name.
+pub fn target_claim_for<'a>(
+    namespace: Option<&str>,
+    migration: &str,
+    claims: impl IntoIterator<Item = &'a PersistentVolumeClaim>,
+) -> Option<&'a PersistentVolumeClaim> {
+    claims.into_iter().find(|c| {
+        c.metadata.namespace.as_deref() == namespace
+            && c.metadata.deletion_timestamp.is_none()
+            && c.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(labels::MIGRATION_NAME))
+                .is_some_and(|m| m == migration)
+    })
+}
+
+/// The merge patch of KubeVirt's `MigrationHandoff` on the target claim: labelled as the VMI's
+/// claim, no longer the migration's.
+pub fn handed_over(vmi_name: &str) -> serde_json::Value {
+    serde_json::json!({"metadata": {"labels": {
+        PVC_PREFIX: vmi_name,
+        labels::MIGRATION_NAME: null,
+    }}})
+}
+
+fn claim_labelled(
+    vmi: &VirtualMachineInstance,
+    class: String,
+    configured: bool,
+    (key, value): (&str, String),
+) -> PersistentVolumeClaim {
+    let name = vmi.metadata.name.clone().unwrap_or_default();
     let owners = match vmi.metadata.owner_references.as_deref() {
         Some(o) if !o.is_empty() => o.to_vec(),
         _ => vec![OwnerReference {
@@ -101,7 +154,7 @@ pub fn new_claim(
             namespace: vmi.metadata.namespace.clone(),
             owner_references: Some(owners),
             labels: Some(BTreeMap::from([
-                (PVC_PREFIX.to_owned(), name),
+                (key.to_owned(), value),
                 (APPLY_STORAGE_PROFILE.to_owned(), "true".to_owned()),
             ])),
             ..ObjectMeta::default()

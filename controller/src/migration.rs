@@ -114,6 +114,9 @@ pub struct Input<'a> {
     pub outbound_from_node: usize,
     /// The VMI's `migrationState` names another migration that exists and is not final.
     pub state_owner_live: bool,
+    /// The backend-storage claim made for this migration's target and not handed over yet
+    /// ([`crate::backendstorage::target_claim_for`]).
+    pub target_claim: Option<&'a str>,
     /// Now.
     pub now: Timestamp,
 }
@@ -193,11 +196,28 @@ pub struct VmiChange {
     pub failure_reason: &'static str,
 }
 
+/// What to do with the backend-storage claims of a VMI whose claim is not shared (KubeVirt's
+/// `MigrationHandoff` and `MigrationAbort`). The target's claim is made with the target pod:
+/// [`TargetPodAction::Create`] with no `targetPersistentStatePVCName` in the status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimAction {
+    None,
+    /// The guest runs on the target: the target's claim becomes the VMI's, the source's goes.
+    HandOver {
+        source: String,
+        target: String,
+    },
+    /// The migration failed: the claim made for the target goes.
+    Delete(String),
+}
+
 /// Everything one sync decides.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MigrationSync {
     /// The target pod.
     pub pod: TargetPodAction,
+    /// The backend-storage claims; done before the status is written.
+    pub claims: ClaimAction,
     /// The migration's status to write (equal to the old one when nothing changed).
     pub status: VirtualMachineInstanceMigrationStatus,
     /// What to write into the VMI.
@@ -426,6 +446,7 @@ pub fn sync(i: &Input<'_>) -> MigrationSync {
         status: m.status.clone().unwrap_or_default(),
         out: MigrationSync {
             pod: TargetPodAction::None,
+            claims: ClaimAction::None,
             status: VirtualMachineInstanceMigrationStatus::default(),
             vmi: None,
             events: Vec::new(),
@@ -575,7 +596,14 @@ fn advance(
                 }
             }
             Some(Ph::Running) => {
-                if state.is_some_and(succeeded) {
+                if let Some(s) = state.filter(|s| succeeded(s)) {
+                    if let (Some(source), Some(target)) = (
+                        s.source_persistent_state_pvc_name.clone(),
+                        s.target_persistent_state_pvc_name.clone(),
+                    ) && source != target
+                    {
+                        cx.out.claims = ClaimAction::HandOver { source, target };
+                    }
                     set_phase(&mut cx.status, Ph::Succeeded, i.now);
                     cx.out
                         .events
@@ -617,6 +645,22 @@ fn pending(cx: &mut Ctx<'_>, target: Option<&Pod>) {
     {
         cx.out.requeue_after = Some(LIMIT_RETRY);
         return;
+    }
+    if api::backendstorage::needed(vmi) {
+        // KubeVirt's `handleBackendStorage`: a shared claim serves both sides; otherwise the
+        // target gets a claim of its own, made with its pod unless an earlier try made it.
+        let Some(source) = api::backendstorage::current_claim(vmi) else {
+            cx.out.requeue_after = Some(LIMIT_RETRY);
+            return;
+        };
+        let target = if api::backendstorage::claim_shared(vmi) == Some(true) {
+            Some(source)
+        } else {
+            i.target_claim
+        };
+        let ms = cx.status.migration_state.get_or_insert_default();
+        ms.source_persistent_state_pvc_name = Some(source.to_owned());
+        ms.target_persistent_state_pvc_name = target.map(str::to_owned);
     }
     cx.out.pod = TargetPodAction::Create;
 }
@@ -718,16 +762,15 @@ pub fn handoff_state(
     target_node: &str,
 ) -> VirtualMachineInstanceMigrationState {
     let vmi = i.vmi.expect("a VMI to hand off");
+    let own = i
+        .migration
+        .status
+        .as_ref()
+        .and_then(|s| s.migration_state.as_ref());
     let source_pod = current_pod(vmi, i.pods)
         .filter(|p| !is_target_pod_of(p, uid))
         .and_then(|p| p.metadata.name.clone())
-        .or_else(|| {
-            i.migration
-                .status
-                .as_ref()
-                .and_then(|s| s.migration_state.as_ref())
-                .and_then(|s| s.source_pod.clone())
-        });
+        .or_else(|| own.and_then(|s| s.source_pod.clone()));
     VirtualMachineInstanceMigrationState {
         migration_uid: Some(uid.to_owned()),
         target_node: Some(target_node.to_owned()),
@@ -741,6 +784,10 @@ pub fn handoff_state(
         .ok()
         .map(Preserved),
         migration_policy_name: i.policy.and_then(|p| p.metadata.name.clone()),
+        source_persistent_state_pvc_name: own
+            .and_then(|s| s.source_persistent_state_pvc_name.clone()),
+        target_persistent_state_pvc_name: own
+            .and_then(|s| s.target_persistent_state_pvc_name.clone()),
         ..VirtualMachineInstanceMigrationState::default()
     }
 }
@@ -773,6 +820,11 @@ fn finished(cx: &mut Ctx<'_>) {
         {
             undo_handoff(cx, vmi, s);
         }
+        if let Some(target) = i.target_claim
+            && !success
+        {
+            cx.out.claims = ClaimAction::Delete(target.to_owned());
+        }
     }
     let has_finalizer = i
         .migration
@@ -781,6 +833,7 @@ fn finished(cx: &mut Ctx<'_>) {
         .iter()
         .flatten()
         .any(|f| f == labels::MIGRATION_FINALIZER);
+    // A claim to delete goes before the finalizer in the same sync, or the sync is retried.
     cx.out.release_finalizer =
         has_finalizer && cx.out.pod == TargetPodAction::None && cx.out.vmi.is_none();
 }

@@ -2911,6 +2911,22 @@ async fn instancetype_and_preference_are_snapshotted_and_expanded_into_the_vmi()
     assert!(vmis.get_opt("vm2").await.unwrap().is_none());
 }
 
+/// The cluster's default StorageClass, `local`; it binds when the pod is scheduled, so a claim
+/// on it is ready for the pod at once.
+async fn default_class(client: &Client) {
+    let class: k8s_openapi::api::storage::v1::StorageClass = serde_json::from_value(json!({
+        "metadata": {"name": "local",
+            "annotations": {"storageclass.kubernetes.io/is-default-class": "true"}},
+        "provisioner": "example.com/none",
+        "volumeBindingMode": "WaitForFirstConsumer",
+    }))
+    .unwrap();
+    Api::all(client.clone())
+        .create(&PostParams::default(), &class)
+        .await
+        .unwrap();
+}
+
 /// `efi.persistent` (KubeVirt's backend storage): with no default StorageClass the VMI stays
 /// Pending, its `Synchronized` condition `FailedBackendStorageCreate`; once there is one, the
 /// VMI controller makes the VM's claim (KubeVirt's name, labels, size, access mode and owner)
@@ -2920,7 +2936,6 @@ async fn instancetype_and_preference_are_snapshotted_and_expanded_into_the_vmi()
 async fn persistent_efi_gets_the_vms_backend_storage_claim_before_its_pod() {
     use api::status::VirtualMachineInstanceConditionType::Synchronized;
     use k8s_openapi::api::core::v1::PersistentVolumeClaim;
-    use k8s_openapi::api::storage::v1::StorageClass;
 
     let (_server, client) = cluster().await;
     let _controller = start(&client, "a", false);
@@ -2952,18 +2967,7 @@ async fn persistent_efi_gets_the_vms_backend_storage_claim_before_its_pod() {
     assert_eq!(phase(&first).as_deref(), Some("Pending"));
     assert!(pods_of(&client, &first).await.is_empty());
 
-    // Binds when the pod is scheduled, so the claim is ready for the pod at once.
-    let class: StorageClass = serde_json::from_value(json!({
-        "metadata": {"name": "local",
-            "annotations": {"storageclass.kubernetes.io/is-default-class": "true"}},
-        "provisioner": "example.com/none",
-        "volumeBindingMode": "WaitForFirstConsumer",
-    }))
-    .unwrap();
-    Api::<StorageClass>::all(client.clone())
-        .create(&PostParams::default(), &class)
-        .await
-        .unwrap();
+    default_class(&client).await;
     let pod = wait_for("the launcher pod", || async {
         pods_of(&client, &first).await.into_iter().next()
     })
@@ -3060,4 +3064,120 @@ async fn persistent_efi_gets_the_vms_backend_storage_claim_before_its_pod() {
         .await
         .unwrap();
     assert_eq!(list.items.len(), 1, "the claim is reused, not made again");
+}
+
+/// KubeVirt's backend-storage hand-off: a VMI keeping its EFI variables on a `ReadWriteOnce`
+/// claim is live-migratable; the migration makes a claim for the target (labelled with its
+/// name, named in its status and then in the VMI's state), which the target pod mounts; on
+/// success that claim becomes the VMI's, the source's is deleted, and the VMI's
+/// `volumeStatus` names the new one.
+#[tokio::test]
+async fn persistent_efi_on_a_node_local_claim_migrates_and_hands_the_claim_over() {
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+
+    let (_server, client) = cluster().await;
+    let _node02 = node02(&client).await;
+    let _c = start(&client, "a", false);
+    let vmis: Api<VirtualMachineInstance> = Api::default_namespaced(client.clone());
+    let migrations: Api<api::migration::VirtualMachineInstanceMigration> =
+        Api::default_namespaced(client.clone());
+    let claims: Api<PersistentVolumeClaim> = Api::default_namespaced(client.clone());
+    default_class(&client).await;
+    let mut efi = vmi("efi");
+    efi.spec.domain.firmware = serde_json::from_value(
+        json!({"bootloader": {"efi": {"secureBoot": false, "persistent": true}}}),
+    )
+    .unwrap();
+    let v = Box::pin(running_vmi_from(&client, efi)).await;
+    let source_claim = api::backendstorage::current_claim(&v)
+        .expect("the VMI's claim in volumeStatus")
+        .to_owned();
+    let claim_of = |pod: &Pod| {
+        pod.spec
+            .as_ref()
+            .unwrap()
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == api::backendstorage::POD_VOLUME)
+            .and_then(|v| v.persistent_volume_claim.as_ref())
+            .map(|c| c.claim_name.clone())
+    };
+
+    let m = create_migration(&client, "mig-efi", "efi").await;
+    let uid = m.uid().unwrap();
+    let target = wait_for("the target pod", || target_pod_of(&client, &v, &uid)).await;
+    let made = claims
+        .list(&ListParams::default().labels("kubevirt.io/migrationName=mig-efi"))
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(made.len(), 1, "one claim for the target");
+    let target_claim = made[0].name_any();
+    assert!(
+        target_claim.starts_with("persistent-state-for-efi-") && target_claim != source_claim,
+        "{target_claim}"
+    );
+    assert!(!made[0].labels().contains_key("persistent-state-for"));
+    assert_eq!(
+        made[0].spec.as_ref().unwrap().access_modes.as_deref(),
+        Some(&["ReadWriteOnce".to_owned()][..])
+    );
+    assert_eq!(claim_of(&target), Some(target_claim.clone()));
+    let scheduling = wait_migration_phase(&migrations, "mig-efi", "Scheduling").await;
+    let ms = scheduling.status.unwrap().migration_state.unwrap();
+    assert_eq!(
+        (
+            ms.source_persistent_state_pvc_name.as_deref(),
+            ms.target_persistent_state_pvc_name.as_deref()
+        ),
+        (Some(source_claim.as_str()), Some(target_claim.as_str()))
+    );
+
+    bind_and_run(&client, &target, "node02").await;
+    wait_migration_phase(&migrations, "mig-efi", "PreparingTarget").await;
+    let handed = vmis.get("efi").await.unwrap();
+    let vs = handed.status.unwrap().migration_state.unwrap();
+    assert_eq!(
+        vs.target_persistent_state_pvc_name.as_deref(),
+        Some(target_claim.as_str())
+    );
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    for p in [
+        json!({"status": {"migrationState": {"targetNodeAddress": "10.0.0.2"}}}),
+        json!({"status": {"migrationState": {"startTimestamp": now}}}),
+        json!({
+            "metadata": {"labels": {
+                api::labels::NODE_NAME: "node02",
+                api::labels::MIGRATION_TARGET_NODE_NAME: null,
+            }},
+            "status": {"nodeName": "node02",
+                "migrationState": {"endTimestamp": now, "completed": true}},
+        }),
+    ] {
+        vmis.patch("efi", &PatchParams::default(), &Patch::Merge(p))
+            .await
+            .unwrap();
+    }
+    wait_migration_phase(&migrations, "mig-efi", "Succeeded").await;
+    let kept = claims.get(&target_claim).await.unwrap();
+    assert_eq!(
+        kept.labels()
+            .get("persistent-state-for")
+            .map(String::as_str),
+        Some("efi")
+    );
+    assert!(!kept.labels().contains_key("kubevirt.io/migrationName"));
+    // kube-apiserver's pvc-protection finalizer holds the source's claim until a controller
+    // sees no pod using it; none runs here, so it is only marked deleted.
+    let source = claims.get_opt(&source_claim).await.unwrap();
+    assert!(
+        source.is_none_or(|c| c.metadata.deletion_timestamp.is_some()),
+        "the source's claim deleted"
+    );
+    wait_for("volumeStatus naming the target's claim", || async {
+        let v = vmis.get("efi").await.unwrap();
+        (api::backendstorage::current_claim(&v) == Some(target_claim.as_str())).then_some(())
+    })
+    .await;
 }

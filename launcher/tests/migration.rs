@@ -201,6 +201,71 @@ fn guest_live_migration_completes_and_a_cancelled_one_leaves_the_guest_running()
     assert_eq!(d["reason"], "FailedMigration", "{d}");
 }
 
+/// Persistent EFI variables move with the guest: the target launcher's store (on the claim
+/// KubeVirt makes for the target when the VMI's is not shared) starts as a fresh template copy,
+/// and once the guest resumes there it holds what OVMF wrote on the source, as QEMU writes the
+/// migrated flash back to its file.
+#[test]
+fn guest_persistent_efi_variables_move_with_the_guest() {
+    let source_nvram = tempfile::tempdir().unwrap();
+    let target_nvram = tempfile::tempdir().unwrap();
+    let launcher = |nvram: &tempfile::TempDir| {
+        Launcher::start_with(
+            &["--nvram-dir", nvram.path().to_str().unwrap()],
+            common::place_kernel,
+        )
+    };
+    let source = launcher(&source_nvram);
+    let id = uid();
+    let v = vmi(
+        "efi",
+        &id,
+        json!({
+            "domain": {
+                "machine": {"type": "q35"},
+                "resources": {"requests": {"memory": "256Mi"}},
+                "firmware": {
+                    "bootloader": {"efi": {"secureBoot": false, "persistent": true}},
+                    "kernelBoot": {"kernelArgs": "console=ttyS0", "container": {
+                        "image": "guest", "kernelPath": "/boot/vmlinuz",
+                        "initrdPath": "/boot/initrd.img"}},
+                },
+            },
+        }),
+    );
+    let (status, d) = source.sync(&v);
+    assert_eq!(status, 200, "{d}\n{}", source.log());
+    source.wait_console(&id, "KUBEVIRT-RS-GUEST-READY");
+    let template = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.fd").unwrap();
+    let source_vars = source_nvram.path().join("efi_VARS.fd");
+    let written = std::fs::read(&source_vars).unwrap();
+    assert_ne!(written, template, "OVMF wrote no variable on the source");
+
+    let target = launcher(&target_nvram);
+    let body = json!({"migrationUid": "m-efi", "vmi": v, "copyDisks": [], "allowPostCopy": false});
+    let (status, d) = target.request("PUT", "/v1/migration/target", Some(&body));
+    assert_eq!(status, 200, "{d}\n{}", target.log());
+    let target_vars = target_nvram.path().join("efi_VARS.fd");
+    assert_eq!(
+        std::fs::read(&target_vars).unwrap(),
+        template,
+        "a fresh store"
+    );
+    join_streams(&source, &target);
+    let body = json!({"migrationUid": "m-efi", "copyDisks": [], "completionTimeoutPerGib": 150,
+                      "progressTimeout": 150, "allowAutoConverge": false, "allowPostCopy": false});
+    let (status, d) = source.request("POST", "/v1/migration/start", Some(&body));
+    assert_eq!(status, 200, "{d}\n{}", source.log());
+    wait_until(BOOT, "the migration completed on the target", || {
+        (migration_of(&target.domain())["phase"] == "Completed").then_some(())
+    });
+    let d = target.post("/v1/migration/finish");
+    assert_eq!(d["state"], "Running", "{d}");
+    wait_until(BOOT, "the source's variables in the target's store", || {
+        (std::fs::read(&target_vars).unwrap() == written).then_some(())
+    });
+}
+
 /// One migration of `v` from `source` to a fresh target; QEMU's figures from the source's last
 /// domain: (total ms, downtime ms, memory transferred bytes). The target is returned running.
 fn measure(source: &Launcher, v: &Value, migration: &str) -> (Launcher, u64, u64, u64) {

@@ -125,6 +125,7 @@ struct Run<'a> {
     outbound_from_node: usize,
     state_owner_live: bool,
     policy: Option<&'a MigrationPolicy>,
+    target_claim: Option<&'a str>,
 }
 
 const IDLE: Run<'static> = Run {
@@ -132,6 +133,7 @@ const IDLE: Run<'static> = Run {
     outbound_from_node: 0,
     state_owner_live: true,
     policy: None,
+    target_claim: None,
 };
 
 fn run_with(
@@ -150,6 +152,7 @@ fn run_with(
         running_in_cluster: r.running_in_cluster,
         outbound_from_node: r.outbound_from_node,
         state_owner_live: r.state_owner_live,
+        target_claim: r.target_claim,
         now: now(),
     })
 }
@@ -451,6 +454,132 @@ fn handed_off_migration_follows_the_handlers_to_success() {
         assert!(out.events.is_empty(), "{name}");
         assert!(!out.release_finalizer, "{name}");
     }
+}
+
+/// A VMI with `efi.persistent` on a backend-storage claim of these access modes.
+fn persistent_efi_vmi(access: &str) -> VirtualMachineInstance {
+    let mut v = vmi();
+    v.spec.domain.firmware =
+        serde_json::from_value(serde_json::json!({"bootloader": {"efi": {"persistent": true}}}))
+            .unwrap();
+    api::backendstorage::set_volume_status(
+        v.status.as_mut().unwrap(),
+        "state-src",
+        &[access.to_owned()],
+    );
+    v
+}
+
+/// KubeVirt's backend-storage hand-off: the source's claim and the target's are named in the
+/// migration (the target's made with the target pod unless a claim of the migration exists;
+/// a shared claim serves both), then in the VMI's state at the handoff; success hands the
+/// target's claim over, failure deletes it.
+#[test]
+fn backend_storage_claims_are_named_handed_over_or_deleted() {
+    let names = |out: &MigrationSync| {
+        let ms = out.status.migration_state.clone().unwrap_or_default();
+        (
+            ms.source_persistent_state_pvc_name,
+            ms.target_persistent_state_pvc_name,
+        )
+    };
+    let rwo = persistent_efi_vmi("ReadWriteOnce");
+    let out = run(&mig(None), &rwo, &[source()]);
+    assert_eq!(out.pod, TargetPodAction::Create);
+    assert_eq!(names(&out), (Some("state-src".into()), None), "to be made");
+    let made = Run {
+        target_claim: Some("state-tgt"),
+        ..IDLE
+    };
+    let out = run_with(&mig(None), Some(&rwo), &[source()], &made);
+    assert_eq!(
+        names(&out),
+        (Some("state-src".into()), Some("state-tgt".into())),
+        "made by an earlier try"
+    );
+    let out = run(
+        &mig(None),
+        &persistent_efi_vmi("ReadWriteMany"),
+        &[source()],
+    );
+    assert_eq!(
+        names(&out),
+        (Some("state-src".into()), Some("state-src".into())),
+        "shared"
+    );
+    let mut unnamed = rwo.clone();
+    unnamed.status.as_mut().unwrap().volume_status.clear();
+    let out = run(&mig(Some(Ph::Pending)), &unnamed, &[source()]);
+    assert_eq!(
+        (out.pod, out.requeue_after),
+        (TargetPodAction::None, Some(LIMIT_RETRY)),
+        "no claim in the VMI's status yet"
+    );
+
+    // The handoff carries the names into the VMI.
+    let mut m = mig(Some(Ph::Scheduling));
+    m.status.as_mut().unwrap().migration_state = Some(VirtualMachineInstanceMigrationState {
+        source_persistent_state_pvc_name: Some("state-src".into()),
+        target_persistent_state_pvc_name: Some("state-tgt".into()),
+        ..VirtualMachineInstanceMigrationState::default()
+    });
+    let out = run(&m, &rwo, &[source(), target("Running", Some("n2"))]);
+    let state = out.vmi.expect("the handoff").migration_state;
+    assert_eq!(
+        (
+            state.source_persistent_state_pvc_name.as_deref(),
+            state.target_persistent_state_pvc_name.as_deref()
+        ),
+        (Some("state-src"), Some("state-tgt"))
+    );
+
+    // Success hands the target's claim over, in the sync that writes Succeeded.
+    let done = |source: &str, target: &str| {
+        let mut v = handed_off_vmi(|s| {
+            s.start_timestamp = Some(ago(5));
+            s.end_timestamp = Some(ago(1));
+            s.completed = Some(true);
+            s.source_persistent_state_pvc_name = Some(source.into());
+            s.target_persistent_state_pvc_name = Some(target.into());
+        });
+        v.spec = rwo.spec.clone();
+        v
+    };
+    let pods = [source(), target("Running", Some("n2"))];
+    let out = run(
+        &mig(Some(Ph::Running)),
+        &done("state-src", "state-tgt"),
+        &pods,
+    );
+    assert_eq!(out.status.phase, Some(Ph::Succeeded));
+    assert_eq!(
+        out.claims,
+        ClaimAction::HandOver {
+            source: "state-src".into(),
+            target: "state-tgt".into()
+        }
+    );
+    let out = run(
+        &mig(Some(Ph::Running)),
+        &done("state-src", "state-src"),
+        &pods,
+    );
+    assert_eq!(out.claims, ClaimAction::None, "a shared claim stays");
+
+    // Failure deletes the claim made for the target, before the finalizer goes.
+    let failed = run_with(
+        &mig(Some(Ph::Failed)),
+        Some(&rwo),
+        &[source()],
+        &Run {
+            target_claim: Some("state-tgt"),
+            ..IDLE
+        },
+    );
+    assert_eq!(failed.claims, ClaimAction::Delete("state-tgt".into()));
+    assert!(failed.release_finalizer);
+    let gone = run(&mig(Some(Ph::Failed)), &rwo, &[source()]);
+    assert_eq!(gone.claims, ClaimAction::None);
 }
 
 #[test]

@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex};
 use api::migration::{VirtualMachineInstanceMigration, VirtualMachineInstanceMigrationPhase};
 use api::{VirtualMachineInstance, labels};
 use informer::{Seen, cas_status_patch, key_of, obj_key, split_key, status_patch};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 use workqueue::Queue;
@@ -21,7 +22,7 @@ use workqueue::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 use super::{Shared, cluster_config, event, lock, retry_later, set_finalizers};
 use crate::events;
 use crate::migration::{
-    self, EventOn, Input, MigrationSync, TargetLabel, TargetPodAction, VmiChange,
+    self, ClaimAction, EventOn, Input, MigrationSync, TargetLabel, TargetPodAction, VmiChange,
 };
 use crate::template::render_launcher_pod;
 
@@ -240,7 +241,18 @@ pub(super) async fn sync_migration(s: &Shared, key: &str) {
             &namespace_labels,
         )
     });
-    let out = migration::sync(&Input {
+    let target_claim = vmi
+        .as_deref()
+        .filter(|v| api::backendstorage::needed(v))
+        .and_then(|_| {
+            crate::backendstorage::target_claim_for(
+                Some(ns),
+                name,
+                s.pvcs.state().iter().map(AsRef::as_ref),
+            )
+            .map(kube::ResourceExt::name_any)
+        });
+    let mut out = migration::sync(&Input {
         migration: &m,
         vmi: vmi.as_deref(),
         pods: &pods,
@@ -249,25 +261,52 @@ pub(super) async fn sync_migration(s: &Shared, key: &str) {
         running_in_cluster,
         outbound_from_node,
         state_owner_live,
+        target_claim: target_claim.as_deref(),
         now: Timestamp::now(),
     });
     if out.pod == TargetPodAction::Create
         && let Some(vmi) = vmi.as_deref()
     {
-        Box::pin(create_target_pod(s, key, &m, vmi, &cfg)).await;
+        Box::pin(create_target_pod(s, key, &m, vmi, &cfg, &mut out.status)).await;
     }
     drop(start);
     Box::pin(carry_out(s, key, &m, vmi.as_deref(), out)).await;
 }
 
+/// Creates the target pod, and before it the target's backend-storage claim when the VMI
+/// needs one and `status` names none yet (the name the API gives it goes into `status`).
 async fn create_target_pod(
     s: &Shared,
     key: &str,
     m: &VirtualMachineInstanceMigration,
     vmi: &VirtualMachineInstance,
     cfg: &api::ClusterConfig,
+    status: &mut api::migration::VirtualMachineInstanceMigrationStatus,
 ) {
     let mut defaulted = vmi.clone();
+    if api::backendstorage::needed(vmi) {
+        let state = status.migration_state.get_or_insert_default();
+        let target = match state.target_persistent_state_pvc_name.clone() {
+            Some(t) => t,
+            None => match create_target_claim(s, m, vmi, cfg).await {
+                Ok(name) => {
+                    state.target_persistent_state_pvc_name = Some(name.clone());
+                    name
+                }
+                Err(e) => {
+                    event(s, m, true, crate::backendstorage::FAILED_CREATE, e).await;
+                    s.mig_q.add_after(key, migration::LIMIT_RETRY);
+                    return;
+                }
+            },
+        };
+        // The target pod mounts the target's claim as the VMI's own.
+        api::backendstorage::set_volume_status(
+            defaulted.status.get_or_insert_default(),
+            &target,
+            &[],
+        );
+    }
     let rendered = api::defaults::apply(&mut defaulted.spec, cfg)
         .map_err(|e| e.to_string())
         .and_then(|()| {
@@ -311,6 +350,66 @@ async fn create_target_pod(
     }
 }
 
+/// KubeVirt's `CreatePVCForMigrationTarget`: a claim like the VMI's, on the class the KubeVirt
+/// CR names or else the default one, labelled with the migration's name. Returns its name.
+async fn create_target_claim(
+    s: &Shared,
+    m: &VirtualMachineInstanceMigration,
+    vmi: &VirtualMachineInstance,
+    cfg: &api::ClusterConfig,
+) -> Result<String, String> {
+    let configured = cfg.vm_state_storage_class.as_deref();
+    let classes = match configured {
+        Some(_) => Vec::new(),
+        None => {
+            Api::<StorageClass>::all(s.client.clone())
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| format!("listing storage classes: {e}"))?
+                .items
+        }
+    };
+    let class = crate::backendstorage::storage_class(configured, &classes)?;
+    let claim =
+        crate::backendstorage::new_target_claim(vmi, class, configured.is_some(), &m.name_any());
+    Api::<PersistentVolumeClaim>::namespaced(s.client.clone(), &vmi.namespace().unwrap_or_default())
+        .create(&PostParams::default(), &claim)
+        .await
+        .map(|c| c.name_any())
+        .map_err(|e| format!("creating the target's backend-storage PVC: {e}"))
+}
+
+/// KubeVirt's `MigrationHandoff` and `MigrationAbort`: the target's claim labelled as the VMI's
+/// and the source's deleted, or the target's deleted. Both may be repeated.
+async fn act_on_claims(
+    s: &Shared,
+    m: &VirtualMachineInstanceMigration,
+    action: &ClaimAction,
+) -> Result<(), kube::Error> {
+    let api: Api<PersistentVolumeClaim> =
+        Api::namespaced(s.client.clone(), &m.namespace().unwrap_or_default());
+    let delete = |name: String| {
+        let api = api.clone();
+        async move {
+            match api.delete(&name, &DeleteParams::default()).await {
+                Err(kube::Error::Api(st)) if st.code == 404 => Ok(()),
+                other => other.map(drop),
+            }
+        }
+    };
+    match action {
+        ClaimAction::None => Ok(()),
+        ClaimAction::HandOver { source, target } => {
+            let vmi = m.spec.vmi_name.as_deref().unwrap_or_default();
+            let patch = crate::backendstorage::handed_over(vmi);
+            api.patch(target, &PatchParams::default(), &Patch::Merge(patch))
+                .await?;
+            delete(source.clone()).await
+        }
+        ClaimAction::Delete(target) => delete(target.clone()).await,
+    }
+}
+
 /// Deletes the target pod, patches the VMI, writes the status, publishes the events, releases
 /// the finalizer and collects old migrations, as `out` says.
 async fn carry_out(
@@ -340,6 +439,12 @@ async fn carry_out(
     }
     if let (Some(change), Some(vmi)) = (out.vmi.as_ref(), vmi) {
         patch_vmi(s, key, m, vmi, change).await;
+    }
+    // Before the status: a migration is not Succeeded (or its finalizer released) until the
+    // claims are what it says.
+    if let Err(e) = act_on_claims(s, m, &out.claims).await {
+        retry_later(&s.mig_q, key, "handing over the backend-storage PVC", &e);
+        return;
     }
 
     let old = m.status.clone().unwrap_or_default();

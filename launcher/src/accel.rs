@@ -19,9 +19,13 @@ use crate::qemu::Accel;
 
 /// The exit status `isa-debug-exit` gives for the byte the probe writes: `(0x2a << 1) | 1`.
 const PROBE_EXIT: i32 = 85;
-/// A working KVM finishes in milliseconds; a broken one hangs, so this is what it costs to find
-/// out, once per launcher.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long QEMU may take to start (paused, until its QMP greeting): seconds on a loaded
+/// machine, and not what the probe measures.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the probe code may run once QEMU is up. Under a working KVM the few instructions
+/// take microseconds once the vCPU thread is scheduled; a broken KVM hangs, so this is what it
+/// costs to find out, once per launcher.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The probe code, loaded at 0xF0000 (the start of the 64 KiB BIOS window). Assembled with GNU
 /// `as --32` from:
@@ -80,7 +84,8 @@ pub enum Probe {
 }
 
 /// Runs the probe firmware under `accel` and reports whether it reached the exit port
-/// `within` that long.
+/// `within` that long of running. QEMU starts paused and is let go only once its QMP monitor
+/// greets, so the time it takes to start (up to [`STARTUP_TIMEOUT`]) does not count.
 pub async fn probe(qemu: &Path, accel: Accel, within: Duration) -> Probe {
     if accel == Accel::Kvm
         && let Err(e) = std::fs::OpenOptions::new()
@@ -106,11 +111,14 @@ pub async fn probe(qemu: &Path, accel: Accel, within: Duration) -> Probe {
             "16M",
             "-device",
             "isa-debug-exit,iobase=0xf4,iosize=0x04",
+            "-S",
+            "-qmp",
+            "stdio",
             "-bios",
         ])
         .arg(format!("/proc/self/fd/{}", firmware.as_raw_fd()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
     // A broken KVM never finishes the probe: it must not outlive a launcher that exits early.
@@ -118,19 +126,61 @@ pub async fn probe(qemu: &Path, accel: Accel, within: Duration) -> Probe {
     inherit_in_child(&mut cmd, firmware.as_raw_fd());
     let result = match cmd.spawn() {
         Err(e) => Probe::Fails(format!("cannot run {}: {e}", qemu.display())),
-        Ok(child) => match tokio::time::timeout(within, child.wait_with_output()).await {
-            Err(_) => Probe::Fails(format!("the probe guest did not finish within {within:?}")),
-            Ok(Err(e)) => Probe::Fails(format!("waiting for the probe: {e}")),
-            Ok(Ok(out)) if out.status.code() == Some(PROBE_EXIT) => Probe::Works,
-            Ok(Ok(out)) => Probe::Fails(format!(
-                "the probe guest ended with {}: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )),
-        },
+        Ok(child) => run_paused(child, within).await,
     };
     drop(firmware);
     result
+}
+
+/// Lets the paused probe QEMU run once it greets, and waits `within` for it to exit.
+async fn run_paused(mut child: tokio::process::Child, within: Duration) -> Probe {
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _};
+    let (Some(mut stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        return Probe::Fails("the probe's QMP pipes are missing".into());
+    };
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let greeted = tokio::time::timeout(STARTUP_TIMEOUT, async {
+        while let Some(line) = lines.next_line().await? {
+            if line.starts_with("{\"QMP\"") {
+                return Ok(true);
+            }
+        }
+        Ok::<_, std::io::Error>(false)
+    })
+    .await;
+    match greeted {
+        Err(_) => {
+            return Probe::Fails(format!(
+                "the probe QEMU did not start within {STARTUP_TIMEOUT:?}"
+            ));
+        }
+        // No greeting: QEMU ended before its monitor came up; its status and stderr say why.
+        Ok(Ok(false) | Err(_)) => return ended(child.wait_with_output().await),
+        Ok(Ok(true)) => {}
+    }
+    let go = b"{\"execute\":\"qmp_capabilities\"}\n{\"execute\":\"cont\"}\n";
+    if let Err(e) = stdin.write_all(go).await {
+        return Probe::Fails(format!("starting the probe guest: {e}"));
+    }
+    // The replies go unread: a few hundred bytes, well within the pipe.
+    match tokio::time::timeout(within, child.wait()).await {
+        Err(_) => Probe::Fails(format!("the probe guest did not finish within {within:?}")),
+        Ok(Err(e)) => Probe::Fails(format!("waiting for the probe: {e}")),
+        Ok(Ok(status)) if status.code() == Some(PROBE_EXIT) => Probe::Works,
+        Ok(Ok(_)) => ended(child.wait_with_output().await),
+    }
+}
+
+fn ended(out: std::io::Result<std::process::Output>) -> Probe {
+    match out {
+        Err(e) => Probe::Fails(format!("waiting for the probe: {e}")),
+        Ok(out) if out.status.code() == Some(PROBE_EXIT) => Probe::Works,
+        Ok(out) => Probe::Fails(format!(
+            "the probe guest ended with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+    }
 }
 
 /// The firmware lives in memory only: a file would be left behind whenever a launcher is killed
@@ -179,8 +229,7 @@ mod tests {
     }
 
     /// The payload itself is proven under TCG, so a KVM failure means KVM, not the payload.
-    /// Its correctness, not its speed: on a loaded machine QEMU alone can take seconds to start
-    /// (the 3 s of a real probe ran out once under a full test run).
+    /// Its correctness, not its speed: TCG translates the code first.
     #[tokio::test]
     async fn probe_payload_runs_under_tcg() {
         let qemu = Path::new("qemu-system-x86_64");

@@ -44,6 +44,9 @@ pub const PHASE_UNMOUNTED_FROM_POD: &str = "UnMountedFromPod";
 /// The reasons of those phases (virt-controller's and virt-handler's).
 pub const REASON_PVC_NOT_READY: &str = "PVCNotReady";
 pub const REASON_PVC_NOT_FOUND: &str = "FailedPvcNotFound";
+/// Ours: a `volumeMode: Block` claim cannot be hotplugged yet (KubeVirt hotplugs it as a block
+/// device the handler makes in the launcher); the volume stays `Pending` with this reason.
+pub const REASON_BLOCK_NOT_SUPPORTED: &str = "BlockVolumeHotplugNotSupported";
 pub const REASON_SUCCESSFUL_CREATE: &str = "SuccessfulCreate";
 pub const REASON_SUCCESSFUL_DELETE: &str = "SuccessfulDelete";
 pub const REASON_MOUNTED_TO_POD: &str = "VolumeMountedToPod";

@@ -14,8 +14,8 @@ use api::hotplug::{
     ATTACHMENT_POD_APP, ATTACHMENT_POD_DIR, ATTACHMENT_POD_PREFIX, ATTACHMENT_SOCKET,
     HOTPLUG_DISKS_VOLUME, OWNER_VMI_NAME_ANNOTATION, OWNER_VMI_UID_ANNOTATION,
     PHASE_ATTACHED_TO_NODE, PHASE_BOUND, PHASE_DETACHING, PHASE_MOUNTED_TO_POD, PHASE_PENDING,
-    PHASE_READY, REASON_PVC_NOT_FOUND, REASON_PVC_NOT_READY, REASON_SUCCESSFUL_CREATE,
-    REASON_SUCCESSFUL_DELETE, claim_name,
+    PHASE_READY, REASON_BLOCK_NOT_SUPPORTED, REASON_PVC_NOT_FOUND, REASON_PVC_NOT_READY,
+    REASON_SUCCESSFUL_CREATE, REASON_SUCCESSFUL_DELETE, claim_name,
 };
 use api::labels;
 use api::status::VolumeStatus;
@@ -54,9 +54,10 @@ fn claim_phase(c: &PersistentVolumeClaim) -> &str {
         .unwrap_or("Pending")
 }
 
-/// KubeVirt's `VolumeReadyToAttachToNode` without CDI: the claim exists and is bound.
+/// KubeVirt's `VolumeReadyToAttachToNode` without CDI: the claim exists and is bound; and
+/// ours: it is not a block claim, which no attachment pod serves.
 pub fn claim_ready(c: Option<&PersistentVolumeClaim>) -> bool {
-    c.is_some_and(|c| claim_phase(c) == "Bound")
+    c.is_some_and(|c| claim_phase(c) == "Bound" && !crate::template::is_block(c))
 }
 
 /// Whether `pod` is an attachment pod of `launcher` (its controller).
@@ -354,6 +355,17 @@ fn set(status: &mut VolumeStatus, phase: &str, reason: &str, message: String) {
 
 /// KubeVirt's `getVolumePhaseMessageReason`: the phase a hotplug volume has from its claim.
 fn phase_from_claim(status: &mut VolumeStatus, claim: &str, c: Option<&PersistentVolumeClaim>) {
+    if c.is_some_and(crate::template::is_block) {
+        return set(
+            status,
+            PHASE_PENDING,
+            REASON_BLOCK_NOT_SUPPORTED,
+            format!(
+                "PVC {claim} has volumeMode Block: hotplugging a block volume is not supported \
+                 by kubevirt-rs yet, only Filesystem claims"
+            ),
+        );
+    }
     match c.map(claim_phase) {
         None => set(
             status,

@@ -647,22 +647,42 @@ fn pending(cx: &mut Ctx<'_>, target: Option<&Pod>) {
         return;
     }
     if api::backendstorage::needed(vmi) {
-        // KubeVirt's `handleBackendStorage`: a shared claim serves both sides; otherwise the
-        // target gets a claim of its own, made with its pod unless an earlier try made it.
-        let Some(source) = api::backendstorage::current_claim(vmi) else {
+        let (source, target) = backend_claims(i, cx.status.migration_state.as_ref());
+        if source.is_none() {
             cx.out.requeue_after = Some(LIMIT_RETRY);
             return;
-        };
-        let target = if api::backendstorage::claim_shared(vmi) == Some(true) {
-            Some(source)
-        } else {
-            i.target_claim
-        };
+        }
         let ms = cx.status.migration_state.get_or_insert_default();
-        ms.source_persistent_state_pvc_name = Some(source.to_owned());
-        ms.target_persistent_state_pvc_name = target.map(str::to_owned);
+        ms.source_persistent_state_pvc_name = source;
+        ms.target_persistent_state_pvc_name = target;
     }
     cx.out.pod = TargetPodAction::Create;
+}
+
+/// KubeVirt's `handleBackendStorage`: the source's and the target's backend-storage claims,
+/// as the migration's state names them, else the VMI's claim and, for the target, the same
+/// claim when it is shared or the one made for this migration (`None`: to be made with the
+/// target pod). The state wins, so a claim made but not in the cache yet is not made again.
+fn backend_claims(
+    i: &Input<'_>,
+    own: Option<&VirtualMachineInstanceMigrationState>,
+) -> (Option<String>, Option<String>) {
+    let Some(vmi) = i.vmi.filter(|v| api::backendstorage::needed(v)) else {
+        return (None, None);
+    };
+    let source = own
+        .and_then(|s| s.source_persistent_state_pvc_name.clone())
+        .or_else(|| api::backendstorage::current_claim(vmi).map(str::to_owned));
+    let target = own
+        .and_then(|s| s.target_persistent_state_pvc_name.clone())
+        .or_else(|| {
+            if api::backendstorage::claim_shared(vmi) == Some(true) {
+                source.clone()
+            } else {
+                i.target_claim.map(str::to_owned)
+            }
+        });
+    (source, target)
 }
 
 fn scheduling(cx: &mut Ctx<'_>, target: Option<&Pod>) {
@@ -767,6 +787,7 @@ pub fn handoff_state(
         .status
         .as_ref()
         .and_then(|s| s.migration_state.as_ref());
+    let (source_claim, target_claim) = backend_claims(i, own);
     let source_pod = current_pod(vmi, i.pods)
         .filter(|p| !is_target_pod_of(p, uid))
         .and_then(|p| p.metadata.name.clone())
@@ -784,10 +805,8 @@ pub fn handoff_state(
         .ok()
         .map(Preserved),
         migration_policy_name: i.policy.and_then(|p| p.metadata.name.clone()),
-        source_persistent_state_pvc_name: own
-            .and_then(|s| s.source_persistent_state_pvc_name.clone()),
-        target_persistent_state_pvc_name: own
-            .and_then(|s| s.target_persistent_state_pvc_name.clone()),
+        source_persistent_state_pvc_name: source_claim,
+        target_persistent_state_pvc_name: target_claim,
         ..VirtualMachineInstanceMigrationState::default()
     }
 }

@@ -163,7 +163,7 @@ pub fn missing_claim(
 
 /// KubeVirt's `IsPVCBlock`: the claim asks for `volumeMode: Block` (a claim asking for
 /// nothing binds only to a filesystem volume).
-fn is_block(claim: &PersistentVolumeClaim) -> bool {
+pub fn is_block(claim: &PersistentVolumeClaim) -> bool {
     claim.spec.as_ref().and_then(|s| s.volume_mode.as_deref()) == Some("Block")
 }
 

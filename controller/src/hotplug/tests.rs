@@ -173,6 +173,40 @@ fn the_attachment_pod_mounts_each_claim_on_the_launchers_node() {
     assert!(keys.contains(&"special") && keys.contains(&"node.kubernetes.io/unschedulable"));
 }
 
+/// A block claim is refused by name: no attachment pod serves it, and its volume stays
+/// `Pending` saying why.
+#[test]
+fn a_block_claim_is_not_attached_and_says_why() {
+    let block = |name: &str| {
+        let mut c = bound(name);
+        c.spec.as_mut().unwrap().volume_mode = Some("Block".into());
+        c
+    };
+    assert!(claim_ready(Some(&bound("data-pvc"))));
+    assert!(!claim_ready(Some(&block("raw-pvc"))));
+    let claims = |c: &str| (c == "raw-pvc").then(|| block(c));
+    let v = vmi(&[root(), hot("raw")], &[]);
+    let (status, events) = volume_status(&v, &launcher(), &[], &claims);
+    assert_eq!(
+        (
+            status[0].name.as_str(),
+            status[0].phase.as_deref(),
+            status[0].reason.as_deref()
+        ),
+        (
+            "raw",
+            Some("Pending"),
+            Some("BlockVolumeHotplugNotSupported")
+        )
+    );
+    let message = status[0].message.as_deref().unwrap();
+    assert!(
+        message.contains("raw-pvc") && message.contains("not supported"),
+        "{message}"
+    );
+    assert!(events.is_empty());
+}
+
 #[test]
 fn volume_status_walks_the_controllers_phases() {
     let claims = |c: &str| (c == "data-pvc").then(|| bound(c));

@@ -497,6 +497,17 @@ fn backend_storage_claims_are_named_handed_over_or_deleted() {
         (Some("state-src".into()), Some("state-tgt".into())),
         "made by an earlier try"
     );
+    let mut named = mig(Some(Ph::Pending));
+    named.status.as_mut().unwrap().migration_state = Some(VirtualMachineInstanceMigrationState {
+        target_persistent_state_pvc_name: Some("state-tgt".into()),
+        ..VirtualMachineInstanceMigrationState::default()
+    });
+    let out = run(&named, &rwo, &[source()]);
+    assert_eq!(
+        names(&out),
+        (Some("state-src".into()), Some("state-tgt".into())),
+        "made, named in the status, not in the cache yet: not made again"
+    );
     let out = run(
         &mig(None),
         &persistent_efi_vmi("ReadWriteMany"),

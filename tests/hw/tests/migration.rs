@@ -3,8 +3,10 @@
 //! script that counts on the serial console) and `migration-job` (a VMIM naming it). The guest
 //! keeps counting through the move (the target's console goes on from where the source's
 //! stopped: no reboot), the VMI ends on the other node with `migrationState.completed`, and the
-//! source pod is gone. Then, with `bandwidthPerMigration: 1Mi` so that a migration runs for
-//! minutes, a VMIM deleted while it runs is aborted: the VMI stays where it is, Running.
+//! source pod is gone. The VMI keeps persistent EFI variables on a `ReadWriteOnce` claim,
+//! which the migration hands over to one made for the target. Then, with
+//! `bandwidthPerMigration: 1Mi` so that a migration runs for minutes, a VMIM deleted while it
+//! runs is aborted: the VMI stays where it is, Running, and the target's claim goes.
 //! Failures (an unschedulable target pod, the target's launcher or the source's virt-handler
 //! killed mid-way) leave the VM running on the source with the VMIM saying why, and
 //! `kubectl drain` moves a `LiveMigrate` VMI under a MigrationPolicy and completes.
@@ -204,10 +206,34 @@ fn throttle_migrations(stack: &Stack) {
         .unwrap();
 }
 
+/// The claim `status.volumeStatus` names for the VMI's persistent EFI variables.
+fn backend_claim(v: &Value) -> String {
+    v["status"]["volumeStatus"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["name"] == "persistent-state-for-this-vm")
+        .and_then(|e| e["persistentVolumeClaimInfo"]["claimName"].as_str())
+        .unwrap_or_default()
+        .to_owned()
+}
+
 #[test]
 fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
     let stack = Stack::up_nodes(2).expect("the stack on two nodes");
-    let (v, before) = boot(&stack, &vmi_migratable(), 5);
+    // With persistent EFI variables (OVMF, the guest's signed GRUB: 512Mi) on localcluster's
+    // default class, ReadWriteOnce: the migration hands the claim over to one of the target's.
+    let mut manifest = vmi_migratable();
+    manifest["spec"]["domain"]["firmware"] =
+        json!({"bootloader": {"efi": {"secureBoot": false, "persistent": true}}});
+    manifest["spec"]["domain"]["memory"] = json!({"guest": "512Mi"});
+    let (v, before) = boot(&stack, &manifest, 5);
+    let source_claim = backend_claim(&v);
+    assert!(
+        source_claim.starts_with("persistent-state-for-vmi-migratable-"),
+        "{}",
+        v["status"]
+    );
     assert_eq!(
         v["status"]["migrationMethod"], "BlockMigration",
         "{}",
@@ -283,6 +309,37 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
 
     went_on_after_the_move(&stack, &v, before);
     only_launcher_pod_on(&stack, &uid, &target);
+    // The target's claim is the VMI's now; the source's goes once its pod is gone.
+    let target_claim = wait_for("volumeStatus naming the target's claim", MIGRATE, || {
+        let c = backend_claim(&vmi(&stack)?);
+        (c != source_claim && !c.is_empty())
+            .then_some(Some(c.clone()))
+            .ok_or_else(|| format!("claim {c:?}"))
+    })
+    .unwrap();
+    let claim = stack
+        .get_json("default", "pvc", &target_claim)
+        .unwrap()
+        .expect("the target's claim");
+    assert_eq!(
+        claim["metadata"]["labels"]["persistent-state-for"],
+        "vmi-migratable"
+    );
+    assert!(claim["metadata"]["labels"]["kubevirt.io/migrationName"].is_null());
+    assert_eq!(
+        m["status"]["migrationState"]["targetPersistentStatePVCName"],
+        target_claim.as_str()
+    );
+    wait_for("the source's claim deleted", MIGRATE, || {
+        match stack
+            .get_json("default", "pvc", &source_claim)
+            .map_err(|e| e.to_string())?
+        {
+            None => Ok(Some(())),
+            Some(c) => Err(format!("{}", c["metadata"])),
+        }
+    })
+    .unwrap();
 
     // A migration slow enough to be caught running, deleted: aborted, the VM stays.
     throttle_migrations(&stack);
@@ -337,6 +394,24 @@ fn migration_moves_a_running_vmi_to_the_other_node_and_a_deleted_one_aborts() {
     );
     still_counting(&stack, &v);
     only_launcher_pod_on(&stack, &uid, &target);
+    // The claim made for the aborted migration's target went with it; the VMI keeps its own.
+    wait_for("the aborted target's claim deleted", MIGRATE, || {
+        let left = stack
+            .kubectl(&[
+                "-n",
+                "default",
+                "get",
+                "pvc",
+                "-l",
+                "kubevirt.io/migrationName=migration-slow",
+                "-o",
+                "name",
+            ])
+            .map_err(|e| e.to_string())?;
+        left.trim().is_empty().then_some(Some(())).ok_or(left)
+    })
+    .unwrap();
+    assert_eq!(backend_claim(&v), target_claim);
 }
 
 /// A migration-job with this name, optionally with extra spec and annotations.

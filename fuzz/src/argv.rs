@@ -76,7 +76,11 @@ pub fn check(argv: &[String]) -> Result<(), String> {
                 }
             }
             "-uuid" if uuid::Uuid::try_parse(value).is_err() => return fail("not a UUID"),
-            "-m" if !is_size(value) => return fail("not a memory size"),
+            "-m" => {
+                if let Err(why) = check_memory(value) {
+                    return fail(&why);
+                }
+            }
             o if LISTS.contains(&o) => {
                 if let Err(why) = check_list(value) {
                     return fail(&why);
@@ -117,6 +121,25 @@ fn check_cpu(value: &str) -> Result<(), String> {
 
 fn is_help(s: &str) -> bool {
     s == "help" || s == "?"
+}
+
+/// `-m <size>`, or `<size>,maxmem=<max>` with room to grow (QEMU refuses a smaller maximum).
+fn check_memory(value: &str) -> Result<(), String> {
+    let (size, max) = match value.split_once(",maxmem=") {
+        Some((size, max)) => (size, Some(max)),
+        None => (value, None),
+    };
+    let mib = |s: &str| {
+        is_size(s)
+            .then(|| s.trim_end_matches('M').parse::<u64>().ok())
+            .flatten()
+            .ok_or_else(|| format!("{s:?} is not a memory size"))
+    };
+    let size = mib(size)?;
+    match max.map(mib).transpose()? {
+        Some(max) if max <= size => Err(format!("maxmem {max}M is not above {size}M")),
+        _ => Ok(()),
+    }
 }
 
 fn is_size(s: &str) -> bool {

@@ -753,6 +753,13 @@ fn cpu(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             format!("{m:?} is not a CPU model name (letters, digits, '-', '_', '.')"),
         );
     }
+    // `-cpu help` prints QEMU's list and exits (found by fuzzing the launcher's argv).
+    if cpu.model.as_deref() == Some("help") {
+        e.add(
+            format!("{path}.model"),
+            "\"help\" asks QEMU for its list of CPU models; it is not a model",
+        );
+    }
     for (i, f) in cpu.features.iter().enumerate() {
         // The name goes onto QEMU's -cpu and into a node label (`cpu-feature.node.kubevirt.io/`).
         if !crate::labels::is_label_name(&f.name) {

@@ -203,6 +203,12 @@ fn mistakes() -> Vec<Mistake> {
             r#""Skylake,kvm=off" is not a CPU model name"#,
         ),
         m(
+            "CPU model that asks QEMU for help",
+            vec![("/spec/domain/cpu", json!({"model": "help"}))],
+            "spec.domain.cpu.model",
+            "asks QEMU for its list of CPU models",
+        ),
+        m(
             "disk name not a DNS label",
             vec![("/spec/domain/devices/disks/1/name", json!("Seed.1"))],
             "spec.domain.devices.disks[1].name",

@@ -311,6 +311,10 @@ fn device_names_that_cannot_be_qemu_ids_are_refused() {
     let mut s = base_spec();
     s["domain"]["cpu"] = serde_json::json!({"model": "\u{0}"});
     assert_eq!(conv(s).unwrap_err().field, "spec.domain.cpu.model");
+    // And "help", which makes -cpu print QEMU's list and exit.
+    let mut s = base_spec();
+    s["domain"]["cpu"] = serde_json::json!({"model": "help"});
+    assert_eq!(conv(s).unwrap_err().field, "spec.domain.cpu.model");
 }
 
 #[test]

@@ -376,8 +376,9 @@ async fn rbac_manifests_grant_what_virt_controller_and_virt_handler_use() {
         "poddisruptionbudgets.policy [list watch delete]",
         "kubevirts.kubevirt.io [get list watch]",
         "pods [get list watch create delete]",
-        // Creates: the backend-storage claim of a VMI with persistent EFI variables.
-        "persistentvolumeclaims [get list watch create]",
+        // Creates the backend-storage claim of a VMI with persistent EFI variables; a
+        // migration's hand-off relabels the target's and deletes the source's.
+        "persistentvolumeclaims [get list watch create patch delete]",
         "storageclasses.storage.k8s.io [get list]",
         "pods/status [patch]",
         "nodes [get list watch patch]",

@@ -24,6 +24,13 @@ use crate::vmi::{
 };
 
 /// The message for a KubeVirt feature kubevirt-rs does not implement.
+/// The CPU model name that makes QEMU's `-cpu` print its list of models and exit (found by
+/// fuzzing the launcher's argv); refused by admission and the launcher.
+pub const QEMU_HELP_MODEL: &str = "help";
+/// Why [`QEMU_HELP_MODEL`] is refused.
+pub const NOT_A_CPU_MODEL: &str =
+    "\"help\" asks QEMU for its list of CPU models; it is not a model";
+
 pub const UNSUPPORTED: &str = "not supported by kubevirt-rs yet";
 
 /// One problem, at one field.
@@ -753,12 +760,8 @@ fn cpu(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
             format!("{m:?} is not a CPU model name (letters, digits, '-', '_', '.')"),
         );
     }
-    // `-cpu help` prints QEMU's list and exits (found by fuzzing the launcher's argv).
-    if cpu.model.as_deref() == Some("help") {
-        e.add(
-            format!("{path}.model"),
-            "\"help\" asks QEMU for its list of CPU models; it is not a model",
-        );
+    if cpu.model.as_deref() == Some(QEMU_HELP_MODEL) {
+        e.add(format!("{path}.model"), NOT_A_CPU_MODEL);
     }
     for (i, f) in cpu.features.iter().enumerate() {
         // The name goes onto QEMU's -cpu and into a node label (`cpu-feature.node.kubevirt.io/`).

@@ -47,10 +47,6 @@ fn err(field: impl Into<String>, message: impl Into<String>) -> ConvertError {
 /// A name that can go into QEMU's argv as a device id (`ua-<name>`) or a CPU model. Admission
 /// refuses the others (api validation), but the launcher takes VMIs from virt-handler, and a
 /// name with a comma would inject options, a NUL could not be passed in the argv at all.
-/// The model name that makes `-cpu` print QEMU's list and exit (found by fuzzing).
-const QEMU_HELP: &str = "help";
-const NOT_A_MODEL: &str = "\"help\" asks QEMU for its list of CPU models; it is not a model";
-
 fn qemu_id_name(field: String, name: &str) -> Result<(), ConvertError> {
     if name.is_empty()
         || !name
@@ -133,8 +129,11 @@ pub fn convert(
         && !model.is_empty()
     {
         qemu_id_name("spec.domain.cpu.model".to_owned(), model)?;
-        if model == QEMU_HELP {
-            return Err(err("spec.domain.cpu.model", NOT_A_MODEL));
+        if model == api::validation::QEMU_HELP_MODEL {
+            return Err(err(
+                "spec.domain.cpu.model",
+                api::validation::NOT_A_CPU_MODEL,
+            ));
         }
     }
     let mut cpu = cpu(vmi, host.accel);

@@ -23,7 +23,6 @@ use crate::vmi::{
     VirtualMachineInstance, VirtualMachineInstanceSpec, VolumeSource,
 };
 
-/// The message for a KubeVirt feature kubevirt-rs does not implement.
 /// The CPU model name that makes QEMU's `-cpu` print its list of models and exit (found by
 /// fuzzing the launcher's argv); refused by admission and the launcher.
 pub const QEMU_HELP_MODEL: &str = "help";
@@ -31,6 +30,7 @@ pub const QEMU_HELP_MODEL: &str = "help";
 pub const NOT_A_CPU_MODEL: &str =
     "\"help\" asks QEMU for its list of CPU models; it is not a model";
 
+/// The message for a KubeVirt feature kubevirt-rs does not implement.
 pub const UNSUPPORTED: &str = "not supported by kubevirt-rs yet";
 
 /// One problem, at one field.

@@ -1110,7 +1110,7 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         .as_ref()
         .and_then(|w| w.i6300esb.as_ref())
         .and_then(|w| w.action.as_deref())
-        && !["poweroff", "reset", "shutdown"].contains(&a)
+        && !crate::vmi::WATCHDOG_ACTIONS.contains(&a)
     {
         e.add(
             format!("{path}.watchdog.i6300esb.action"),

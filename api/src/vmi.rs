@@ -727,6 +727,9 @@ impl std::fmt::Display for PciAddress {
 /// (`vga` is its amd64 default).
 pub const VIDEO_TYPES: [&str; 6] = ["vga", "cirrus", "vmvga", "virtio", "bochs", "ramfb"];
 
+/// KubeVirt's i6300esb watchdog actions (`WatchdogAction`).
+pub const WATCHDOG_ACTIONS: [&str; 3] = ["poweroff", "reset", "shutdown"];
+
 /// A named watchdog device.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

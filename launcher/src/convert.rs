@@ -345,12 +345,17 @@ fn watchdog(vmi: &VirtualMachineInstance) -> Result<Option<Watchdog>, ConvertErr
         ));
     };
     qemu_id_name("spec.domain.devices.watchdog.name".to_owned(), &w.name)?;
+    let action = i6300esb.action.as_deref().unwrap_or("reset");
+    // It goes to `-watchdog-action` as it is (the fuzzer found a NUL there).
+    if !api::vmi::WATCHDOG_ACTIONS.contains(&action) {
+        return Err(err(
+            "spec.domain.devices.watchdog.i6300esb.action",
+            format!("unknown action {action:?} (poweroff, reset, shutdown)"),
+        ));
+    }
     Ok(Some(Watchdog {
         name: w.name.clone(),
-        action: i6300esb
-            .action
-            .clone()
-            .unwrap_or_else(|| "reset".to_owned()),
+        action: action.to_owned(),
     }))
 }
 

@@ -311,6 +311,14 @@ fn device_names_that_cannot_be_qemu_ids_are_refused() {
     let mut s = base_spec();
     s["domain"]["cpu"] = serde_json::json!({"model": "\u{0}"});
     assert_eq!(conv(s).unwrap_err().field, "spec.domain.cpu.model");
+    // A watchdog action QEMU would take verbatim (the fuzzer's had NUL bytes).
+    let mut s = base_spec();
+    s["domain"]["devices"]["watchdog"] =
+        serde_json::json!({"name": "w", "i6300esb": {"action": "\u{0}"}});
+    assert_eq!(
+        conv(s).unwrap_err().field,
+        "spec.domain.devices.watchdog.i6300esb.action"
+    );
     // And "help", which makes -cpu print QEMU's list and exit.
     let mut s = base_spec();
     s["domain"]["cpu"] = serde_json::json!({"model": "help"});

@@ -1110,12 +1110,9 @@ fn devices(spec: &VirtualMachineInstanceSpec, base: &str, e: &mut Errors) {
         .as_ref()
         .and_then(|w| w.i6300esb.as_ref())
         .and_then(|w| w.action.as_deref())
-        && !crate::vmi::WATCHDOG_ACTIONS.contains(&a)
+        && let Err(why) = crate::vmi::check_watchdog_action(a)
     {
-        e.add(
-            format!("{path}.watchdog.i6300esb.action"),
-            format!("unknown action {a:?} (poweroff, reset, shutdown)"),
-        );
+        e.add(format!("{path}.watchdog.i6300esb.action"), why);
     }
     if let Some(video) = &dev.video {
         let ty = video.video_type.as_deref().unwrap_or_default();

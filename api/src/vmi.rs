@@ -730,6 +730,18 @@ pub const VIDEO_TYPES: [&str; 6] = ["vga", "cirrus", "vmvga", "virtio", "bochs",
 /// KubeVirt's i6300esb watchdog actions (`WatchdogAction`).
 pub const WATCHDOG_ACTIONS: [&str; 3] = ["poweroff", "reset", "shutdown"];
 
+/// Whether `action` is one of [`WATCHDOG_ACTIONS`]; the refusal's message if not.
+pub fn check_watchdog_action(action: &str) -> Result<(), String> {
+    if WATCHDOG_ACTIONS.contains(&action) {
+        Ok(())
+    } else {
+        Err(format!(
+            "unknown action {action:?} ({})",
+            WATCHDOG_ACTIONS.join(", ")
+        ))
+    }
+}
+
 /// A named watchdog device.
 #[skip_serializing_none]
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

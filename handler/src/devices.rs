@@ -162,15 +162,20 @@ pub fn host_vm_devices(dev_dir: &Path) -> Vec<(u32, u32)> {
         .filter(|d| {
             let p: PathBuf = dev_dir.join(d.path);
             std::fs::metadata(&p).is_ok_and(|m| {
-                m.file_type().is_char_device()
-                    && (
-                        nix::sys::stat::major(m.rdev()),
-                        nix::sys::stat::minor(m.rdev()),
-                    ) == (u64::from(d.major), u64::from(d.minor))
+                m.file_type().is_char_device() && numbers(&m) == Some((d.major, d.minor))
             })
         })
         .map(|d| (d.major, d.minor))
         .collect()
+}
+
+/// A device node's (major, minor).
+fn numbers(node: &std::fs::Metadata) -> Option<(u32, u32)> {
+    let rdev = node.rdev();
+    Some((
+        u32::try_from(nix::sys::stat::major(rdev)).ok()?,
+        u32::try_from(nix::sys::stat::minor(rdev)).ok()?,
+    ))
 }
 
 /// The block devices the kubelet mapped for pod `pod_uid`'s `volumeDevices`, from its own
@@ -193,13 +198,7 @@ pub fn mapped_block_devices(pods_dir: &Path, pod_uid: &str) -> Vec<(u32, u32)> {
         .flat_map(|plugin| entries(plugin))
         .filter_map(|link| std::fs::metadata(link).ok())
         .filter(|m| m.file_type().is_block_device())
-        .filter_map(|m| {
-            let rdev = m.rdev();
-            Some((
-                u32::try_from(nix::sys::stat::major(rdev)).ok()?,
-                u32::try_from(nix::sys::stat::minor(rdev)).ok()?,
-            ))
-        })
+        .filter_map(|m| numbers(&m))
         .collect();
     found.sort_unstable();
     found.dedup();

@@ -347,12 +347,8 @@ fn watchdog(vmi: &VirtualMachineInstance) -> Result<Option<Watchdog>, ConvertErr
     qemu_id_name("spec.domain.devices.watchdog.name".to_owned(), &w.name)?;
     let action = i6300esb.action.as_deref().unwrap_or("reset");
     // It goes to `-watchdog-action` as it is (the fuzzer found a NUL there).
-    if !api::vmi::WATCHDOG_ACTIONS.contains(&action) {
-        return Err(err(
-            "spec.domain.devices.watchdog.i6300esb.action",
-            format!("unknown action {action:?} (poweroff, reset, shutdown)"),
-        ));
-    }
+    api::vmi::check_watchdog_action(action)
+        .map_err(|why| err("spec.domain.devices.watchdog.i6300esb.action", why))?;
     Ok(Some(Watchdog {
         name: w.name.clone(),
         action: action.to_owned(),

@@ -1,5 +1,5 @@
-//! What the controllers' caches hold: objects trimmed to what the controllers read, and an
-//! index of launcher pods by their VMI.
+//! What the controllers' caches hold: objects trimmed to what the controllers read, the VMI
+//! cache's indexes, and an index of launcher pods by their VMI.
 //!
 //! kube-runtime's `Store` has no indexes (client-go's informers do), and a VMI sync that walked
 //! every cached launcher pod to find its own cost O(pods) per sync: with 10,000 VMIs that walk,
@@ -7,8 +7,71 @@
 
 use std::collections::HashMap;
 
+use api::VirtualMachineInstance;
+use informer::packed::Indexer;
 use k8s_openapi::api::core::v1::{Pod, PodSpec, Volume};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::ResourceExt as _;
+
+/// VMIs by node: the one in their status (where they run) and the one in their
+/// `kubevirt.io/nodeName` label (where the VMI controller handed them). The evacuation and
+/// node controllers look up a node's VMIs.
+pub const VMI_BY_NODE: Indexer<VirtualMachineInstance> = Indexer {
+    name: "node",
+    values: |v| {
+        let label = v.labels().get(api::labels::NODE_NAME).cloned();
+        let status = v.status.as_ref().and_then(|s| s.node_name.clone());
+        label.into_iter().chain(status).collect()
+    },
+};
+
+/// VMIs by namespace: a replica set's candidates.
+pub const VMI_BY_NAMESPACE: Indexer<VirtualMachineInstance> = Indexer {
+    name: "namespace",
+    values: |v| v.namespace().into_iter().collect(),
+};
+
+/// VMIs by the claims their volumes use (`namespace/claim`): a claim's change wakes them.
+pub const VMI_BY_CLAIM: Indexer<VirtualMachineInstance> = Indexer {
+    name: "claim",
+    values: |v| {
+        let ns = v.namespace().unwrap_or_default();
+        v.spec
+            .volumes
+            .iter()
+            .filter_map(|vol| {
+                let ephemeral = vol
+                    .ephemeral
+                    .as_ref()
+                    .and_then(|e| e.persistent_volume_claim.as_ref())
+                    .map(|c| c.claim_name.as_str());
+                api::hotplug::claim_name(vol).or(ephemeral)
+            })
+            .map(|claim| informer::key_of(Some(&ns), claim))
+            .collect()
+    },
+};
+
+/// VMIs by `phase/node` (either may be empty): `/metrics` counts them without decoding one.
+pub const VMI_BY_PHASE_AND_NODE: Indexer<VirtualMachineInstance> = Indexer {
+    name: "phase-node",
+    values: |v| {
+        let status = v.status.as_ref();
+        let phase = status
+            .and_then(|s| s.phase.as_ref())
+            .map_or("", |p| p.as_str());
+        let node = status.and_then(|s| s.node_name.as_deref()).unwrap_or("");
+        vec![format!("{phase}/{node}")]
+    },
+};
+
+/// Every index of the VMI cache.
+pub const VMI_INDEXES: [Indexer<VirtualMachineInstance>; 4] = [
+    VMI_BY_NODE,
+    VMI_BY_NAMESPACE,
+    VMI_BY_CLAIM,
+    VMI_BY_PHASE_AND_NODE,
+];
 
 /// kubectl's copy of the whole applied object, which `kubectl apply` keeps on every object it
 /// writes. No controller reads it, and it can double an object's size.

@@ -14,6 +14,7 @@ use workqueue::Queue;
 use workqueue::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 
 use super::{Shared, cluster_config, event, lock, retry_later};
+use crate::cache;
 use crate::evacuation::{self, Candidate};
 
 /// A VMI changed: its node is looked at.
@@ -56,7 +57,7 @@ pub(super) async fn sync_node(s: &Shared, name: &str) {
     let cfg = cluster_config(s);
     let leaving: Vec<_> = s
         .vmis
-        .state()
+        .by_index(cache::VMI_BY_NODE.name, name)
         .into_iter()
         .filter(|v| evacuation::asked_to_leave(&node, v, &cfg))
         .collect();

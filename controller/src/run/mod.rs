@@ -131,7 +131,9 @@ struct Shared {
     opts: Options,
     recorder: Publisher,
     vms: Store<VirtualMachine>,
-    vmis: Store<VirtualMachineInstance>,
+    /// Kept as compressed JSON, indexed (`cache::VMI_INDEXES`): a cached VMI struct took
+    /// 4.4 KB of heap before any of its strings.
+    vmis: PackedStore<VirtualMachineInstance>,
     /// Kept as JSON: a cached `Pod` took 4.5 KB of heap, its trimmed JSON takes 1.4 KB.
     pods: PackedStore<Pod>,
     pod_index: Arc<Mutex<OwnerIndex>>,
@@ -229,11 +231,12 @@ async fn start_caches(
             pool_exp.clone(),
         ),
     );
-    let vmis = reflect(
+    let vmis = reflect_packed(
         tasks,
         Api::all(client.clone()),
         wc(),
         trim_meta,
+        &cache::VMI_INDEXES,
         vmi::on_vmi(vmi::VmiWatch {
             vmi_q: vmi_q.clone(),
             vm_q: vm_q.clone(),
@@ -258,6 +261,7 @@ async fn start_caches(
             api::hotplug::ATTACHMENT_POD_APP
         )),
         cache::trim_pod,
+        &[],
         vmi::on_pod(vmi::PodWatch {
             vmi_q: vmi_q.clone(),
             pod_exp: pod_exp.clone(),
@@ -540,16 +544,15 @@ fn spawn_pool<F>(
 
 /// The controllers' state for `/metrics`, KubeVirt's queue names.
 fn snapshot(s: &Shared) -> Snapshot {
-    let mut vmi_phases = std::collections::BTreeMap::new();
-    for v in s.vmis.state() {
-        let st = v.status.as_ref();
-        let phase = st
-            .and_then(|st| st.phase.as_ref())
-            .map_or("", |p| p.as_str())
-            .to_owned();
-        let node = st.and_then(|st| st.node_name.clone()).unwrap_or_default();
-        *vmi_phases.entry((phase, node)).or_insert(0) += 1;
-    }
+    let vmi_phases = s
+        .vmis
+        .index_counts(cache::VMI_BY_PHASE_AND_NODE.name)
+        .into_iter()
+        .map(|(phase_node, n)| {
+            let (phase, node) = phase_node.split_once('/').unwrap_or((&phase_node, ""));
+            ((phase.to_owned(), node.to_owned()), n)
+        })
+        .collect();
     let vmims = s.vmims.state();
     Snapshot {
         vmi_phases,

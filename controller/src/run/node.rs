@@ -9,8 +9,10 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 
-use super::{Shared, event, retry_later};
-use crate::{events, node};
+use informer::{obj_key, split_key};
+
+use super::{Shared, event, lock, retry_later};
+use crate::{cache, events, node};
 
 pub(super) async fn sync_node(s: &Shared, name: &str) {
     let Some(n) = s.nodes.get(&ObjectRef::new(name)) else {
@@ -36,8 +38,21 @@ pub(super) async fn sync_node(s: &Shared, name: &str) {
         "virt-handler stopped heartbeating; node marked unschedulable".into(),
     )
     .await;
-    let vmis: Vec<VirtualMachineInstance> = s.vmis.state().iter().map(|v| (**v).clone()).collect();
-    let pods: Vec<Pod> = s.pods.state().iter().map(|p| (**p).clone()).collect();
+    let vmis: Vec<VirtualMachineInstance> = s
+        .vmis
+        .by_index(cache::VMI_BY_NODE.name, name)
+        .iter()
+        .map(|v| (**v).clone())
+        .collect();
+    let pods: Vec<Pod> = vmis
+        .iter()
+        .flat_map(|v| lock(&s.pod_index).children(&obj_key(v)))
+        .filter_map(|k| {
+            let (ns, name) = split_key(&k);
+            s.pods.get(&ObjectRef::new(name).within(ns))
+        })
+        .map(|p| (*p).clone())
+        .collect();
     for v in node::vmis_to_fail(name, &vmis, &pods) {
         let api: Api<VirtualMachineInstance> =
             Api::namespaced(s.client.clone(), &v.namespace().unwrap_or_default());

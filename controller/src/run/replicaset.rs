@@ -13,7 +13,7 @@ use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 
 use super::{Shared, event, retry_later};
-use crate::{events, replicaset};
+use crate::{cache, events, replicaset};
 use workqueue::Queue;
 use workqueue::expectations::EXPECTATION_TTL;
 
@@ -31,9 +31,8 @@ pub(super) async fn sync_rs(s: &Shared, key: &str) {
     let vmi_api: Api<VirtualMachineInstance> = Api::namespaced(s.client.clone(), ns);
     let mut all: Vec<VirtualMachineInstance> = s
         .vmis
-        .state()
+        .by_index(cache::VMI_BY_NAMESPACE.name, ns)
         .iter()
-        .filter(|v| v.namespace().as_deref() == Some(ns))
         .map(|v| (**v).clone())
         .collect();
     let claims = replicaset::claims(&rs, &all);

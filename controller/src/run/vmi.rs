@@ -17,10 +17,11 @@ use serde_json::json;
 use workqueue::Queue;
 
 use super::{Shared, cluster_config, event, lock, retry_later};
-use crate::cache::OwnerIndex;
+use crate::cache::{self, OwnerIndex};
 use crate::template::render_launcher_pod;
 use crate::vmi::PodAction;
 use crate::{events, finalizers, hotplug, vmi};
+use informer::packed::PackedStore;
 use workqueue::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 
 /// What the VMI watch feeds.
@@ -97,7 +98,7 @@ pub(super) fn on_vmi(w: VmiWatch) -> impl Fn(Seen<'_, VirtualMachineInstance>) +
 /// VMI by its label (its creation observed).
 pub(super) fn on_claim(
     vmi_q: Arc<Queue>,
-    vmis: Store<VirtualMachineInstance>,
+    vmis: PackedStore<VirtualMachineInstance>,
     pvc_exp: Arc<workqueue::expectations::Expectations>,
 ) -> impl Fn(Seen<'_, PersistentVolumeClaim>) + Send + 'static {
     move |s| {
@@ -111,19 +112,8 @@ pub(super) fn on_claim(
             vmi_q.add(&key);
             return;
         }
-        let name = c.name_any();
-        for v in vmis.state().iter().filter(|v| {
-            v.namespace().as_deref() == Some(ns.as_str())
-                && v.spec.volumes.iter().any(|vol| {
-                    let ephemeral = vol
-                        .ephemeral
-                        .as_ref()
-                        .and_then(|e| e.persistent_volume_claim.as_ref())
-                        .map(|c| c.claim_name.as_str());
-                    api::hotplug::claim_name(vol).or(ephemeral) == Some(name.as_str())
-                })
-        }) {
-            vmi_q.add(&obj_key(v.as_ref()));
+        for vmi in vmis.keys_by_index(cache::VMI_BY_CLAIM.name, &obj_key(c)) {
+            vmi_q.add(&vmi);
         }
     }
 }

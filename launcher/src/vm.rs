@@ -158,6 +158,14 @@ async fn set_links(vm: &mut Vm, vmi: &VirtualMachineInstance) -> Result<(), Erro
     Ok(())
 }
 
+/// Kills a QEMU that did not start as asked and waits until it is gone: a retry's QEMU would
+/// otherwise find its images still locked ("Failed to get \"write\" lock") by one that is
+/// dying.
+async fn abandon(pid: Pid, exit: &mut watch::Receiver<Option<ExitStatus>>) {
+    let _ = kill(pid, Signal::SIGKILL);
+    let _ = exit.wait_for(Option::is_some).await;
+}
+
 /// A QEMU process just started: its pid, its exit status once it has one, and the last lines
 /// of its stderr.
 struct Spawned {
@@ -533,8 +541,7 @@ impl Launcher {
         let (qmp, vcpus) = match started {
             Ok(v) => v,
             Err(e) => {
-                let _ = kill(pid, Signal::SIGKILL);
-                let _ = exit_rx.wait_for(Option::is_some).await;
+                abandon(pid, &mut exit_rx).await;
                 return Err(e);
             }
         };
@@ -551,7 +558,7 @@ impl Launcher {
                 {
                     Ok(c) => Some(c),
                     Err(e) => {
-                        let _ = kill(pid, Signal::SIGKILL);
+                        abandon(pid, &mut exit_rx).await;
                         return Err(Error::io(format!("serial console {}", s.socket.display()))(
                             e,
                         ));
@@ -565,12 +572,12 @@ impl Launcher {
         // of the migrated state), so a guest never sees a `state: down` NIC's link up.
         for nic in config.nics.iter().filter(|n| !n.link_up) {
             if let Err(e) = set_link(&qmp, &nic.name, false).await {
-                let _ = kill(pid, Signal::SIGKILL);
+                abandon(pid, &mut exit_rx).await;
                 return Err(e);
             }
         }
         if let Err(e) = missing_required_feature(&qmp, vmi).await {
-            let _ = kill(pid, Signal::SIGKILL);
+            abandon(pid, &mut exit_rx).await;
             return Err(e);
         }
         if let Some(cpu) = vmi
@@ -584,7 +591,7 @@ impl Launcher {
             match crate::pinning::apply(pid.as_raw(), &vcpus, isolate) {
                 Ok(pins) => tracing::info!(?pins, "QEMU's threads pinned to dedicated CPUs"),
                 Err(e) => {
-                    let _ = kill(pid, Signal::SIGKILL);
+                    abandon(pid, &mut exit_rx).await;
                     return Err(e.into());
                 }
             }
@@ -605,7 +612,7 @@ impl Launcher {
             }
         };
         if let Err(e) = began {
-            let _ = kill(pid, Signal::SIGKILL);
+            abandon(pid, &mut exit_rx).await;
             return Err(e);
         }
         let disks: Vec<_> = config

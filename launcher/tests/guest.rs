@@ -638,6 +638,13 @@ fn guest_every_device_kind_is_accepted_by_qemu() {
     assert_eq!(status, 422, "{e}");
     assert_eq!(e["code"], "InvalidVMI", "{e}");
     assert!(e.to_string().contains("spec.domain.cpu.features[0]"), "{e}");
+    // Gone before the refusal is answered: the next start's QEMU takes the same image locks.
+    let qemus = common::qemus_under(l.root.path());
+    assert!(
+        qemus.is_empty(),
+        "QEMU {qemus:?} outlived the refusal\n{}",
+        l.log()
+    );
     let (status, d) = l.sync(&v);
     assert_eq!(status, 200, "{d}\n{}", l.log());
     assert_eq!(d["state"], "Running");

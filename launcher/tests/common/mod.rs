@@ -385,6 +385,24 @@ pub fn place_container_disk(root: &Path, index: usize) {
     .unwrap();
 }
 
+/// The live (not zombie) QEMU processes with an argument under `root`: a test's own.
+pub fn qemus_under(root: &Path) -> Vec<i64> {
+    let root = root.to_string_lossy();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i64>().ok())
+        .filter(|pid| {
+            let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let mut args = argv.split(|b| *b == 0).map(String::from_utf8_lossy);
+            args.next().is_some_and(|a| a.contains("qemu-system"))
+                && args.any(|a| a.contains(root.as_ref()))
+                && process_alive(*pid)
+        })
+        .collect()
+}
+
 pub fn process_alive(pid: i64) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
         && !std::fs::read_to_string(format!("/proc/{pid}/stat"))

@@ -1467,15 +1467,24 @@ fn env_count(var: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// The resident memory of process `pid` in MiB.
-fn rss_mib(pid: u32) -> f64 {
-    let kib: u32 = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    f64::from(kib) / 1024.0
+/// The resident memory of process `pid`: all of it, then its anonymous memory (heap, stacks)
+/// and its file pages (the binary's code), in MiB.
+fn rss(pid: u32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let mib = |field: &str| {
+        let kib: u32 = status
+            .lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        f64::from(kib) / 1024.0
+    };
+    format!(
+        "{:.1} MiB (anonymous {:.1}, file {:.1})",
+        mib("VmRSS:"),
+        mib("RssAnon:"),
+        mib("RssFile:")
+    )
 }
 
 /// CPU seconds (user + system) process `pid` has used.
@@ -1694,7 +1703,7 @@ async fn bench_create_to_scheduled() {
                 .count()
         };
         if rss_scheduling.is_none() && count(&["Scheduling", "Scheduled"]) == n {
-            rss_scheduling = Some(rss_mib(pid));
+            rss_scheduling = Some(rss(pid));
         }
         if !full && rss_scheduling.is_some() || count(&["Scheduled"]) == n {
             break;
@@ -1706,7 +1715,7 @@ async fn bench_create_to_scheduled() {
         tokio::time::sleep(Duration::from_secs(5)).await;
     }
     let total = begin.elapsed();
-    let rss_scheduled = full.then(|| rss_mib(pid));
+    let rss_scheduled = full.then(|| rss(pid));
     let cpu = (cpu_secs(pid), cpu_secs(std::process::id()));
     let control_plane = server
         .components()
@@ -1749,7 +1758,6 @@ async fn bench_create_to_scheduled() {
         )
     };
     let rate = |d: Duration| f64::from(u32::try_from(n).unwrap()) / d.as_secs_f64();
-    let mib = |m: Option<f64>| m.map_or_else(|| "-".to_owned(), |m| format!("{m:.1} MiB"));
     println!(
         "{n} VMIs created 10 ms apart over {NODES} simulated nodes (creation took {created_in:.1?}, {:.1}/s):\n  \
          create -> Scheduling {}\n  create -> pod bound  {}\n  create -> Scheduled  {}\n  \
@@ -1764,8 +1772,8 @@ async fn bench_create_to_scheduled() {
         summary(&scheduled),
         rate(total),
         if full { "Scheduled" } else { "Scheduling" },
-        mib(rss_scheduling),
-        mib(rss_scheduled),
+        rss_scheduling.as_deref().unwrap_or("-"),
+        rss_scheduled.as_deref().unwrap_or("-"),
         cpu.0,
         cpu.1,
     );

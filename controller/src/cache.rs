@@ -1,11 +1,5 @@
-//! What the controllers' caches hold: objects trimmed to what the controllers read, the VMI
-//! cache's indexes, and an index of launcher pods by their VMI.
-//!
-//! kube-runtime's `Store` has no indexes (client-go's informers do), and a VMI sync that walked
-//! every cached launcher pod to find its own cost O(pods) per sync: with 10,000 VMIs that walk,
-//! repeated for every sync of every VMI, was most of the controller's work.
-
-use std::collections::HashMap;
+//! What the controllers' caches hold: objects trimmed to what the controllers read, and the
+//! indexes of the VMI and pod caches (`informer::packed`).
 
 use api::VirtualMachineInstance;
 use informer::packed::Indexer;
@@ -65,6 +59,43 @@ pub const VMI_BY_PHASE_AND_NODE: Indexer<VirtualMachineInstance> = Indexer {
     },
 };
 
+/// Launcher pods by their VMI (`namespace/name` of their controlling owner): a VMI's sync,
+/// its migrations and its evacuation read its pods. kube-runtime's `Store` has no indexes,
+/// and a VMI sync that walked every cached launcher pod to find its own cost O(pods) per sync:
+/// with 10,000 VMIs that walk was most of the controller's work.
+pub const POD_BY_VMI: Indexer<Pod> = Indexer {
+    name: "vmi",
+    values: |p| {
+        informer::controller_owner(p, "VirtualMachineInstance")
+            .map(|vmi| informer::key_of(p.namespace().as_deref(), vmi))
+            .into_iter()
+            .collect()
+    },
+};
+
+/// Hotplug attachment pods by the VMI they serve (their controller is the launcher pod).
+pub const ATTACHMENT_BY_VMI: Indexer<Pod> = Indexer {
+    name: "attachment-vmi",
+    values: |p| attachment_vmi_key(p).into_iter().collect(),
+};
+
+/// Every index of the launcher and attachment pod cache.
+pub const POD_INDEXES: [Indexer<Pod>; 2] = [POD_BY_VMI, ATTACHMENT_BY_VMI];
+
+/// The VMI an attachment pod serves (`namespace/name`), by its annotation.
+pub fn attachment_vmi_key(pod: &Pod) -> Option<String> {
+    let app = pod.metadata.labels.as_ref()?.get(api::labels::APP)?;
+    if app != api::hotplug::ATTACHMENT_POD_APP {
+        return None;
+    }
+    let vmi = pod
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(api::hotplug::OWNER_VMI_NAME_ANNOTATION)?;
+    Some(informer::key_of(pod.namespace().as_deref(), vmi))
+}
+
 /// Every index of the VMI cache.
 pub const VMI_INDEXES: [Indexer<VirtualMachineInstance>; 4] = [
     VMI_BY_NODE,
@@ -115,66 +146,13 @@ pub fn trim_pod(pod: &mut Pod) {
     }
 }
 
-/// Which children (`namespace/name` keys) each owner key controls. A child has at most one
-/// controlling owner; an owner with no children left has no entry, so the index holds exactly
-/// the children in the cache and nothing of deleted ones. An owner has one child or two (a
-/// launcher pod and, briefly, its replacement), so a sorted `Vec` is the set: measured, a
-/// `BTreeSet` of one made the index about 1 KB per pod.
-#[derive(Debug, Default)]
-pub struct OwnerIndex {
-    children: HashMap<String, Vec<String>>,
-    owner: HashMap<String, String>,
-}
-
-impl OwnerIndex {
-    /// `child` is in the cache, controlled by `owner` (or by nothing we index).
-    pub fn set(&mut self, child: &str, owner: Option<&str>) {
-        match owner {
-            Some(o) if self.owner.get(child).map(String::as_str) == Some(o) => {}
-            Some(o) => {
-                self.remove(child);
-                self.owner.insert(child.to_owned(), o.to_owned());
-                let set = self.children.entry(o.to_owned()).or_default();
-                if let Err(at) = set.binary_search_by(|c| c.as_str().cmp(child)) {
-                    set.insert(at, child.to_owned());
-                }
-            }
-            None => self.remove(child),
-        }
-    }
-
-    /// `child` left the cache.
-    pub fn remove(&mut self, child: &str) {
-        let Some(o) = self.owner.remove(child) else {
-            return;
-        };
-        if let Some(set) = self.children.get_mut(&o) {
-            set.retain(|c| c != child);
-            if set.is_empty() {
-                self.children.remove(&o);
-            }
-        }
-    }
-
-    /// The children `owner` controls, in key order.
-    pub fn children(&self, owner: &str) -> Vec<String> {
-        self.children.get(owner).cloned().unwrap_or_default()
-    }
-
-    /// How many owners and children are indexed: the pruning the tests check.
-    #[cfg(test)]
-    fn sizes(&self) -> (usize, usize) {
-        (self.children.len(), self.owner.len())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
         Container, EmptyDirVolumeSource, PersistentVolumeClaimVolumeSource, PodStatus,
     };
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, OwnerReference};
 
     #[test]
     fn trimmed_pod_keeps_what_the_controllers_read() {
@@ -238,41 +216,50 @@ mod tests {
         assert_eq!(pod.status, status);
     }
 
-    #[test]
-    fn children_are_listed_by_owner() {
-        let mut i = OwnerIndex::default();
-        i.set("ns/pod-b", Some("ns/vmi"));
-        i.set("ns/pod-a", Some("ns/vmi"));
-        i.set("ns/pod-c", Some("ns/other"));
-        i.set("ns/pod-a", Some("ns/vmi"));
-        assert_eq!(i.children("ns/vmi"), ["ns/pod-a", "ns/pod-b"]);
-        assert_eq!(i.children("ns/other"), ["ns/pod-c"]);
-        assert!(i.children("ns/none").is_empty());
-        assert_eq!(i.sizes(), (2, 3));
+    fn pod(
+        labels: &[(&str, &str)],
+        annotations: &[(&str, &str)],
+        owner: Option<(&str, &str)>,
+    ) -> Pod {
+        let map = |kv: &[(&str, &str)]| {
+            Some(
+                kv.iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            )
+        };
+        let mut p = Pod::default();
+        p.metadata.namespace = Some("ns".into());
+        p.metadata.labels = map(labels);
+        p.metadata.annotations = map(annotations);
+        p.metadata.owner_references = owner.map(|(kind, name)| {
+            vec![OwnerReference {
+                kind: kind.into(),
+                name: name.into(),
+                controller: Some(true),
+                ..OwnerReference::default()
+            }]
+        });
+        p
     }
 
     #[test]
-    fn deleted_children_and_their_emptied_owners_are_pruned() {
-        let mut i = OwnerIndex::default();
-        i.set("ns/pod-a", Some("ns/vmi"));
-        i.set("ns/pod-b", Some("ns/vmi"));
-        i.remove("ns/pod-a");
-        assert_eq!(i.children("ns/vmi"), ["ns/pod-b"]);
-        i.remove("ns/pod-b");
-        i.remove("ns/pod-b");
-        i.remove("ns/never-seen");
-        assert_eq!(i.sizes(), (0, 0), "no owner entry outlives its last child");
-    }
-
-    #[test]
-    fn a_child_that_changes_or_loses_its_owner_moves() {
-        let mut i = OwnerIndex::default();
-        i.set("ns/pod", Some("ns/old"));
-        i.set("ns/pod", Some("ns/new"));
-        assert!(i.children("ns/old").is_empty());
-        assert_eq!(i.children("ns/new"), ["ns/pod"]);
-        i.set("ns/pod", None);
-        assert!(i.children("ns/new").is_empty());
-        assert_eq!(i.sizes(), (0, 0));
+    fn launcher_pods_are_indexed_by_their_vmi_and_attachment_pods_by_the_vmi_they_serve() {
+        let launcher = pod(
+            &[(api::labels::APP, "virt-launcher")],
+            &[],
+            Some(("VirtualMachineInstance", "vmi")),
+        );
+        assert_eq!((POD_BY_VMI.values)(&launcher), ["ns/vmi"]);
+        assert!((ATTACHMENT_BY_VMI.values)(&launcher).is_empty());
+        let attachment = pod(
+            &[(api::labels::APP, api::hotplug::ATTACHMENT_POD_APP)],
+            &[(api::hotplug::OWNER_VMI_NAME_ANNOTATION, "vmi")],
+            Some(("Pod", "virt-launcher-vmi-abcde")),
+        );
+        assert!((POD_BY_VMI.values)(&attachment).is_empty());
+        assert_eq!((ATTACHMENT_BY_VMI.values)(&attachment), ["ns/vmi"]);
+        let orphan = pod(&[(api::labels::APP, "virt-launcher")], &[], None);
+        assert!((POD_BY_VMI.values)(&orphan).is_empty());
     }
 }

@@ -126,13 +126,9 @@ fn has_unfinished_migration(s: &Shared, vmi: &VirtualMachineInstance) -> bool {
 /// The VMI's launcher pods (its controller owner) that are not Succeeded or Failed.
 fn active_pods(s: &Shared, vmi: &VirtualMachineInstance) -> usize {
     let key = key_of(vmi.namespace().as_deref(), &vmi.name_any());
-    lock(&s.pod_index)
-        .children(&key)
+    s.pods
+        .by_index(cache::POD_BY_VMI.name, &key)
         .iter()
-        .filter_map(|k| {
-            let (ns, name) = split_key(k);
-            s.pods.get(&ObjectRef::new(name).within(ns))
-        })
         .filter(|p| evacuation::is_active_pod(p))
         .count()
 }

@@ -20,11 +20,11 @@ use workqueue::Queue;
 use workqueue::expectations::{EXPECTATION_TTL, UidTrackingExpectations};
 
 use super::{Shared, cluster_config, event, lock, retry_later, set_finalizers};
-use crate::events;
 use crate::migration::{
     self, ClaimAction, EventOn, Input, MigrationSync, TargetLabel, TargetPodAction, VmiChange,
 };
 use crate::template::render_launcher_pod;
+use crate::{cache, events};
 
 /// Which migrations exist for each VMI, and each migration's key by uid, kept by the
 /// migration watch: a VMI or pod change queues its VMI's migrations without a walk over all.
@@ -149,12 +149,10 @@ pub(super) fn pod_changed(
 fn has_target_pod(s: &Shared, m: &VirtualMachineInstanceMigration) -> bool {
     let vmi_key = vmi_key_of(m);
     let uid = m.metadata.uid.as_deref().unwrap_or_default();
-    lock(&s.pod_index).children(&vmi_key).iter().any(|k| {
-        let (ns, name) = split_key(k);
-        s.pods
-            .get(&ObjectRef::new(name).within(ns))
-            .is_some_and(|p| migration::is_target_pod_of(&p, uid))
-    })
+    s.pods
+        .by_index(cache::POD_BY_VMI.name, &vmi_key)
+        .iter()
+        .any(|p| migration::is_target_pod_of(p, uid))
 }
 
 /// What the limits count: other unfinished migrations with a target pod (or one on its way)
@@ -206,14 +204,11 @@ pub(super) async fn sync_migration(s: &Shared, key: &str) {
     let vmi_key = vmi_key_of(&m);
     let vmi_name = m.spec.vmi_name.clone().unwrap_or_default();
     let vmi = s.vmis.get(&ObjectRef::new(&vmi_name).within(ns));
-    let pods: Vec<Pod> = lock(&s.pod_index)
-        .children(&vmi_key)
+    let pods: Vec<Pod> = s
+        .pods
+        .by_index(cache::POD_BY_VMI.name, &vmi_key)
         .iter()
-        .filter_map(|k| {
-            let (ns, name) = split_key(k);
-            s.pods.get(&ObjectRef::new(name).within(ns))
-        })
-        .map(|p| (*p).clone())
+        .map(|p| (**p).clone())
         .collect();
     let cfg = cluster_config(s);
     // One decision to start a migration at a time: the limits count the others' target pods.

@@ -43,7 +43,7 @@ use serde_json::json;
 use tokio::task::JoinSet;
 use workqueue::Queue;
 
-use crate::cache::{self, OwnerIndex};
+use crate::cache;
 use crate::metrics::{Health, QueueStat, Snapshot};
 use crate::template::TemplateConfig;
 use workqueue::expectations::UidTrackingExpectations;
@@ -134,11 +134,9 @@ struct Shared {
     /// Kept as compressed JSON, indexed (`cache::VMI_INDEXES`): a cached VMI struct took
     /// 4.4 KB of heap before any of its strings.
     vmis: PackedStore<VirtualMachineInstance>,
-    /// Kept as JSON: a cached `Pod` took 4.5 KB of heap, its trimmed JSON takes 1.4 KB.
+    /// Kept as compressed JSON (a cached `Pod` took 4.5 KB of heap, its trimmed JSON 1.4 KB),
+    /// indexed by VMI (`cache::POD_INDEXES`).
     pods: PackedStore<Pod>,
-    pod_index: Arc<Mutex<OwnerIndex>>,
-    /// Hotplug attachment pods by the VMI they serve (their controller is the launcher pod).
-    attachment_index: Arc<Mutex<OwnerIndex>>,
     pvcs: Store<PersistentVolumeClaim>,
     /// Backend-storage claims being created, keyed by VMI: not made twice before the cache
     /// has the first.
@@ -250,8 +248,6 @@ async fn start_caches(
             evac_q: evac_q.clone(),
         }),
     );
-    let pod_index: Arc<Mutex<OwnerIndex>> = Arc::default();
-    let attachment_index: Arc<Mutex<OwnerIndex>> = Arc::default();
     let pods = reflect_packed(
         tasks,
         Api::all(client.clone()),
@@ -261,12 +257,10 @@ async fn start_caches(
             api::hotplug::ATTACHMENT_POD_APP
         )),
         cache::trim_pod,
-        &[],
+        &cache::POD_INDEXES,
         vmi::on_pod(vmi::PodWatch {
             vmi_q: vmi_q.clone(),
             pod_exp: pod_exp.clone(),
-            index: pod_index.clone(),
-            attachments: attachment_index.clone(),
             mig_q: mig_q.clone(),
             mig_pod_exp: mig_pod_exp.clone(),
             mig_index: mig_index.clone(),
@@ -400,8 +394,6 @@ async fn start_caches(
         vms,
         vmis,
         pods,
-        pod_index,
-        attachment_index,
         pvcs,
         pvc_exp,
         replicasets,

@@ -9,9 +9,9 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 
-use informer::{obj_key, split_key};
+use informer::obj_key;
 
-use super::{Shared, event, lock, retry_later};
+use super::{Shared, event, retry_later};
 use crate::{cache, events, node};
 
 pub(super) async fn sync_node(s: &Shared, name: &str) {
@@ -46,11 +46,7 @@ pub(super) async fn sync_node(s: &Shared, name: &str) {
         .collect();
     let pods: Vec<Pod> = vmis
         .iter()
-        .flat_map(|v| lock(&s.pod_index).children(&obj_key(v)))
-        .filter_map(|k| {
-            let (ns, name) = split_key(&k);
-            s.pods.get(&ObjectRef::new(name).within(ns))
-        })
+        .flat_map(|v| s.pods.by_index(cache::POD_BY_VMI.name, &obj_key(v)))
         .map(|p| (*p).clone())
         .collect();
     for v in node::vmis_to_fail(name, &vmis, &pods) {

@@ -16,8 +16,8 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use serde_json::json;
 use workqueue::Queue;
 
-use super::{Shared, cluster_config, event, lock, retry_later};
-use crate::cache::{self, OwnerIndex};
+use super::{Shared, cluster_config, event, retry_later};
+use crate::cache;
 use crate::template::render_launcher_pod;
 use crate::vmi::PodAction;
 use crate::{events, finalizers, hotplug, vmi};
@@ -118,40 +118,23 @@ pub(super) fn on_claim(
     }
 }
 
-/// The VMI an attachment pod serves, by its annotation (its controller is the launcher pod).
-fn attachment_vmi_key(pod: &Pod) -> Option<String> {
-    let app = pod.metadata.labels.as_ref()?.get(api::labels::APP)?;
-    if app != api::hotplug::ATTACHMENT_POD_APP {
-        return None;
-    }
-    let vmi = pod
-        .metadata
-        .annotations
-        .as_ref()?
-        .get(api::hotplug::OWNER_VMI_NAME_ANNOTATION)?;
-    Some(key_of(pod.namespace().as_deref(), vmi))
-}
-
 /// What the launcher pod watch feeds.
 pub(super) struct PodWatch {
     pub vmi_q: Arc<Queue>,
     pub pod_exp: Arc<UidTrackingExpectations>,
-    pub index: Arc<Mutex<OwnerIndex>>,
-    pub attachments: Arc<Mutex<OwnerIndex>>,
     pub mig_q: Arc<Queue>,
     pub mig_pod_exp: Arc<UidTrackingExpectations>,
     pub mig_index: Arc<Mutex<super::migration::MigrationIndex>>,
 }
 
-/// The launcher pod watch: the pod indexed by its VMI, the VMI's pod expectations observed and
-/// its key queued; a migration target pod's migration has its expectation observed, and the
+/// The launcher pod watch (the pod cache has indexed the pod by its VMI already, so a sync
+/// that finds its expectation satisfied finds the pod too): the VMI's pod expectations
+/// observed and its key queued; a migration target pod's migration has its expectation observed, and the
 /// VMI's migrations are queued.
 pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
     let PodWatch {
         vmi_q,
         pod_exp,
-        index,
-        attachments,
         mig_q,
         mig_pod_exp,
         mig_index,
@@ -163,15 +146,7 @@ pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
             Seen::Deleted(o) => (o, false, true),
         };
         let pod_key = obj_key(o);
-        if let Some(vmi_key) = attachment_vmi_key(o) {
-            {
-                let mut a = lock(&attachments);
-                if deleted {
-                    a.remove(&pod_key);
-                } else {
-                    a.set(&pod_key, Some(&vmi_key));
-                }
-            }
+        if let Some(vmi_key) = cache::attachment_vmi_key(o) {
             if added {
                 pod_exp.creation_observed(&vmi_key);
             }
@@ -183,16 +158,6 @@ pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
         }
         let owner = controller_owner(o, "VirtualMachineInstance");
         let vmi_key = owner.map(|owner| key_of(o.namespace().as_deref(), owner));
-        // Indexed before the expectation is marked observed: a sync that finds its
-        // expectation satisfied finds the pod too.
-        {
-            let mut index = lock(&index);
-            if deleted {
-                index.remove(&pod_key);
-            } else {
-                index.set(&pod_key, vmi_key.as_deref());
-            }
-        }
         super::migration::pod_changed(
             &mig_q,
             &mig_index,
@@ -219,14 +184,11 @@ pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
 pub(super) async fn sync_vmi(s: &Shared, key: &str) {
     let (ns, name) = split_key(key);
     let pods_api: Api<Pod> = Api::namespaced(s.client.clone(), ns);
-    let pod_keys = lock(&s.pod_index).children(key);
-    let pods: Vec<Pod> = pod_keys
+    let pods: Vec<Pod> = s
+        .pods
+        .by_index(cache::POD_BY_VMI.name, key)
         .iter()
-        .filter_map(|k| {
-            let (ns, name) = split_key(k);
-            s.pods.get(&ObjectRef::new(name).within(ns))
-        })
-        .map(|p| (*p).clone())
+        .map(|p| (**p).clone())
         .collect();
     let Some(vmi) = s.vmis.get(&ObjectRef::new(name).within(ns)) else {
         s.vmi_writes.forget(key);
@@ -487,15 +449,12 @@ async fn sync_hotplug(
     launcher: &Pod,
     claim: &(dyn Fn(&str) -> Option<PersistentVolumeClaim> + Sync),
 ) -> Vec<api::status::VolumeStatus> {
-    let attachments: Vec<Pod> = lock(&s.attachment_index)
-        .children(key)
+    let attachments: Vec<Pod> = s
+        .pods
+        .by_index(cache::ATTACHMENT_BY_VMI.name, key)
         .iter()
-        .filter_map(|k| {
-            let (ns, name) = split_key(k);
-            s.pods.get(&ObjectRef::new(name).within(ns))
-        })
         .filter(|p| hotplug::is_attachment_pod_of(p, launcher))
-        .map(|p| (*p).clone())
+        .map(|p| (**p).clone())
         .collect();
     let attachments: Vec<&Pod> = attachments.iter().collect();
     let hot = hotplug::hotplug_volumes(vmi, launcher);

@@ -468,12 +468,22 @@ fn clock(c: &crate::vmi::Clock, path: &str, e: &mut Errors) {
 /// such a VMI would wait for a pod that can never be created, with an error about a pod volume
 /// the user never wrote; a relative path would be refused only by the launcher, once its pod
 /// runs.
-fn absolute_without_backsteps(field: String, p: &str, e: &mut Errors) {
+/// Why `p` cannot be a path on the node given to QEMU, if it cannot: it must be absolute,
+/// without `..`, and hold no NUL byte (an argv cannot carry one: the fuzzer found one in a
+/// kernelPath). Admission and the launcher (which takes VMIs from virt-handler) both check.
+pub fn node_path_problem(p: &str) -> Option<String> {
     if !p.starts_with('/') || p.split('/').any(|c| c == "..") {
-        e.add(
-            field,
-            format!("{p:?} must be an absolute path without '..'"),
-        );
+        Some(format!("{p:?} must be an absolute path without '..'"))
+    } else if p.contains('\0') {
+        Some(format!("{p:?} holds a NUL byte"))
+    } else {
+        None
+    }
+}
+
+fn absolute_without_backsteps(field: String, p: &str, e: &mut Errors) {
+    if let Some(problem) = node_path_problem(p) {
+        e.add(field, problem);
     }
 }
 

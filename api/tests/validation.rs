@@ -647,6 +647,15 @@ fn mistakes() -> Vec<Mistake> {
             "must be an absolute path without '..'",
         ),
         m(
+            "kernel path with a NUL byte (found by fuzzing: it reached QEMU's argv)",
+            vec![(
+                "/spec/domain/firmware/kernelBoot",
+                json!({"container": {"image": "k:1", "kernelPath": "/boot/\u{0}"}}),
+            )],
+            "spec.domain.firmware.kernelBoot.container.kernelPath",
+            "holds a NUL byte",
+        ),
+        m(
             "unknown eviction strategy",
             vec![("/spec/evictionStrategy", json!("Sometimes"))],
             "spec.evictionStrategy",

@@ -780,6 +780,9 @@ fn kernel_boot(
         match p.as_deref() {
             None | Some("") => Ok(None),
             Some(p) => {
+                if let Some(problem) = api::validation::node_path_problem(p) {
+                    return Err(err(format!("{field}.{what}"), problem));
+                }
                 let base = Path::new(p).file_name().ok_or_else(|| {
                     err(format!("{field}.{what}"), format!("{p:?} names no file"))
                 })?;
@@ -1301,8 +1304,8 @@ impl Vol<'_> {
     /// not (`DiskOrCreate`).
     fn host_disk(&self, h: &HostDisk, preps: &mut Vec<Prep>) -> Result<DiskSource, ConvertError> {
         let hfield = format!("{}.hostDisk", self.field);
-        if !Path::new(&h.path).is_absolute() {
-            return Err(err(format!("{hfield}.path"), "must be an absolute path"));
+        if let Some(problem) = api::validation::node_path_problem(&h.path) {
+            return Err(err(format!("{hfield}.path"), problem));
         }
         match &h.disk_type {
             HostDiskType::Disk => preps.push(Prep::RequireFile {

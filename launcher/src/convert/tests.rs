@@ -325,6 +325,27 @@ fn device_names_that_cannot_be_qemu_ids_are_refused() {
     assert_eq!(conv(s).unwrap_err().field, "spec.domain.cpu.model");
 }
 
+/// Found by fuzzing (fuzz/, qemu_argv): a kernelPath whose file name was NUL bytes reached
+/// `-kernel`. A path for QEMU with a NUL is refused, as admission refuses it.
+#[test]
+fn paths_with_a_nul_byte_are_refused() {
+    let mut s = base_spec();
+    s["domain"]["firmware"] = serde_json::json!({"kernelBoot": {
+        "container": {"image": "k", "kernelPath": "/boot/\u{0}\u{0}"}
+    }});
+    let e = conv(s).unwrap_err();
+    assert_eq!(
+        e.field, "spec.domain.firmware.kernelBoot.container.kernelPath",
+        "{e:?}"
+    );
+    assert!(e.message.contains("NUL"), "{e:?}");
+    let mut s = base_spec();
+    s["domain"]["devices"]["disks"] = serde_json::json!([{"name": "h", "disk": {}}]);
+    s["volumes"] =
+        serde_json::json!([{"name": "h", "hostDisk": {"path": "/d/\u{0}.img", "type": "Disk"}}]);
+    assert_eq!(conv(s).unwrap_err().field, "spec.volumes[0].hostDisk.path");
+}
+
 #[test]
 fn inputs_are_tablets_on_usb_or_virtio() {
     let mut s = base_spec();

@@ -122,6 +122,12 @@ pub fn validate_spec(
     base: &str,
 ) -> Vec<FieldError> {
     let mut e = Errors { out: Vec::new() };
+    if let Some(path) = serde_json::to_value(spec)
+        .ok()
+        .and_then(|v| nul_byte_at(&v, base))
+    {
+        e.add(path, NUL_BYTE);
+    }
     unsupported_fields(spec, base, &mut e);
     scheduling(spec, base, &mut e);
     resources(spec, base, &mut e);
@@ -468,17 +474,39 @@ fn clock(c: &crate::vmi::Clock, path: &str, e: &mut Errors) {
 /// such a VMI would wait for a pod that can never be created, with an error about a pod volume
 /// the user never wrote; a relative path would be refused only by the launcher, once its pod
 /// runs.
-/// Why `p` cannot be a path on the node given to QEMU, if it cannot: it must be absolute,
-/// without `..`, and hold no NUL byte (an argv cannot carry one: the fuzzer found one in a
-/// kernelPath). Admission and the launcher (which takes VMIs from virt-handler) both check.
-pub fn node_path_problem(p: &str) -> Option<String> {
-    if !p.starts_with('/') || p.split('/').any(|c| c == "..") {
-        Some(format!("{p:?} must be an absolute path without '..'"))
-    } else if p.contains('\0') {
-        Some(format!("{p:?} holds a NUL byte"))
-    } else {
-        None
+/// What a string with a NUL byte is told.
+pub const NUL_BYTE: &str = "holds a NUL byte, which QEMU cannot be given";
+
+/// The path of the first string (or key) under `v`, a spec as JSON found at `base`, that holds
+/// a NUL byte. No such string can reach QEMU: an argv cannot carry one. The fuzzer found them
+/// field by field (a watchdog's name and action, the CPU model, a kernelPath, the SMBIOS
+/// serial), so every string is checked, and admission and the launcher both check.
+pub fn nul_byte_at(v: &serde_json::Value, base: &str) -> Option<String> {
+    use serde_json::Value;
+    match v {
+        Value::String(s) => s.contains('\0').then(|| base.to_owned()),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, item)| nul_byte_at(item, &format!("{base}[{i}]"))),
+        Value::Object(fields) => fields.iter().find_map(|(k, item)| {
+            let path = format!("{base}.{k}");
+            if k.contains('\0') {
+                Some(path)
+            } else {
+                nul_byte_at(item, &path)
+            }
+        }),
+        Value::Null | Value::Bool(_) | Value::Number(_) => None,
     }
+}
+
+/// Why `p` cannot be a path on the node given to QEMU, if it cannot: it must be absolute and
+/// without `..` (a NUL byte is [`nul_byte_at`]'s). Admission and the launcher (which takes
+/// VMIs from virt-handler) both check.
+pub fn node_path_problem(p: &str) -> Option<String> {
+    (!p.starts_with('/') || p.split('/').any(|c| c == ".."))
+        .then(|| format!("{p:?} must be an absolute path without '..'"))
 }
 
 fn absolute_without_backsteps(field: String, p: &str, e: &mut Errors) {

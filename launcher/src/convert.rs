@@ -116,6 +116,12 @@ pub fn convert(
         .namespace
         .clone()
         .unwrap_or_else(|| "default".into());
+    if let Some(field) = serde_json::to_value(&vmi.spec)
+        .ok()
+        .and_then(|v| api::validation::nul_byte_at(&v, "spec"))
+    {
+        return Err(err(field, api::validation::NUL_BYTE));
+    }
     let kind = machine_kind(vmi)?;
     let mut preps = Vec::new();
     let firmware = firmware(vmi, kind, &uid, dirs, host, &mut preps)?;

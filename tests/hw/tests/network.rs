@@ -139,7 +139,10 @@ fn console_line(vm: &Vm, marker: &str) -> String {
     wait_for(&format!("{marker} on {}'s console", vm.name), BOOT, || {
         let text = std::fs::read_to_string(&vm.console)
             .map_err(|e| format!("{}: {e}", vm.console.display()))?;
-        Ok(text
+        // Whole lines only: the log is read while the guest writes it, and a line read half
+        // written ("10.0.2." of "10.0.2.2/24") would be taken for the answer.
+        let written = text.rfind('\n').map_or("", |end| &text[..end]);
+        Ok(written
             .lines()
             .find_map(|l| l.trim_end_matches('\r').strip_prefix(marker))
             .map(|rest| rest.trim().to_owned()))

@@ -204,12 +204,7 @@ pub(super) async fn sync_migration(s: &Shared, key: &str) {
     let vmi_key = vmi_key_of(&m);
     let vmi_name = m.spec.vmi_name.clone().unwrap_or_default();
     let vmi = s.vmis.get(&ObjectRef::new(&vmi_name).within(ns));
-    let pods: Vec<Pod> = s
-        .pods
-        .by_index(cache::POD_BY_VMI.name, &vmi_key)
-        .iter()
-        .map(|p| (**p).clone())
-        .collect();
+    let pods = super::launcher_pods(s, &vmi_key);
     let cfg = cluster_config(s);
     // One decision to start a migration at a time: the limits count the others' target pods.
     let start = s.mig_start_lock.lock().await;

@@ -582,6 +582,16 @@ pub async fn run_with_leader_election(client: Client, opts: Options) -> Result<(
     .await?
 }
 
+/// The launcher pods of the VMI `vmi_key` (`namespace/name`) as the pod cache has them, as
+/// the pure decisions take them.
+fn launcher_pods(s: &Shared, vmi_key: &str) -> Vec<Pod> {
+    s.pods
+        .by_index(cache::POD_BY_VMI.name, vmi_key)
+        .iter()
+        .map(|p| (**p).clone())
+        .collect()
+}
+
 /// The claims of namespace `ns` as the PVC cache has them, by name.
 fn claims_in<'a>(
     s: &'a Shared,

@@ -46,8 +46,7 @@ pub(super) async fn sync_node(s: &Shared, name: &str) {
         .collect();
     let pods: Vec<Pod> = vmis
         .iter()
-        .flat_map(|v| s.pods.by_index(cache::POD_BY_VMI.name, &obj_key(v)))
-        .map(|p| (*p).clone())
+        .flat_map(|v| super::launcher_pods(s, &obj_key(v)))
         .collect();
     for v in node::vmis_to_fail(name, &vmis, &pods) {
         let api: Api<VirtualMachineInstance> =

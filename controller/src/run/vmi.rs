@@ -184,12 +184,7 @@ pub(super) fn on_pod(w: PodWatch) -> impl Fn(Seen<'_, Pod>) + Send + 'static {
 pub(super) async fn sync_vmi(s: &Shared, key: &str) {
     let (ns, name) = split_key(key);
     let pods_api: Api<Pod> = Api::namespaced(s.client.clone(), ns);
-    let pods: Vec<Pod> = s
-        .pods
-        .by_index(cache::POD_BY_VMI.name, key)
-        .iter()
-        .map(|p| (**p).clone())
-        .collect();
+    let pods = super::launcher_pods(s, key);
     let Some(vmi) = s.vmis.get(&ObjectRef::new(name).within(ns)) else {
         s.vmi_writes.forget(key);
         // The garbage collector's job too (the pods' owner reference names the VMI); this

@@ -77,10 +77,9 @@ impl Inner {
         }
     }
 
-    fn remove(&mut self, key: &str) {
-        let Some((key, entry)) = self.objects.remove_entry(key) else {
-            return;
-        };
+    /// Unfiles and drops the object `key`; its key, for an update to keep.
+    fn remove(&mut self, key: &str) -> Option<Arc<str>> {
+        let (key, entry) = self.objects.remove_entry(key)?;
         for (i, value) in &entry.filed {
             let index = &mut self.indexes[usize::from(*i)];
             if let Some(keys) = index.get_mut(value) {
@@ -90,11 +89,11 @@ impl Inner {
                 }
             }
         }
+        Some(key)
     }
 
     fn insert(&mut self, key: &str, packed: Arc<[u8]>, values: Vec<(u8, String)>) {
-        self.remove(key);
-        let key: Arc<str> = key.into();
+        let key = self.remove(key).unwrap_or_else(|| key.into());
         let mut filed = Vec::with_capacity(values.len());
         for (i, value) in values {
             let index = &mut self.indexes[usize::from(i)];

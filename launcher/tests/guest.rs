@@ -202,10 +202,9 @@ fn guest_q35_kernel_boot_volumes_nocloud_hotplug_shutdown() {
 
     // ACPI power button: the guest powers off, the domain is Shutoff, the launcher exits.
     // Watched rather than polled: the launcher exits as soon as the domain is final.
-    let socket = l.socket.clone();
-    let watcher = std::thread::spawn(move || {
-        common::watch_until(&socket, BOOT, |d: &Value| d["state"] == "Shutoff")
-    });
+    let watch = common::Watch::open(&l.socket, BOOT);
+    let watcher =
+        std::thread::spawn(move || watch.until(BOOT, |d: &Value| d["state"] == "Shutoff"));
     l.post("/v1/shutdown");
     let lines = watcher.join().unwrap();
     let d = lines.last().unwrap();
@@ -478,12 +477,10 @@ fn guest_q35_efi_paused_start_pinned_disk_boot_sigterm() {
     l.wait_agent();
     assert!(l.get("/v1/guest/osinfo")["id"].is_string());
 
-    let socket = l.socket.clone();
-    let watcher = std::thread::spawn(move || {
-        common::watch_until(&socket, BOOT, |d: &Value| d["state"] == "Shutoff")
-    });
     // The watch stream starts with the current state.
-    std::thread::sleep(Duration::from_millis(500));
+    let watch = common::Watch::open(&l.socket, BOOT);
+    let watcher =
+        std::thread::spawn(move || watch.until(BOOT, |d: &Value| d["state"] == "Shutoff"));
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(i32::try_from(l.pid()).unwrap()),
         nix::sys::signal::Signal::SIGTERM,

@@ -180,10 +180,9 @@ fn guest_live_migration_completes_and_a_cancelled_one_leaves_the_guest_running()
         (409, Some("MigrationFailed")),
         "{e}"
     );
-    let third_socket = third.socket.clone();
-    let third_end = std::thread::spawn(move || {
-        common::watch_until(&third_socket, BOOT, |d: &Value| d["state"] == "Shutoff")
-    });
+    let third_watch = common::Watch::open(&third.socket, BOOT);
+    let third_end =
+        std::thread::spawn(move || third_watch.until(BOOT, |d: &Value| d["state"] == "Shutoff"));
     target.post("/v1/migration/cancel");
     let d = wait_until(BOOT, "the migration aborted", || {
         let d = target.domain();

@@ -293,40 +293,80 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 }
 
 /// Reads the NDJSON watch stream until `done` accepts a line or the limit passes.
-pub fn watch_until(
-    socket: &Path,
-    limit: Duration,
-    mut done: impl FnMut(&Value) -> bool,
-) -> Vec<Value> {
-    let mut s = UnixStream::connect(socket).unwrap();
-    s.set_read_timeout(Some(Duration::from_millis(500)))
+pub fn watch_until(socket: &Path, limit: Duration, done: impl FnMut(&Value) -> bool) -> Vec<Value> {
+    Watch::open(socket, limit).until(limit, done)
+}
+
+/// The launcher's watch stream, open.
+pub struct Watch {
+    stream: UnixStream,
+    raw: Vec<u8>,
+}
+
+impl Watch {
+    /// Opens the stream and reads its first line, the current state: whatever happens once
+    /// this returns is in the stream, even if the launcher exits before a thread reads it.
+    pub fn open(socket: &Path, limit: Duration) -> Self {
+        let mut stream = UnixStream::connect(socket)
+            .unwrap_or_else(|e| panic!("connect {}: {e}", socket.display()));
+        stream
+            .set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        write!(
+            stream,
+            "GET /v1/domain/watch HTTP/1.1\r\nHost: launcher\r\nConnection: close\r\n\r\n"
+        )
         .unwrap();
-    write!(
-        s,
-        "GET /v1/domain/watch HTTP/1.1\r\nHost: launcher\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let deadline = Instant::now() + limit;
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 8192];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+        let mut w = Self {
+            stream,
+            raw: Vec::new(),
+        };
+        let deadline = Instant::now() + limit;
+        while parse_watch(&w.raw).is_empty() {
+            assert!(w.read(), "watch: the stream ended before its first line");
+            assert!(Instant::now() < deadline, "watch: no first line");
+        }
+        w
+    }
+
+    /// Reads more; false once the stream ended.
+    fn read(&mut self) -> bool {
+        let mut buf = [0u8; 8192];
+        match self.stream.read(&mut buf) {
+            Ok(0) => false,
+            Ok(n) => {
+                self.raw.extend_from_slice(&buf[..n]);
+                true
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                true
+            }
             Err(e) => panic!("watch: {e}"),
         }
-        let lines = parse_watch(&raw);
-        if lines.last().is_some_and(&mut done) {
-            return lines;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "watch: condition not met; got {lines:?}"
-        );
     }
-    parse_watch(&raw)
+
+    /// Every line read, once `done` accepts the last one or the stream ends.
+    pub fn until(mut self, limit: Duration, mut done: impl FnMut(&Value) -> bool) -> Vec<Value> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let lines = parse_watch(&self.raw);
+            if lines.last().is_some_and(&mut done) {
+                return lines;
+            }
+            if !self.read() {
+                return parse_watch(&self.raw);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "watch: condition not met; got {lines:?}"
+            );
+        }
+    }
 }
 
 fn parse_watch(raw: &[u8]) -> Vec<Value> {

@@ -166,8 +166,18 @@ impl Launcher {
                     .into_iter()
                     .rev()
                     .collect();
+                let (_, domain) = self.request("GET", "/v1/domain", None);
+                let threads = domain["qemuPid"]
+                    .as_i64()
+                    .map(thread_states)
+                    .unwrap_or_default();
+                let log = self.log();
+                let log_tail = log.lines().rev().take(30).collect::<Vec<_>>();
                 panic!(
-                    "timed out after {BOOT:?} waiting for {marker:?} on the console; it shows:\n{tail}"
+                    "timed out after {BOOT:?} waiting for {marker:?} on the console; it shows:\n{tail}\n\
+                     domain: {domain}\nQEMU's threads (name state wchan):\n{threads}\n\
+                     the launcher's log, newest first:\n{}",
+                    log_tail.join("\n")
                 );
             }
             std::thread::sleep(Duration::from_millis(200));
@@ -441,6 +451,31 @@ pub fn qemus_under(root: &Path) -> Vec<i64> {
                 && process_alive(*pid)
         })
         .collect()
+}
+
+/// Each thread of process `pid`: its name, scheduler state and where in the kernel it waits,
+/// to tell a stalled guest (vCPU threads running) from a stalled QEMU (threads asleep).
+pub fn thread_states(pid: i64) -> String {
+    let read = |p: PathBuf| std::fs::read_to_string(p).unwrap_or_default();
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|t| {
+            let stat = read(t.path().join("stat"));
+            let state = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.split(' ').next())
+                .unwrap_or("?")
+                .to_owned();
+            format!(
+                "{} {state} {}",
+                read(t.path().join("comm")).trim(),
+                read(t.path().join("wchan"))
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 pub fn process_alive(pid: i64) -> bool {

@@ -166,17 +166,18 @@ impl Launcher {
                     .into_iter()
                     .rev()
                     .collect();
-                let (_, domain) = self.request("GET", "/v1/domain", None);
-                let threads = domain["qemuPid"]
-                    .as_i64()
-                    .map(thread_states)
-                    .unwrap_or_default();
+                // From /proc and the log only: a launcher that stalled would not answer.
+                let threads: Vec<String> = std::iter::once(i64::from(self.pid()))
+                    .chain(qemus_under(self.root.path()))
+                    .map(|pid| format!("process {pid}:\n{}", thread_states(pid)))
+                    .collect();
                 let log = self.log();
                 let log_tail = log.lines().rev().take(30).collect::<Vec<_>>();
                 panic!(
                     "timed out after {BOOT:?} waiting for {marker:?} on the console; it shows:\n{tail}\n\
-                     domain: {domain}\nQEMU's threads (name state wchan):\n{threads}\n\
+                     the launcher's and QEMU's threads (name state wchan):\n{}\n\
                      the launcher's log, newest first:\n{}",
+                    threads.join("\n"),
                     log_tail.join("\n")
                 );
             }

@@ -1,9 +1,10 @@
 //! Volume hotplug as KubeVirt does it with `DeclarativeHotplugVolumes` (Beta, on by default;
 //! the deprecated `HotplugVolumes` path through `status.volumeRequests` is not implemented):
 //! a PVC or DataVolume marked `hotpluggable` reaches the launcher through an attachment pod
-//! (`hp-volume-*`, label `kubevirt.io=hotplug-disk`) that mounts the claim on the VMI's node;
-//! virt-handler mounts its disk image into the launcher's hotplug dir and the launcher plugs it
-//! into the running guest. The volume's entry in `status.volumeStatus` walks KubeVirt's phases.
+//! (`hp-volume-*`, label `kubevirt.io=hotplug-disk`) that mounts the claim on the VMI's node
+//! (a block claim is its device); virt-handler mounts the claim's disk image, or makes the
+//! block device, in the launcher's hotplug dir and the launcher plugs it into the running
+//! guest. The volume's entry in `status.volumeStatus` walks KubeVirt's phases.
 //!
 //! Pure: the names, the phases and the VM-to-VMI sync of hotpluggable volumes
 //! (`pkg/storage/hotplug/hotplug.go`).
@@ -44,9 +45,6 @@ pub const PHASE_UNMOUNTED_FROM_POD: &str = "UnMountedFromPod";
 /// The reasons of those phases (virt-controller's and virt-handler's).
 pub const REASON_PVC_NOT_READY: &str = "PVCNotReady";
 pub const REASON_PVC_NOT_FOUND: &str = "FailedPvcNotFound";
-/// Ours: a `volumeMode: Block` claim cannot be hotplugged yet (KubeVirt hotplugs it as a block
-/// device the handler makes in the launcher); the volume stays `Pending` with this reason.
-pub const REASON_BLOCK_NOT_SUPPORTED: &str = "BlockVolumeHotplugNotSupported";
 pub const REASON_SUCCESSFUL_CREATE: &str = "SuccessfulCreate";
 pub const REASON_SUCCESSFUL_DELETE: &str = "SuccessfulDelete";
 pub const REASON_MOUNTED_TO_POD: &str = "VolumeMountedToPod";

@@ -14,8 +14,8 @@ use api::hotplug::{
     ATTACHMENT_POD_APP, ATTACHMENT_POD_DIR, ATTACHMENT_POD_PREFIX, ATTACHMENT_SOCKET,
     HOTPLUG_DISKS_VOLUME, OWNER_VMI_NAME_ANNOTATION, OWNER_VMI_UID_ANNOTATION,
     PHASE_ATTACHED_TO_NODE, PHASE_BOUND, PHASE_DETACHING, PHASE_MOUNTED_TO_POD, PHASE_PENDING,
-    PHASE_READY, REASON_BLOCK_NOT_SUPPORTED, REASON_PVC_NOT_FOUND, REASON_PVC_NOT_READY,
-    REASON_SUCCESSFUL_CREATE, REASON_SUCCESSFUL_DELETE, claim_name,
+    PHASE_READY, REASON_PVC_NOT_FOUND, REASON_PVC_NOT_READY, REASON_SUCCESSFUL_CREATE,
+    REASON_SUCCESSFUL_DELETE, claim_name,
 };
 use api::labels;
 use api::status::VolumeStatus;
@@ -23,7 +23,7 @@ use api::vmi::Volume;
 use k8s_openapi::api::core::v1::{
     Affinity, Container, EmptyDirVolumeSource, NodeAffinity, NodeSelector, NodeSelectorRequirement,
     NodeSelectorTerm, PersistentVolumeClaim, PersistentVolumeClaimVolumeSource, Pod, PodSpec,
-    ResourceRequirements, Toleration, Volume as PodVolume, VolumeMount,
+    ResourceRequirements, Toleration, Volume as PodVolume, VolumeDevice, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
@@ -54,10 +54,25 @@ fn claim_phase(c: &PersistentVolumeClaim) -> &str {
         .unwrap_or("Pending")
 }
 
-/// KubeVirt's `VolumeReadyToAttachToNode` without CDI: the claim exists and is bound; and
-/// ours: it is not a block claim, which no attachment pod serves.
+/// KubeVirt's `VolumeReadyToAttachToNode` without CDI: the claim exists and is bound.
 pub fn claim_ready(c: Option<&PersistentVolumeClaim>) -> bool {
-    c.is_some_and(|c| claim_phase(c) == "Bound" && !crate::template::is_block(c))
+    c.is_some_and(|c| claim_phase(c) == "Bound")
+}
+
+/// The `volumeMode: Block` claims among `volumes`: volume name -> the claim's uid, which
+/// names the device in the attachment pod.
+pub fn block_claims(
+    volumes: &[&Volume],
+    claim: impl Fn(&str) -> Option<PersistentVolumeClaim>,
+) -> BTreeMap<String, String> {
+    volumes
+        .iter()
+        .filter_map(|v| {
+            let c = claim(claim_name(v)?)?;
+            crate::template::is_block(&c)
+                .then(|| (v.name.clone(), c.metadata.uid.unwrap_or_default()))
+        })
+        .collect()
 }
 
 /// Whether `pod` is an attachment pod of `launcher` (its controller).
@@ -202,13 +217,16 @@ fn resources(cpu: &str, memory: &str) -> BTreeMap<String, Quantity> {
 }
 
 /// KubeVirt's `RenderHotplugAttachmentPodTemplate`: the launcher image's `container-disk`
-/// serving `/path/hp.sock` (by which virt-handler finds the pod's mounts), each claim at
-/// `/<volume>`, pinned to the launcher's node and controlled by the launcher pod. KubeVirt runs
-/// `container-disk` through `/bin/sh -c`; the launcher image here has no shell.
+/// serving `/path/hp.sock` (by which virt-handler finds the pod's mounts), each file-system
+/// claim mounted at `/<volume>` and each block claim (`block`: volume -> claim uid) a device
+/// at `/path/<volume>/<claim uid>`, pinned to the launcher's node and controlled by the
+/// launcher pod. KubeVirt runs `container-disk` through `/bin/sh -c`; the launcher image here
+/// has no shell.
 pub fn render_attachment_pod(
     vmi: &VirtualMachineInstance,
     launcher: &Pod,
     volumes: &[&Volume],
+    block: &BTreeMap<String, String>,
     launcher_image: &str,
 ) -> Pod {
     let node = launcher
@@ -227,6 +245,7 @@ pub fn render_attachment_pod(
         mount_propagation: Some("HostToContainer".into()),
         ..VolumeMount::default()
     }];
+    let mut devices = Vec::new();
     for v in volumes {
         let Some(claim) = claim_name(v) else { continue };
         pod_volumes.push(PodVolume {
@@ -237,11 +256,18 @@ pub fn render_attachment_pod(
             }),
             ..PodVolume::default()
         });
-        mounts.push(VolumeMount {
-            name: v.name.clone(),
-            mount_path: format!("/{}", v.name),
-            ..VolumeMount::default()
-        });
+        if let Some(claim_uid) = block.get(&v.name) {
+            devices.push(VolumeDevice {
+                name: v.name.clone(),
+                device_path: format!("{ATTACHMENT_POD_DIR}/{}/{claim_uid}", v.name),
+            });
+        } else {
+            mounts.push(VolumeMount {
+                name: v.name.clone(),
+                mount_path: format!("/{}", v.name),
+                ..VolumeMount::default()
+            });
+        }
     }
     // KubeVirt's `hotplugPodTolerations`, then the launcher's own.
     let mut tolerations: Vec<Toleration> = [
@@ -317,6 +343,7 @@ pub fn render_attachment_pod(
                 }),
                 security_context: Some(crate::template::non_root_security_context()),
                 volume_mounts: Some(mounts),
+                volume_devices: (!devices.is_empty()).then_some(devices),
                 ..Container::default()
             }],
             affinity: Some(Affinity {
@@ -355,17 +382,6 @@ fn set(status: &mut VolumeStatus, phase: &str, reason: &str, message: String) {
 
 /// KubeVirt's `getVolumePhaseMessageReason`: the phase a hotplug volume has from its claim.
 fn phase_from_claim(status: &mut VolumeStatus, claim: &str, c: Option<&PersistentVolumeClaim>) {
-    if c.is_some_and(crate::template::is_block) {
-        return set(
-            status,
-            PHASE_PENDING,
-            REASON_BLOCK_NOT_SUPPORTED,
-            format!(
-                "PVC {claim} has volumeMode Block: hotplugging a block volume is not supported \
-                 by kubevirt-rs yet, only Filesystem claims"
-            ),
-        );
-    }
     match c.map(claim_phase) {
         None => set(
             status,

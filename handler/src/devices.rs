@@ -171,11 +171,7 @@ pub fn host_vm_devices(dev_dir: &Path) -> Vec<(u32, u32)> {
 
 /// A device node's (major, minor).
 fn numbers(node: &std::fs::Metadata) -> Option<(u32, u32)> {
-    let rdev = node.rdev();
-    Some((
-        u32::try_from(nix::sys::stat::major(rdev)).ok()?,
-        u32::try_from(nix::sys::stat::minor(rdev)).ok()?,
-    ))
+    rdev_numbers(node.rdev())
 }
 
 /// The block devices the kubelet mapped for pod `pod_uid`'s `volumeDevices`, from its own
@@ -185,24 +181,47 @@ fn numbers(node: &std::fs::Metadata) -> Option<(u32, u32)> {
 /// not the container's `/dev`, which a pod that may `mknod` could fill with any host disk.
 /// Entries that are not block devices (a link whose device is gone) are skipped.
 pub fn mapped_block_devices(pods_dir: &Path, pod_uid: &str) -> Vec<(u32, u32)> {
+    let mut found: Vec<(u32, u32)> = mapped(pods_dir, pod_uid)
+        .filter_map(|(_, device)| numbers(&device))
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    found
+}
+
+/// The block device the kubelet mapped for pod `pod_uid`'s volume `volume` (its record, as
+/// in [`mapped_block_devices`]) as its `rdev`, if it did.
+pub fn mapped_block_device(pods_dir: &Path, pod_uid: &str, volume: &str) -> Option<u64> {
+    mapped(pods_dir, pod_uid)
+        .find(|(name, _)| name.as_os_str() == volume)
+        .map(|(_, device)| device.rdev())
+}
+
+/// (volume name, the device's metadata) of each block device in the kubelet's record.
+fn mapped(
+    pods_dir: &Path,
+    pod_uid: &str,
+) -> impl Iterator<Item = (std::ffi::OsString, std::fs::Metadata)> {
     let entries = |dir: &Path| {
         std::fs::read_dir(dir)
             .into_iter()
             .flatten()
             .flatten()
-            .map(|e| e.path())
             .collect::<Vec<_>>()
     };
-    let mut found: Vec<(u32, u32)> = entries(&pods_dir.join(pod_uid).join("volumeDevices"))
-        .iter()
-        .flat_map(|plugin| entries(plugin))
-        .filter_map(|link| std::fs::metadata(link).ok())
-        .filter(|m| m.file_type().is_block_device())
-        .filter_map(|m| numbers(&m))
-        .collect();
-    found.sort_unstable();
-    found.dedup();
-    found
+    entries(&pods_dir.join(pod_uid).join("volumeDevices"))
+        .into_iter()
+        .flat_map(move |plugin| entries(&plugin.path()))
+        .filter_map(|link| Some((link.file_name(), std::fs::metadata(link.path()).ok()?)))
+        .filter(|(_, m)| m.file_type().is_block_device())
+}
+
+/// A device number's (major, minor).
+pub fn rdev_numbers(rdev: u64) -> Option<(u32, u32)> {
+    Some((
+        u32::try_from(nix::sys::stat::major(rdev)).ok()?,
+        u32::try_from(nix::sys::stat::minor(rdev)).ok()?,
+    ))
 }
 
 /// Sets the device rules of the launcher's container cgroup (the cgroups of process

@@ -1,11 +1,22 @@
 //! Hotplugged volumes made visible in the launcher (KubeVirt's `hotplug-disk/mount.go`).
 //!
-//! virt-controller runs an attachment pod on this node that mounts the claim at `/<volume>`
-//! and whose `container-disk` serves `/path/hp.sock` in its `hotplug-disks` emptyDir. Once
-//! the VMI's status names that pod's uid, virt-handler finds the pod's process by the socket
-//! (SO_PEERCRED), takes `/<volume>/disk.img` from its root and bind-mounts it, writable, onto
-//! `<hotplug dir>/<volume>.img` in the launcher's mount namespace, where the launcher's plan
-//! expects it. A volume that left the spec is unmounted once the launcher has unplugged it.
+//! virt-controller runs an attachment pod on this node that mounts a file-system claim at
+//! `/<volume>` (a block claim is a device of the pod) and whose `container-disk` serves
+//! `/path/hp.sock` in its `hotplug-disks` emptyDir. Once the VMI's status names that pod's
+//! uid, virt-handler makes the volume visible in the launcher's hotplug dir, where the
+//! launcher's plan expects it:
+//! - a file-system claim: virt-handler finds the pod's process by the socket (SO_PEERCRED),
+//!   takes `/<volume>/disk.img` from its root and bind-mounts it, writable, onto
+//!   `<hotplug dir>/<volume>.img` in the launcher's mount namespace;
+//! - a block claim (`volumeMode: Block` in the status' claim info): a device node
+//!   `<hotplug dir>/<volume>` for the device the kubelet mapped for the attachment pod, owned
+//!   by qemu, which the launcher's device rules then allow (KubeVirt's
+//!   `mountBlockHotplugVolume`). The device is taken from the kubelet's own record of the pod
+//!   (`devices::mapped_block_device`); KubeVirt reads the node the runtime made in the pod's
+//!   emptyDir, which the pod could replace.
+//!
+//! A volume that left the spec is unmounted (its node removed, and its device denied) once
+//! the launcher has unplugged it.
 //!
 //! Deliberate difference from KubeVirt: a filesystem claim without `disk.img` gets one here,
 //! sparse, of the claim's capacity less the filesystem overhead, as KubeVirt's launcher does
@@ -24,7 +35,9 @@ use api::hotplug::{
 };
 use isolation::{IsolationError, MountRoot, PodIsolation, Resolve};
 use nix::fcntl::OFlag;
+use nix::sys::stat::SFlag;
 
+use crate::devices;
 use crate::mounts::{self, MountError};
 
 /// KubeVirt's default `--hotplug-disk-dir` of the launcher.
@@ -41,6 +54,8 @@ pub struct Planned {
     pub pod_uid: String,
     /// The size of the image to create when the claim has none.
     pub size: Option<u64>,
+    /// A `volumeMode: Block` claim: a device, not an image.
+    pub block: bool,
 }
 
 /// KubeVirt's hostdisk size of a claim: its capacity less the filesystem overhead, aligned
@@ -71,13 +86,12 @@ pub fn plan(vmi: &VirtualMachineInstance) -> Vec<Planned> {
         .filter(|s| in_spec.contains(s.name.as_str()))
         .filter(|s| s.phase.as_deref() != Some(PHASE_DETACHING))
         .filter_map(|s| {
+            let info = s.persistent_volume_claim_info.as_ref().map(|i| &i.0);
             Some(Planned {
                 volume: s.name.clone(),
                 pod_uid: attach_pod_uid(s)?.to_owned(),
-                size: s
-                    .persistent_volume_claim_info
-                    .as_ref()
-                    .and_then(|i| image_size(&i.0)),
+                size: info.and_then(image_size),
+                block: info.is_some_and(|i| i["volumeMode"] == "Block"),
             })
         })
         .collect()
@@ -133,6 +147,9 @@ fn target(dir: &Path, volume: &str) -> PathBuf {
 pub struct Mounted {
     /// Volumes mounted in the launcher (now or before).
     pub ready: BTreeSet<String>,
+    /// The block devices of the ready block volumes, (major, minor): the launcher's cgroup
+    /// must allow them.
+    pub block: Vec<(u32, u32)>,
     /// Volumes whose attachment pod does not serve yet, and why.
     pub waiting: Vec<(String, String)>,
 }
@@ -156,6 +173,20 @@ pub fn mount(
         .map_err(MountError::iso("the launcher's root"))?;
     for p in planned {
         let field = format!("hotplug volume {}", p.volume);
+        if p.block {
+            let Some(rdev) = devices::mapped_block_device(pods_dir, &p.pod_uid, &p.volume) else {
+                let why = format!(
+                    "the kubelet has not mapped the claim's device for attachment pod {}",
+                    p.pod_uid
+                );
+                out.waiting.push((p.volume, why));
+                continue;
+            };
+            block_node(&root, &dir.join(&p.volume), rdev, &field)?;
+            out.block.extend(devices::rdev_numbers(rdev));
+            out.ready.insert(p.volume);
+            continue;
+        }
         let socket = attachment_socket(pods_dir, &p.pod_uid);
         let peer = match isolation::detect_from_socket(&socket) {
             Ok(peer) => peer,
@@ -184,6 +215,30 @@ pub fn mount(
         out.ready.insert(p.volume);
     }
     Ok(out)
+}
+
+/// Makes `node` in the launcher the block device `rdev`, owned by qemu (KubeVirt's
+/// `createBlockDeviceFile` and `SetFileOwnership`). Idempotent; anything else at that name is
+/// replaced.
+fn block_node(root: &MountRoot, node: &Path, rdev: u64, field: &str) -> Result<(), MountError> {
+    match root.stat_no_follow(node, Resolve::InRoot) {
+        Ok(st) if is_block(&st) && st.st_rdev == rdev => return Ok(()),
+        Ok(_) => root
+            .remove_file(node, Resolve::InRoot)
+            .map_err(MountError::iso(field))?,
+        Err(IsolationError::Path { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
+        }
+        Err(e) => return Err(MountError::iso(field)(e)),
+    }
+    root.create_block_device(node, Resolve::InRoot, 0o660, rdev)
+        .and_then(|n| n.chown(Some(QEMU_ID), Some(QEMU_ID)))
+        .map_err(MountError::iso(field))?;
+    tracing::info!(node = %node.display(), rdev, "made a hotplugged block device in the launcher");
+    Ok(())
+}
+
+fn is_block(st: &nix::sys::stat::FileStat) -> bool {
+    st.st_mode & SFlag::S_IFMT.bits() == SFlag::S_IFBLK.bits()
 }
 
 /// The claim's `disk.img`, created sparse at `size` when missing, owned by qemu (KubeVirt's
@@ -232,46 +287,73 @@ fn find_or_create(
     Ok(created)
 }
 
-/// Unmounts every hotplug image in the launcher whose volume is neither to stay mounted
-/// (`keep`) nor still in the guest (`in_domain`): the launcher unplugs first. Returns the
-/// volumes unmounted. A launcher that is gone needs nothing.
+/// What [`unmount_unused`] took away.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Unmounted {
+    pub volumes: Vec<String>,
+    /// The devices of the block nodes removed, (major, minor): their access is taken away.
+    pub block: Vec<(u32, u32)>,
+}
+
+/// Unmounts every hotplug image, and removes every hotplug block device, in the launcher
+/// whose volume is neither to stay mounted (`keep`) nor still in the guest (`in_domain`): the
+/// launcher unplugs first. A launcher that is gone needs nothing.
 pub fn unmount_unused(
     launcher: &PodIsolation,
     dir: &Path,
     keep: &BTreeSet<String>,
     in_domain: &BTreeSet<String>,
-) -> Result<Vec<String>, MountError> {
+) -> Result<Unmounted, MountError> {
+    let mut out = Unmounted::default();
     let root = match launcher.open_mount_root() {
         Ok(r) => r,
-        Err(IsolationError::PidGone { .. }) => return Ok(Vec::new()),
+        Err(IsolationError::PidGone { .. }) => return Ok(out),
         Err(e) => return Err(MountError::iso("the launcher's root")(e)),
     };
     let listing = match root.open_file(dir, Resolve::InRoot, OFlag::O_RDONLY | OFlag::O_DIRECTORY) {
         Ok(d) => d,
         Err(IsolationError::Path { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => {
-            return Ok(Vec::new());
+            return Ok(out);
         }
         Err(e) => return Err(MountError::iso("the launcher's hotplug dir")(e)),
     };
-    let mut out = Vec::new();
     for name in mounts::entries(listing.into()).map_err(|e| MountError::Sys {
         field: "the launcher's hotplug dir".into(),
         op: "listing",
         path: dir.to_owned(),
         source: e.into(),
     })? {
-        let Some(volume) = name.as_bytes().strip_suffix(b".img") else {
-            continue;
-        };
-        let volume = String::from_utf8_lossy(volume).into_owned();
+        let image = name.as_bytes().strip_suffix(b".img");
+        let volume = String::from_utf8_lossy(image.unwrap_or(name.as_bytes())).into_owned();
         if keep.contains(&volume) || in_domain.contains(&volume) {
             continue;
         }
         let field = format!("hotplug volume {volume}");
-        if mounts::unmount_all(launcher, &root, &target(dir, &volume), &field)? > 0 {
-            tracing::info!(%volume, "unmounted an unplugged volume from the launcher");
-            out.push(volume);
+        if image.is_some() {
+            if mounts::unmount_all(launcher, &root, &target(dir, &volume), &field)? > 0 {
+                tracing::info!(%volume, "unmounted an unplugged volume from the launcher");
+                out.volumes.push(volume);
+            }
+            continue;
         }
+        let node = dir.join(&name);
+        let st = match root.stat_no_follow(&node, Resolve::InRoot) {
+            Ok(st) => st,
+            Err(IsolationError::Path { source, .. })
+                if source.raw_os_error() == Some(libc::ENOENT) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(MountError::iso(&field)(e)),
+        };
+        if !is_block(&st) {
+            continue;
+        }
+        root.remove_file(&node, Resolve::InRoot)
+            .map_err(MountError::iso(&field))?;
+        tracing::info!(%volume, "removed an unplugged block device from the launcher");
+        out.block.extend(devices::rdev_numbers(st.st_rdev));
+        out.volumes.push(volume);
     }
     Ok(out)
 }
@@ -296,13 +378,14 @@ mod tests {
     }
 
     #[test]
-    fn only_volumes_in_the_spec_with_a_ready_attachment_pod_are_mounted() {
+    fn only_volumes_in_the_spec_with_a_ready_attachment_pod_are_mounted_block_claims_as_devices() {
         let vmi: VirtualMachineInstance = serde_json::from_value(json!({
             "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
             "metadata": {"name": "vm", "namespace": "default"},
             "spec": {"domain": {"devices": {}}, "volumes": [
                 {"name": "ready", "persistentVolumeClaim": {"claimName": "a", "hotpluggable": true}},
                 {"name": "starting", "persistentVolumeClaim": {"claimName": "b", "hotpluggable": true}},
+                {"name": "raw", "persistentVolumeClaim": {"claimName": "c", "hotpluggable": true}},
                 {"name": "root", "containerDisk": {"image": "guest"}},
             ]},
             "status": {"volumeStatus": [
@@ -313,17 +396,29 @@ mod tests {
                  "hotplugVolume": {"attachPodName": "hp-1"}},
                 {"name": "gone", "target": "sdb", "phase": "Ready",
                  "hotplugVolume": {"attachPodName": "hp-0", "attachPodUID": "uid-0"}},
+                {"name": "raw", "target": "", "phase": "AttachedToNode",
+                 "hotplugVolume": {"attachPodName": "hp-1", "attachPodUID": "uid-1"},
+                 "persistentVolumeClaimInfo": {"capacity": {"storage": "16Mi"}, "volumeMode": "Block"}},
                 {"name": "root", "target": "vda"},
             ]},
         }))
         .unwrap();
         assert_eq!(
             plan(&vmi),
-            [Planned {
-                volume: "ready".into(),
-                pod_uid: "uid-1".into(),
-                size: Some(16 * MIB),
-            }]
+            [
+                Planned {
+                    volume: "ready".into(),
+                    pod_uid: "uid-1".into(),
+                    size: Some(16 * MIB),
+                    block: false,
+                },
+                Planned {
+                    volume: "raw".into(),
+                    pod_uid: "uid-1".into(),
+                    size: Some(16 * MIB),
+                    block: true,
+                }
+            ]
         );
         let launched = without_unmounted(&vmi, &BTreeSet::from(["ready".to_owned()]));
         let names: Vec<&str> = launched
@@ -332,7 +427,7 @@ mod tests {
             .iter()
             .map(|v| v.name.as_str())
             .collect();
-        assert_eq!(names, ["ready", "root"]);
+        assert_eq!(names, ["ready", "root"], "raw is not mounted yet");
         assert_eq!(
             attachment_socket(Path::new("/pods"), "uid-1"),
             Path::new("/pods/uid-1/volumes/kubernetes.io~empty-dir/hotplug-disks/hp.sock")

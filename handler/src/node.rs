@@ -609,14 +609,6 @@ impl Node {
         // namespaces on threads of their own.
         let (pid, prepared, hot) = tokio::task::spawn_blocking(move || {
             let iso = isolation::detect_from_socket(&path)?;
-            // QEMU opens /dev/kvm, /dev/net/tun and /dev/vhost-net (those the host has) and
-            // the pod's block claims. Hotplugged block volumes are not offered yet.
-            let wanted = devices::Wanted {
-                char_devices: devices::host_vm_devices(Path::new("/dev")),
-                block: devices::mapped_block_devices(&pods_dir, &pod_uid),
-                ..devices::Wanted::default()
-            };
-            devices::apply(&setup, &iso, &wanted)?;
             // Like the mounts, the pod's bridge, tap and NAT must be there before the sync
             // below starts QEMU; phase 1 is idempotent, so every reconcile runs it.
             network::phase1::setup(&v, &iso, &private_dir)?;
@@ -624,11 +616,23 @@ impl Node {
             let hot = hotplug::mount(&v, &iso, &pods_dir, &cfg.hotplug_disk_dir)?;
             // Only a VMI with hotplug entries can have images to unmount: an unplugged volume
             // keeps its entry until virt-controller sees it unmounted.
-            if hotplug::has_hotplug_entries(&v) {
+            let unplugged = if hotplug::has_hotplug_entries(&v) {
                 let keep: BTreeSet<String> =
                     hotplug::plan(&v).into_iter().map(|p| p.volume).collect();
-                hotplug::unmount_unused(&iso, &cfg.hotplug_disk_dir, &keep, &in_domain)?;
-            }
+                hotplug::unmount_unused(&iso, &cfg.hotplug_disk_dir, &keep, &in_domain)?.block
+            } else {
+                Vec::new()
+            };
+            // QEMU opens /dev/kvm, /dev/net/tun and /dev/vhost-net (those the host has), the
+            // pod's block claims and the hotplugged ones; unplugged ones are taken away.
+            let mut block = devices::mapped_block_devices(&pods_dir, &pod_uid);
+            block.extend(&hot.block);
+            let wanted = devices::Wanted {
+                char_devices: devices::host_vm_devices(Path::new("/dev")),
+                block,
+                unplugged_block: unplugged,
+            };
+            devices::apply(&setup, &iso, &wanted)?;
             Ok::<_, ReconcileError>((iso.pid, prepared, hot))
         })
         .await??;

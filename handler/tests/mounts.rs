@@ -26,6 +26,7 @@ use serde_json::json;
 
 const LIMIT: Duration = Duration::from_mins(1);
 const CD_DIR: &str = "/var/run/kubevirt/container-disks";
+const HOTPLUG_DIR: &str = "/var/run/kubevirt/hotplug-disks";
 
 /// Builds the stand-in's root and chroots into it; `$SETUP` adds what the test needs.
 const CONTAINER: &str = r#"set -e
@@ -124,7 +125,7 @@ impl World {
         let shared = dir.path().join("empty-dir");
         std::fs::create_dir(&shared).unwrap();
         let setup = format!(
-            "mkdir -p \"$R{CD_DIR}\" && mount --bind {} \"$R{CD_DIR}\"",
+            "mkdir -p \"$R{CD_DIR}\" \"$R{HOTPLUG_DIR}\" && mount --bind {} \"$R{CD_DIR}\"",
             shared.display()
         );
         let launcher = Container::start(
@@ -429,4 +430,76 @@ fn prepare_err(w: &World, v: &VirtualMachineInstance, cfg: &MountConfig) -> Moun
             Err(e) => Some(e),
         }
     })
+}
+
+/// A hotplugged block claim: virt-handler makes the device the kubelet mapped for the
+/// attachment pod a node in the launcher's hotplug dir, owned by qemu, whatever the launcher
+/// had put at that name; once the guest no longer has it and the spec does not want it, the
+/// node goes and its device is reported for denying.
+#[test]
+fn a_hotplugged_block_claim_is_a_device_node_in_the_launcher_until_unplugged() {
+    use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
+    let w = World::new();
+    // The kubelet's record of the attachment pod's volumeDevices: a link to the device.
+    // /dev/loop7's numbers; a node needs no device behind it.
+    let rdev = nix::sys::stat::makedev(7, 7);
+    let pods = w.dir.path().join("pods");
+    let record = pods.join("hp-uid/volumeDevices/kubernetes.io~local-volume");
+    std::fs::create_dir_all(&record).unwrap();
+    let device = w.dir.path().join("loop7");
+    nix::sys::stat::mknod(
+        &device,
+        nix::sys::stat::SFlag::S_IFBLK,
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+        rdev,
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(&device, record.join("raw")).unwrap();
+    let secret = w.dir.path().join("secret");
+    std::fs::write(&secret, "host").unwrap();
+    let in_launcher = PathBuf::from(format!("/proc/{}/root{HOTPLUG_DIR}", w.launcher.pid));
+    // What the launcher planted where the device goes.
+    std::os::unix::fs::symlink(&secret, in_launcher.join("raw")).unwrap();
+    let v: VirtualMachineInstance = serde_json::from_value(json!({
+        "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+        "metadata": {"name": "v", "namespace": "default", "uid": "u1"},
+        "spec": {"domain": {"devices": {}}, "volumes": [
+            {"name": "raw", "persistentVolumeClaim": {"claimName": "raw", "hotpluggable": true}},
+        ]},
+        "status": {"volumeStatus": [
+            {"name": "raw", "target": "", "phase": "AttachedToNode",
+             "hotplugVolume": {"attachPodName": "hp", "attachPodUID": "hp-uid"},
+             "persistentVolumeClaimInfo": {"volumeMode": "Block"}},
+        ]},
+    }))
+    .unwrap();
+    let dir = Path::new(HOTPLUG_DIR);
+    for _ in 0..2 {
+        let hot = handler::hotplug::mount(&v, &w.launcher(), &pods, dir).unwrap();
+        assert_eq!(hot.ready, ["raw".to_owned()].into());
+        assert_eq!(hot.block, [(7, 7)]);
+        let node = std::fs::symlink_metadata(in_launcher.join("raw")).unwrap();
+        assert!(node.file_type().is_block_device());
+        assert_eq!((node.rdev(), node.uid(), node.gid()), (rdev, 107, 107));
+    }
+    assert_eq!(std::fs::read_to_string(&secret).unwrap(), "host");
+
+    // Not mapped by the kubelet (yet): waiting, nothing made.
+    let mut other = v.clone();
+    other.status.as_mut().unwrap().volume_status[0].hotplug_volume = Some(api::common::Preserved(
+        json!({"attachPodName": "hp-2", "attachPodUID": "hp-2-uid"}),
+    ));
+    let hot = handler::hotplug::mount(&other, &w.launcher(), &pods, dir).unwrap();
+    assert!(hot.ready.is_empty() && hot.block.is_empty());
+    assert!(hot.waiting[0].1.contains("hp-2-uid"), "{:?}", hot.waiting);
+
+    // Out of the spec but still in the guest: kept; out of both: removed, device reported.
+    let none = std::collections::BTreeSet::new();
+    let in_domain = ["raw".to_owned()].into();
+    let gone = handler::hotplug::unmount_unused(&w.launcher(), dir, &none, &in_domain).unwrap();
+    assert_eq!(gone, handler::hotplug::Unmounted::default());
+    let gone = handler::hotplug::unmount_unused(&w.launcher(), dir, &none, &none).unwrap();
+    assert_eq!(gone.volumes, ["raw"]);
+    assert_eq!(gone.block, [(7, 7)]);
+    assert!(!in_launcher.join("raw").exists());
 }

@@ -18,8 +18,8 @@ use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, OpenHow, ResolveFlag, openat2};
-use nix::sys::stat::{FileStat, Mode, fstat, mkdirat};
-use nix::unistd::{Gid, Uid, fchownat};
+use nix::sys::stat::{FileStat, Mode, SFlag, fstat, mkdirat, mknodat};
+use nix::unistd::{Gid, Uid, UnlinkatFlags, fchownat, unlinkat};
 
 use crate::error::{IsolationError, Result};
 
@@ -98,8 +98,62 @@ impl MountRoot {
 
     /// Creates a directory under the root (its parent must exist) and returns a handle.
     pub fn create_dir(&self, path: &Path, how: Resolve, mode: u32) -> Result<SafePath> {
+        let (parent_fd, name) = self.parent_of(path, how, "creating directory")?;
+        mkdirat(&parent_fd, name, Mode::from_bits_truncate(mode))
+            .map_err(|e| self.path_err("creating directory", path, e))?;
+        self.reopen_new(&parent_fd, name, path, OFlag::O_DIRECTORY)
+    }
+
+    /// Makes a block device node for `rdev` under the root (its parent must exist) and
+    /// returns a handle to the node, never to what a path might have been swapped for.
+    pub fn create_block_device(
+        &self,
+        path: &Path,
+        how: Resolve,
+        mode: u32,
+        rdev: u64,
+    ) -> Result<SafePath> {
+        let (parent_fd, name) = self.parent_of(path, how, "making device node")?;
+        mknodat(
+            &parent_fd,
+            name,
+            SFlag::S_IFBLK,
+            Mode::from_bits_truncate(mode),
+            rdev,
+        )
+        .map_err(|e| self.path_err("making device node", path, e))?;
+        self.reopen_new(&parent_fd, name, path, OFlag::empty())
+    }
+
+    /// Removes the file (not a directory) at `path`; a symlink there is removed itself, never
+    /// what it points to.
+    pub fn remove_file(&self, path: &Path, how: Resolve) -> Result<()> {
+        let (parent_fd, name) = self.parent_of(path, how, "removing")?;
+        unlinkat(&parent_fd, name, UnlinkatFlags::NoRemoveDir)
+            .map_err(|e| self.path_err("removing", path, e))
+    }
+
+    /// The status of the file at `path` itself: a symlink there is not followed.
+    pub fn stat_no_follow(&self, path: &Path, how: Resolve) -> Result<FileStat> {
+        let fd = self.openat2(
+            path,
+            how,
+            OFlag::O_PATH | OFlag::O_NOFOLLOW,
+            Mode::empty(),
+            "resolving",
+        )?;
+        fstat(&fd).map_err(|e| self.path_err("stat", path, e))
+    }
+
+    /// The directory holding `path`'s last component, and that component.
+    fn parent_of<'p>(
+        &self,
+        path: &'p Path,
+        how: Resolve,
+        op: &'static str,
+    ) -> Result<(OwnedFd, &'p OsStr)> {
         let (parent, name) = split_last(path).ok_or_else(|| IsolationError::Path {
-            op: "creating directory",
+            op,
             root: self.path.clone(),
             path: path.to_owned(),
             source: Errno::EINVAL.into(),
@@ -113,26 +167,35 @@ impl MountRoot {
                 "resolving the parent of",
             )
             .map_err(|e| match e {
-                // Name the directory asked for, not just its parent.
-                IsolationError::Path { op, source, .. } => self.path_err_io(op, path, source),
+                // Name the path asked for, not just its parent.
+                IsolationError::Path { source, .. } => self.path_err_io(op, path, source),
                 IsolationError::PathEscapesRoot { .. } => IsolationError::PathEscapesRoot {
                     root: self.path.clone(),
                     path: path.to_owned(),
                 },
                 other => other,
             })?;
-        mkdirat(&parent_fd, name, Mode::from_bits_truncate(mode))
-            .map_err(|e| self.path_err("creating directory", path, e))?;
-        // Reopen what was made without following anything: if it was swapped for a symlink
-        // in between, this fails instead of handing out the symlink's target.
+        Ok((parent_fd, name))
+    }
+
+    /// Reopens what was just made in `parent_fd` without following anything: if it was
+    /// swapped for a symlink in between, this fails instead of handing out the symlink's
+    /// target.
+    fn reopen_new(
+        &self,
+        parent_fd: &OwnedFd,
+        name: &OsStr,
+        path: &Path,
+        flags: OFlag,
+    ) -> Result<SafePath> {
         let fd = nix::fcntl::openat2(
-            &parent_fd,
+            parent_fd,
             name,
             OpenHow::new()
-                .flags(OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC)
+                .flags(OFlag::O_PATH | flags | OFlag::O_CLOEXEC)
                 .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS),
         )
-        .map_err(|e| self.path_err("opening new directory", path, e))?;
+        .map_err(|e| self.path_err("opening new", path, e))?;
         Ok(SafePath {
             fd,
             root: self.path.clone(),

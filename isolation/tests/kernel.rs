@@ -562,6 +562,62 @@ fn create_open_chown_through_handles() {
     assert!(err.to_string().contains("abs-missing/x"), "{err}");
 }
 
+#[test]
+fn device_nodes_are_made_and_files_removed_through_handles() {
+    let sb = Sandbox::new();
+    let outside = sb.root.parent().unwrap().join("outside-dir");
+    std::fs::create_dir(&outside).unwrap();
+    symlink(&outside, sb.root.join("escape")).unwrap();
+    symlink(&sb.secret, sb.root.join("link-to-secret")).unwrap();
+    let root = sb.mount_root();
+    // /dev/loop0's numbers: a node needs no device behind it.
+    let rdev = nix::sys::stat::makedev(7, 0);
+
+    let node = root
+        .create_block_device(Path::new("a/disk"), Resolve::InRoot, 0o660, rdev)
+        .unwrap();
+    node.chown(Some(107), Some(107)).unwrap();
+    let st = root
+        .stat_no_follow(Path::new("a/disk"), Resolve::InRoot)
+        .unwrap();
+    assert_eq!(st.st_mode & libc::S_IFMT, libc::S_IFBLK);
+    assert_eq!((st.st_rdev, st.st_uid, st.st_gid), (rdev, 107, 107));
+    // An existing name is not overwritten.
+    let err = root
+        .create_block_device(Path::new("a/disk"), Resolve::InRoot, 0o660, rdev)
+        .unwrap_err();
+    assert!(
+        matches!(&err, IsolationError::Path { source, .. } if source.raw_os_error() == Some(libc::EEXIST)),
+        "{err}"
+    );
+    // A parent that is a symlink out of the root is followed in the root, where the
+    // directory does not exist: nothing is made outside.
+    let err = root
+        .create_block_device(Path::new("escape/disk"), Resolve::InRoot, 0o660, rdev)
+        .unwrap_err();
+    assert!(err.to_string().contains("escape/disk"), "{err}");
+    assert!(std::fs::read_dir(&outside).unwrap().next().is_none());
+
+    // A symlink is stat'ed and removed itself; its target stays.
+    let st = root
+        .stat_no_follow(Path::new("link-to-secret"), Resolve::InRoot)
+        .unwrap();
+    assert_eq!(st.st_mode & libc::S_IFMT, libc::S_IFLNK);
+    root.remove_file(Path::new("link-to-secret"), Resolve::InRoot)
+        .unwrap();
+    assert_eq!(std::fs::read(&sb.secret).unwrap(), b"outside");
+    root.remove_file(Path::new("a/disk"), Resolve::InRoot)
+        .unwrap();
+    assert!(!sb.root.join("a/disk").exists());
+    let err = root
+        .remove_file(Path::new("a/b"), Resolve::InRoot)
+        .unwrap_err();
+    assert!(
+        matches!(&err, IsolationError::Path { source, .. } if source.raw_os_error() == Some(libc::EISDIR)),
+        "{err}"
+    );
+}
+
 fn current_umask() -> u32 {
     let old = nix::sys::stat::umask(nix::sys::stat::Mode::empty());
     nix::sys::stat::umask(old);

@@ -547,6 +547,76 @@ fn remove_orphans(volumes: &Path, names: &HashSet<String>) -> Result<(), Storage
     Ok(())
 }
 
+/// A loop device over a sparse file: a raw disk of this node, for a `local` PersistentVolume
+/// with `volumeMode: Block` ([`local_block_volume`]; the provisioner makes no block volumes).
+/// Detached when dropped (the kernel defers that until its last user closes it).
+#[derive(Debug)]
+pub struct LoopDevice {
+    pub path: String,
+    backing: tempfile::NamedTempFile,
+}
+
+impl LoopDevice {
+    /// A new device of `bytes`, reading zeroes.
+    pub fn new(bytes: u64) -> std::io::Result<Self> {
+        let backing = tempfile::NamedTempFile::new()?;
+        backing.as_file().set_len(bytes)?;
+        let out = std::process::Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(backing.path())
+            .output()?;
+        if !out.status.success() {
+            return Err(std::io::Error::other(format!(
+                "losetup --find --show {}: {}",
+                backing.path().display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(Self {
+            path: String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+            backing,
+        })
+    }
+
+    /// The file behind the device, on the host.
+    pub fn backing_file(&self) -> &Path {
+        self.backing.path()
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("losetup")
+            .args(["--detach", &self.path])
+            .status();
+    }
+}
+
+/// A `local` PersistentVolume with `volumeMode: Block` on `device` of node `node`, of class
+/// `class` (one no provisioner serves), kept when its claim goes (`Retain`).
+pub fn local_block_volume(
+    name: &str,
+    class: &str,
+    capacity: &str,
+    device: &str,
+    node: &str,
+) -> PersistentVolume {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": capacity},
+            "accessModes": ["ReadWriteOnce"],
+            "volumeMode": "Block",
+            "storageClassName": class,
+            "persistentVolumeReclaimPolicy": "Retain",
+            "local": {"path": device},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node]}]}]}},
+        },
+    }))
+    .expect("a PersistentVolume")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

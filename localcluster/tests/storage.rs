@@ -277,41 +277,6 @@ async fn a_block_claim_is_refused_and_a_pod_waits_for_its_claim() {
     );
 }
 
-/// A loop device over a sparse file: a block device of the node for a `local` volume,
-/// detached when dropped.
-struct LoopDevice {
-    path: String,
-    _backing: tempfile::NamedTempFile,
-}
-
-impl LoopDevice {
-    fn new(bytes: u64) -> Self {
-        let backing = tempfile::NamedTempFile::new().expect("the backing file");
-        backing
-            .as_file()
-            .set_len(bytes)
-            .expect("sizing the backing file");
-        let out = std::process::Command::new("losetup")
-            .args(["--find", "--show"])
-            .arg(backing.path())
-            .output()
-            .expect("losetup");
-        assert!(out.status.success(), "losetup: {out:?}");
-        Self {
-            path: String::from_utf8_lossy(&out.stdout).trim().to_owned(),
-            _backing: backing,
-        }
-    }
-}
-
-impl Drop for LoopDevice {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("losetup")
-            .args(["--detach", &self.path])
-            .status();
-    }
-}
-
 /// A claim bound to a `local` volume with `volumeMode: Block` (a loop device) reaches the
 /// container as a device node at its `devicePath`, written through to the device, with no
 /// node left in the host's `/dev` and the mapping recorded in the pod dir; a `HugePages` emptyDir is a hugetlbfs of the size the pod
@@ -321,25 +286,18 @@ impl Drop for LoopDevice {
 async fn a_local_block_claim_is_a_device_and_a_hugepages_empty_dir_a_hugetlbfs() {
     let cluster = Cluster::start().await;
     let node = TestNode::start(&cluster).await;
-    let device = LoopDevice::new(1 << 20);
+    let device = localcluster::storage::LoopDevice::new(1 << 20).expect("a loop device");
     let claims: Api<PersistentVolumeClaim> = cluster.api();
     let pods: Api<Pod> = cluster.api();
     let volumes: Api<PersistentVolume> = Api::all(cluster.client.clone());
     let volume_name = format!("raw-{}", cluster.namespace);
-    let volume: PersistentVolume = serde_json::from_value(json!({
-        "metadata": {"name": volume_name},
-        "spec": {
-            "capacity": {"storage": "1Mi"},
-            "accessModes": ["ReadWriteOnce"],
-            "volumeMode": "Block",
-            "storageClassName": "raw",
-            "persistentVolumeReclaimPolicy": "Retain",
-            "local": {"path": device.path},
-            "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
-                {"key": "kubernetes.io/hostname", "operator": "In", "values": [node.name()]}]}]}},
-        },
-    }))
-    .expect("the volume");
+    let volume = localcluster::storage::local_block_volume(
+        &volume_name,
+        "raw",
+        "1Mi",
+        &device.path,
+        &node.name(),
+    );
     volumes
         .create(&PostParams::default(), &volume)
         .await

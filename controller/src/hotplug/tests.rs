@@ -133,7 +133,13 @@ fn attachment_pods_are_created_for_ready_volumes_and_replaced_when_the_set_chang
 #[test]
 fn the_attachment_pod_mounts_each_claim_on_the_launchers_node() {
     let v = vmi(&[root(), hot("data")], &[]);
-    let pod = render_attachment_pod(&v, &launcher(), &vols(&v, &["data"]), "virt-launcher:1");
+    let pod = render_attachment_pod(
+        &v,
+        &launcher(),
+        &vols(&v, &["data"]),
+        &BTreeMap::new(),
+        "virt-launcher:1",
+    );
     let pod = serde_json::to_value(pod).unwrap();
     assert_eq!(pod["metadata"]["generateName"], "hp-volume-");
     assert_eq!(
@@ -173,38 +179,61 @@ fn the_attachment_pod_mounts_each_claim_on_the_launchers_node() {
     assert!(keys.contains(&"special") && keys.contains(&"node.kubernetes.io/unschedulable"));
 }
 
-/// A block claim is refused by name: no attachment pod serves it, and its volume stays
-/// `Pending` saying why.
+/// A block claim is attached as KubeVirt does: a device of the attachment pod at
+/// `/path/<volume>/<claim uid>`, beside the file-system claims it mounts.
 #[test]
-fn a_block_claim_is_not_attached_and_says_why() {
+fn a_block_claim_is_a_device_of_the_attachment_pod() {
     let block = |name: &str| {
         let mut c = bound(name);
         c.spec.as_mut().unwrap().volume_mode = Some("Block".into());
+        c.metadata.uid = Some(format!("{name}-uid"));
         c
     };
-    assert!(claim_ready(Some(&bound("data-pvc"))));
-    assert!(!claim_ready(Some(&block("raw-pvc"))));
-    let claims = |c: &str| (c == "raw-pvc").then(|| block(c));
-    let v = vmi(&[root(), hot("raw")], &[]);
-    let (status, events) = volume_status(&v, &launcher(), &[], &claims);
+    assert!(claim_ready(Some(&block("raw-pvc"))));
+    let claims = |c: &str| match c {
+        "raw-pvc" => Some(block(c)),
+        "data-pvc" => Some(bound(c)),
+        _ => None,
+    };
+    let v = vmi(&[root(), hot("raw"), hot("data")], &[]);
+    let ready = vols(&v, &["raw", "data"]);
+    let blocks = block_claims(&ready, claims);
     assert_eq!(
-        (
-            status[0].name.as_str(),
-            status[0].phase.as_deref(),
-            status[0].reason.as_deref()
-        ),
-        (
-            "raw",
-            Some("Pending"),
-            Some("BlockVolumeHotplugNotSupported")
-        )
+        blocks,
+        BTreeMap::from([("raw".to_owned(), "raw-pvc-uid".to_owned())])
     );
-    let message = status[0].message.as_deref().unwrap();
-    assert!(
-        message.contains("raw-pvc") && message.contains("not supported"),
-        "{message}"
+    let pod = render_attachment_pod(&v, &launcher(), &ready, &blocks, "virt-launcher:1");
+    let pod = serde_json::to_value(pod).unwrap();
+    let c = &pod["spec"]["containers"][0];
+    assert_eq!(
+        c["volumeDevices"],
+        json!([{"name": "raw", "devicePath": "/path/raw/raw-pvc-uid"}])
     );
-    assert!(events.is_empty());
+    let mounted: Vec<&str> = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        mounted,
+        ["hotplug-disks", "data"],
+        "a device is not mounted"
+    );
+    assert_eq!(
+        pod["spec"]["volumes"][1],
+        json!({"name": "raw", "persistentVolumeClaim": {"claimName": "raw-pvc"}})
+    );
+    let (status, _) = volume_status(&v, &launcher(), &[], &claims);
+    let raw = status.iter().find(|s| s.name == "raw").unwrap();
+    assert_eq!(
+        (raw.phase.as_deref(), raw.reason.as_deref()),
+        (Some("Bound"), Some("PVCNotReady"))
+    );
+    assert_eq!(
+        raw.persistent_volume_claim_info.as_ref().unwrap().0["volumeMode"],
+        "Block"
+    );
 }
 
 #[test]

@@ -461,8 +461,14 @@ async fn sync_hotplug(
     let pods_api: Api<Pod> =
         Api::namespaced(s.client.clone(), &vmi.namespace().unwrap_or_default());
     if !plan.create.is_empty() {
-        let pod =
-            hotplug::render_attachment_pod(vmi, launcher, &ready, &s.opts.template.launcher_image);
+        let block = hotplug::block_claims(&ready, claim);
+        let pod = hotplug::render_attachment_pod(
+            vmi,
+            launcher,
+            &ready,
+            &block,
+            &s.opts.template.launcher_image,
+        );
         s.pod_exp.expect_creations(key, 1);
         if let Err(e) = pods_api.create(&PostParams::default(), &pod).await {
             s.pod_exp.creation_observed(key);

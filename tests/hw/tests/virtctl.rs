@@ -438,6 +438,38 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
         image.display()
     );
 
+    // A block claim hotplugged too: a local volume on a loop device of the VM's node, a
+    // device node in the launcher (virt-handler makes it from the kubelet's record of the
+    // attachment pod), written by the guest straight to the device.
+    let node = get(&stack, "vmi").unwrap()["status"]["nodeName"]
+        .as_str()
+        .expect("the VMI's node")
+        .to_owned();
+    let device = localcluster::storage::LoopDevice::new(32 << 20).expect("a loop device");
+    let volume =
+        localcluster::storage::local_block_volume("raw-demo", "raw", "32Mi", &device.path, &node);
+    stack.apply(&serde_json::to_value(volume).unwrap());
+    stack.apply(&serde_json::json!({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "raw", "namespace": "default"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "volumeMode": "Block", "storageClassName": "raw",
+                 "resources": {"requests": {"storage": "32Mi"}}},
+    }));
+    stack
+        .virtctl(&["addvolume", "demo", "--volume-name=raw"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let raw_disk = wait_volume_ready(&stack, "raw");
+    let said = guest(&format!(
+        "cat /sys/block/{raw_disk}/size; printf {HOTPLUG_MARK} | dd of=/dev/{raw_disk} conv=fsync 2>/dev/null"
+    ));
+    assert_eq!(said.trim(), "65536", "the guest sees the whole device");
+    let written = std::fs::read(device.backing_file()).unwrap();
+    assert!(
+        written.starts_with(HOTPLUG_MARK.as_bytes()),
+        "the guest's write reached {}",
+        device.path
+    );
+
     // Authorization is the API server's: `view` may read guest info but not attach.
     let viewer = viewer_kubeconfig(&stack);
     let said = stack
@@ -474,13 +506,16 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
             .ok_or(format!("VMI {uid} {}", vmi["status"]["phase"]))
     })
     .unwrap_or_else(|e| panic!("{e}"));
-    // The new VMI gets the hotplugged volume again, with the data; then it is removed.
+    // The new VMI gets the hotplugged volumes again, with their data; then they are removed.
     let disk = wait_volume_ready(&stack, "data");
+    let raw_disk = wait_volume_ready(&stack, "raw");
     running_vmi(&stack);
-    assert_eq!(
-        guest(&format!("head -c {} /dev/{disk}", HOTPLUG_MARK.len())).trim(),
-        HOTPLUG_MARK
-    );
+    for d in [&disk, &raw_disk] {
+        assert_eq!(
+            guest(&format!("head -c {} /dev/{d}", HOTPLUG_MARK.len())).trim(),
+            HOTPLUG_MARK
+        );
+    }
     let said = stack
         .virtctl(&["removevolume", "demo", "--volume-name=data"])
         .unwrap_or_else(|e| panic!("{e}"));
@@ -488,7 +523,10 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
         said.trim(),
         "Successfully submitted remove volume request to VM demo for volume data"
     );
-    wait_for("the volume and its attachment pod gone", CHANGE, || {
+    stack
+        .virtctl(&["removevolume", "demo", "--volume-name=raw"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_for("the volumes and their attachment pods gone", CHANGE, || {
         let vmi = get(&stack, "vmi")?;
         let entries = vmi["status"]["volumeStatus"].to_string();
         let pods = stack
@@ -501,14 +539,15 @@ fn guest_virtctl_reaches_the_vm_through_virt_api() {
                 "name",
             ])
             .map_err(|e| e.to_string())?;
-        (!entries.contains("\"data\"") && pods.trim().is_empty())
+        (!entries.contains("\"data\"") && !entries.contains("\"raw\"") && pods.trim().is_empty())
             .then_some(Some(()))
             .ok_or(format!("volumeStatus {entries}; attachment pods {pods:?}"))
     })
     .unwrap_or_else(|e| panic!("{e}"));
+    let left = guest("ls /sys/block");
     assert!(
-        !guest("ls /sys/block").split_whitespace().any(|d| d == disk),
-        "the guest no longer has {disk}"
+        !left.split_whitespace().any(|d| d == disk || d == raw_disk),
+        "the guest no longer has {disk} and {raw_disk}: {left}"
     );
     stack
         .virtctl(&["stop", "demo"])

@@ -10,10 +10,9 @@ use api::migration::{VirtualMachineInstanceMigration, VirtualMachineInstanceMigr
 use api::{VirtualMachineInstance, labels};
 use informer::{Seen, cas_status_patch, key_of, obj_key, split_key, status_patch};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
-use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use serde_json::json;
 use workqueue::Queue;
@@ -351,13 +350,7 @@ async fn create_target_claim(
     let configured = cfg.vm_state_storage_class.as_deref();
     let classes = match configured {
         Some(_) => Vec::new(),
-        None => {
-            Api::<StorageClass>::all(s.client.clone())
-                .list(&ListParams::default())
-                .await
-                .map_err(|e| format!("listing storage classes: {e}"))?
-                .items
-        }
+        None => super::storage_classes(s).await?,
     };
     let class = crate::backendstorage::storage_class(configured, &classes)?;
     let claim =

@@ -35,7 +35,8 @@ use informer::{Seen, obj_key, reflect, reflect_packed};
 use k8s_openapi::api::apps::v1::ControllerRevision;
 use k8s_openapi::api::core::v1::{Namespace, Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{Api, Patch, PatchParams};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::reflector::Store;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt as _};
@@ -590,6 +591,16 @@ fn launcher_pods(s: &Shared, vmi_key: &str) -> Vec<Pod> {
         .iter()
         .map(|p| (**p).clone())
         .collect()
+}
+
+/// The cluster's storage classes, read from the API (no cache: they are needed only while a
+/// backend-storage claim is made or waited for).
+async fn storage_classes(s: &Shared) -> Result<Vec<StorageClass>, String> {
+    Api::<StorageClass>::all(s.client.clone())
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .map_err(|e| format!("listing storage classes: {e}"))
 }
 
 /// The claims of namespace `ns` as the PVC cache has them, by name.

@@ -8,10 +8,9 @@ use api::validation::FieldError;
 use api::{ClusterConfig, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceStatus};
 use informer::{Seen, controller_owner, controller_ref, key_of, obj_key, split_key, status_patch};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
-use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt as _;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use serde_json::json;
 use workqueue::Queue;
@@ -380,11 +379,7 @@ async fn backend_storage(
         } else {
             FAILED_CREATE
         };
-        Api::<StorageClass>::all(s.client.clone())
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| (reason, format!("listing storage classes: {e}")))?
-            .items
+        super::storage_classes(s).await.map_err(|e| (reason, e))?
     };
     let Some(claim) = found else {
         let configured = cfg.vm_state_storage_class.as_deref();

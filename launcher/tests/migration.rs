@@ -74,10 +74,9 @@ fn scratch_device(console: &mut Console) -> String {
 }
 
 fn uptime(console: &mut Console) -> f64 {
-    console
-        .run("cut -d' ' -f1 /proc/uptime", BOOT)
-        .parse()
-        .unwrap()
+    let said = console.run("cut -d' ' -f1 /proc/uptime", BOOT);
+    said.parse()
+        .unwrap_or_else(|e| panic!("the guest's uptime {said:?}: {e}"))
 }
 
 fn migration_of(d: &Value) -> &Value {

@@ -55,6 +55,34 @@ fn at_continuation_prompt(out: &[u8]) -> bool {
         .is_some_and(|last| last.starts_with("> "))
 }
 
+/// `text` without the kernel's log records (`[    14.123456] random: crng init done` up to its
+/// newline). The kernel prints them on the same serial console as the shell, at any moment and
+/// even in the middle of a command's output line; a record is written whole, so cutting it
+/// out leaves the command's output as the shell wrote it.
+fn without_kernel_messages(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find('[') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        let stamp = after.trim_start_matches(' ');
+        let digits = |s: &str| s.len() - s.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        let whole = digits(stamp);
+        let is_record = whole > 0
+            && stamp[whole..].starts_with('.')
+            && digits(&stamp[whole + 1..]) > 0
+            && stamp[whole + 1 + digits(&stamp[whole + 1..])..].starts_with("] ");
+        if is_record {
+            rest = after.find('\n').map_or("", |n| &after[n + 1..]);
+        } else {
+            out.push('[');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The test guest's serial console (a root shell on ttyS0 once its init script is done): runs
 /// shell commands and returns what they printed between two markers.
 #[derive(Debug)]
@@ -107,16 +135,37 @@ impl Console {
                 Ok(n) => out.extend_from_slice(&buf[..n]),
                 Err(_) => {}
             }
-            let text = String::from_utf8_lossy(&out).into_owned();
+            let text = without_kernel_messages(&String::from_utf8_lossy(&out).replace('\r', ""));
             if let (Some(b), Some(e)) = (text.find(&begin), text.rfind(&end))
                 && b < e
             {
-                return text[b + begin.len()..e].replace('\r', "").trim().to_owned();
+                return text[b + begin.len()..e].trim().to_owned();
             }
             assert!(
                 Instant::now() < deadline,
                 "console: no answer to {cmd:?}; got {text:?}"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_records_are_cut_out_even_mid_line() {
+        assert_eq!(
+            without_kernel_messages(
+                "BEGIN-1-MARK\n[   14.123456] random: crng init done\n12.3[   15.000001] x\n4\nEND"
+            ),
+            "BEGIN-1-MARK\n12.34\nEND"
+        );
+        // Brackets that are not a record's stamp stay.
+        for kept in ["[ -f x ]", "a[1] b", "[12] c", "[ 1.2]x", "[1.]"] {
+            assert_eq!(without_kernel_messages(kept), kept);
+        }
+        // A record cut off at the end of what arrived goes, up to the end.
+        assert_eq!(without_kernel_messages("ok\n[    1.5] half"), "ok\n");
     }
 }

@@ -425,9 +425,8 @@ fn ensure_target(root: &MountRoot, target: &Path, field: &str) -> Result<SafePat
         target: target.to_owned(),
     };
     let own = root
-        .open_file(target, Resolve::InRoot, OFlag::O_PATH | OFlag::O_NOFOLLOW)
+        .stat_no_follow(target, Resolve::InRoot)
         .map_err(MountError::iso(field))?;
-    let own = nix::sys::stat::fstat(&own).map_err(|e| sys(field, "stat", target, e))?;
     if own.st_mode & SFlag::S_IFMT.bits() != SFlag::S_IFREG.bits() {
         return Err(bad());
     }

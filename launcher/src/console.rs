@@ -145,7 +145,7 @@ impl Console {
     }
 
     /// [`Console::start`], disconnecting a client once `backlog` bytes wait for it.
-    pub async fn start_with_backlog(
+    async fn start_with_backlog(
         backend: &Path,
         public: &Path,
         log: &Path,
@@ -236,23 +236,29 @@ mod tests {
                 .unwrap();
         let (mut qemu, _) = qemu_side.accept().await.unwrap();
         let mut client = UnixStream::connect(&public).await.unwrap();
+        write_until_seen(&mut qemu, &mut client, b".").await;
+        (dir, console, qemu, client)
+    }
+
+    /// Writes `what` as QEMU until `client` has received it: a client is registered a moment
+    /// after it connects, and what comes before goes to the log only.
+    async fn write_until_seen(qemu: &mut UnixStream, client: &mut UnixStream, what: &[u8]) {
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            qemu.write_all(b".").await.unwrap();
+        let mut seen = Vec::new();
+        while !seen.ends_with(what) {
+            qemu.write_all(what).await.unwrap();
             let mut buf = [0u8; 64];
             if let Ok(Ok(n)) =
                 tokio::time::timeout(std::time::Duration::from_millis(100), client.read(&mut buf))
                     .await
-                && n > 0
             {
-                break;
+                seen.extend_from_slice(&buf[..n]);
             }
             assert!(
                 tokio::time::Instant::now() < deadline,
-                "the client never saw output"
+                "the client saw {seen:?}, not {what:?}"
             );
         }
-        (dir, console, qemu, client)
     }
 
     async fn wait_log(dir: &Path, len: usize) -> Vec<u8> {
@@ -319,22 +325,7 @@ mod tests {
         let mut next = UnixStream::connect(dir.path().join("virt-serial0"))
             .await
             .unwrap();
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-        let mut seen = Vec::new();
-        while !seen.ends_with(b"again") {
-            qemu.write_all(b"again").await.unwrap();
-            let mut buf = [0u8; 64];
-            if let Ok(Ok(n)) =
-                tokio::time::timeout(std::time::Duration::from_millis(100), next.read(&mut buf))
-                    .await
-            {
-                seen.extend_from_slice(&buf[..n]);
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "the next client saw {seen:?}"
-            );
-        }
+        write_until_seen(&mut qemu, &mut next, b"again").await;
     }
 
     #[tokio::test]
@@ -361,20 +352,8 @@ mod tests {
         let mut got = [0u8; 3];
         qemu.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"ls\n");
-        // The client may be registered just after its first write; retry the reply until seen.
-        let mut seen = Vec::new();
-        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !seen.ends_with(b"reply") && tokio::time::Instant::now() < deadline {
-            qemu.write_all(b"reply").await.unwrap();
-            let mut buf = [0u8; 64];
-            if let Ok(Ok(n)) =
-                tokio::time::timeout(std::time::Duration::from_millis(200), client.read(&mut buf))
-                    .await
-            {
-                seen.extend_from_slice(&buf[..n]);
-            }
-        }
-        assert!(seen.ends_with(b"reply"));
+        // The client may be registered just after its first write; the reply is retried.
+        write_until_seen(&mut qemu, &mut client, b"reply").await;
         drop(console);
     }
 }

@@ -36,8 +36,9 @@ pub enum VmAction {
     Start,
     /// Delete the instance (it is not already being deleted).
     Stop,
-    /// Delete the failed instance and queue a start request (RerunOnFailure).
-    StopAndRequestStart,
+    /// Queue a start request for the failed instance's successor (RerunOnFailure); the
+    /// instance is deleted on the next sync, once the request is stored.
+    RequestStart,
     /// A start request on a Halted VM: switch it to Always (or `running: true`).
     SwitchToAlways,
     /// Wait for the crash-loop back-off, then look again.
@@ -63,6 +64,15 @@ pub fn has_stop_request_for(vm: &VirtualMachine, vmi: &VirtualMachineInstance) -
         r.action == StateChangeRequestAction::Stop
             && r.uid.is_some()
             && r.uid.as_deref() == vmi.metadata.uid.as_deref()
+    })
+}
+
+/// A start request is queued anywhere (kept until an instance runs again).
+fn queues_start(vm: &VirtualMachine) -> bool {
+    vm.status.as_ref().is_some_and(|s| {
+        s.state_change_requests
+            .iter()
+            .any(|r| r.action == StateChangeRequestAction::Start)
     })
 }
 
@@ -131,8 +141,11 @@ pub fn decide(
                     || !(has_stop_request_for(vm, vmi) || failed || succeeded)
                 {
                     VmAction::None
-                } else if failed {
-                    VmAction::StopAndRequestStart
+                } else if failed && !queues_start(vm) {
+                    // KubeVirt deletes first and then adds the request; a lost write of the
+                    // request (a conflict, a restart) would then leave the VM stopped for
+                    // good. Stored first, it outlives both.
+                    VmAction::RequestStart
                 } else {
                     VmAction::Stop
                 }
@@ -752,7 +765,35 @@ mod tests {
                 "rerun, failed",
                 vm(Some("RerunOnFailure"), None),
                 Some(vmi(Some(Ph::Failed))),
-                A::StopAndRequestStart,
+                A::RequestStart,
+            ),
+            (
+                "rerun, failed and stopped",
+                with_request(vm(Some("RerunOnFailure"), None), "Stop", Some("vmi-uid")),
+                Some(vmi(Some(Ph::Failed))),
+                A::RequestStart,
+            ),
+            (
+                "rerun, failed and going",
+                with_request(vm(Some("RerunOnFailure"), None), "Start", None),
+                Some(deleting_vmi(Some(Ph::Failed))),
+                A::None,
+            ),
+            (
+                "rerun, failed, its successor requested",
+                with_request(vm(Some("RerunOnFailure"), None), "Start", None),
+                Some(vmi(Some(Ph::Failed))),
+                A::Stop,
+            ),
+            (
+                "rerun, failed and stopped, its successor requested",
+                with_request(
+                    with_request(vm(Some("RerunOnFailure"), None), "Stop", Some("vmi-uid")),
+                    "Start",
+                    None,
+                ),
+                Some(vmi(Some(Ph::Failed))),
+                A::Stop,
             ),
             (
                 "rerun, succeeded",

@@ -46,7 +46,7 @@ pub(super) fn on_vm(
 struct Outcome {
     /// Reason and message of a failed action (the Failure condition).
     sync_error: Option<(String, String)>,
-    /// The VMI was deleted for a restart: queue a Start request.
+    /// The VMI failed and is to be restarted: queue a Start request.
     request_start: bool,
 }
 
@@ -207,11 +207,11 @@ async fn act(
                 }
             }
         }
-        Ok(action @ (VmAction::Stop | VmAction::StopAndRequestStart)) => {
+        Ok(VmAction::RequestStart) => out.request_start = true,
+        Ok(VmAction::Stop) => {
             s.vm_exp.expect_deletions(key, &[key.to_owned()]);
             match vmi_api.delete(&name, &DeleteParams::default()).await {
                 Ok(_) => {
-                    out.request_start = action == VmAction::StopAndRequestStart;
                     let uid = vmi.and_then(|v| v.metadata.uid.clone()).unwrap_or_default();
                     event(s, vm, false, events::SUCCESSFUL_DELETE_VMI, format!("Stopped the virtual machine by deleting the virtual machine instance {uid}")).await;
                 }

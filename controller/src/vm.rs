@@ -118,9 +118,12 @@ pub fn decide(
             VmAction::Start
         }
     };
-    // Deleting an instance already being deleted is a no-op (KubeVirt's `stopVMI`).
+    // Deleting an instance already being deleted is a no-op (KubeVirt's `stopVMI`). An
+    // instance that failed to start stays until the VM's status holds its back-off: deleted
+    // first, a sync that sees it gone but not the back-off (the write conflicted, or the VMI's
+    // deletion arrived before the VM's update) starts the next one at once.
     let stop = |vmi: &VirtualMachineInstance| {
-        if deleting(&vmi.metadata) {
+        if deleting(&vmi.metadata) || is_unrecorded_start_failure(vm, vmi) {
             VmAction::None
         } else {
             VmAction::Stop
@@ -147,7 +150,7 @@ pub fn decide(
                     // good. Stored first, it outlives both.
                     VmAction::RequestStart
                 } else {
-                    VmAction::Stop
+                    stop(vmi)
                 }
             }
             // Start on an explicit request, or when the strategy was just switched to this one.
@@ -355,28 +358,40 @@ fn trim_first_request(status: &VirtualMachineStatus, vmi: Option<&VirtualMachine
     }
 }
 
+fn restarts(vm: &VirtualMachine) -> bool {
+    matches!(
+        vm.spec.effective_run_strategy(),
+        RunStrategy::Always | RunStrategy::RerunOnFailure | RunStrategy::Once
+    )
+}
+
+/// The instance ended without ever running, and the VM's status does not count it yet.
+fn is_unrecorded_start_failure(vm: &VirtualMachine, vmi: &VirtualMachineInstance) -> bool {
+    restarts(vm)
+        && is_final(vmi)
+        && !was_running(vmi)
+        && vm
+            .status
+            .as_ref()
+            .and_then(|s| s.start_failure.as_ref())
+            .is_none_or(|f| f.last_failed_vmi_uid != vmi.metadata.uid)
+}
+
 fn sync_start_failure(
     vm: &VirtualMachine,
     vmi: Option<&VirtualMachineInstance>,
     status: &mut VirtualMachineStatus,
     inputs: &StatusInputs,
 ) {
-    let restarts = matches!(
-        vm.spec.effective_run_strategy(),
-        RunStrategy::Always | RunStrategy::RerunOnFailure | RunStrategy::Once
-    );
-    if vmi.is_some_and(was_running) || !restarts {
+    if vmi.is_some_and(was_running) || !restarts(vm) {
         status.start_failure = None;
         return;
     }
-    let Some(vmi) = vmi.filter(|v| is_final(v)) else {
+    let Some(vmi) = vmi.filter(|v| is_unrecorded_start_failure(vm, v)) else {
         return;
     };
     let uid = vmi.metadata.uid.clone();
     let previous = status.start_failure.as_ref();
-    if previous.is_some_and(|f| f.last_failed_vmi_uid == uid) {
-        return;
-    }
     let count = previous.and_then(|f| f.consecutive_fail_count).unwrap_or(0) + 1;
     let delay = start_backoff(count, inputs.jitter);
     let retry = inputs
@@ -646,6 +661,21 @@ mod tests {
     #[test]
     fn run_strategy_table() {
         let running = || Some(vmi(Some(Ph::Running)));
+        // Ended after it ran: no start failure to record first.
+        let ended = |phase| {
+            let mut v = vmi(Some(phase));
+            v.status.get_or_insert_default().phase_transition_timestamps =
+                vec![serde_json::from_value(serde_json::json!({"phase": "Running"})).unwrap()];
+            Some(v)
+        };
+        let counted = |mut vm: VirtualMachine| {
+            vm.status.get_or_insert_default().start_failure = Some(VirtualMachineStartFailure {
+                last_failed_vmi_uid: Some("vmi-uid".into()),
+                retry_after_timestamp: None,
+                consecutive_fail_count: Some(1),
+            });
+            vm
+        };
         let cases: Vec<(
             &str,
             VirtualMachine,
@@ -662,13 +692,25 @@ mod tests {
             (
                 "always, failed",
                 vm(Some("Always"), None),
-                Some(vmi(Some(Ph::Failed))),
+                ended(Ph::Failed),
                 A::Stop,
             ),
             (
                 "always, succeeded",
                 vm(Some("Always"), None),
-                Some(vmi(Some(Ph::Succeeded))),
+                ended(Ph::Succeeded),
+                A::Stop,
+            ),
+            (
+                "always, failed to start, not yet counted",
+                vm(Some("Always"), None),
+                Some(vmi(Some(Ph::Failed))),
+                A::None,
+            ),
+            (
+                "always, failed to start, counted",
+                counted(vm(Some("Always"), None)),
+                Some(vmi(Some(Ph::Failed))),
                 A::Stop,
             ),
             (
@@ -782,8 +824,14 @@ mod tests {
             (
                 "rerun, failed, its successor requested",
                 with_request(vm(Some("RerunOnFailure"), None), "Start", None),
-                Some(vmi(Some(Ph::Failed))),
+                ended(Ph::Failed),
                 A::Stop,
+            ),
+            (
+                "rerun, failed to start, its successor requested, not yet counted",
+                with_request(vm(Some("RerunOnFailure"), None), "Start", None),
+                Some(vmi(Some(Ph::Failed))),
+                A::None,
             ),
             (
                 "rerun, failed and stopped, its successor requested",
@@ -792,12 +840,18 @@ mod tests {
                     "Start",
                     None,
                 ),
-                Some(vmi(Some(Ph::Failed))),
+                ended(Ph::Failed),
                 A::Stop,
             ),
             (
                 "rerun, succeeded",
                 vm(Some("RerunOnFailure"), None),
+                ended(Ph::Succeeded),
+                A::Stop,
+            ),
+            (
+                "rerun, succeeded without running, counted",
+                counted(vm(Some("RerunOnFailure"), None)),
                 Some(vmi(Some(Ph::Succeeded))),
                 A::Stop,
             ),

@@ -149,6 +149,11 @@ pub fn decide(
                     // request (a conflict, a restart) would then leave the VM stopped for
                     // good. Stored first, it outlives both.
                     VmAction::RequestStart
+                } else if status_run_strategy(vm) != Some(&strategy) {
+                    // This sync's status write records the strategy. Deleted before that,
+                    // a sync that saw no instance would take the missing record for a switch
+                    // to RerunOnFailure, and start one again.
+                    VmAction::None
                 } else {
                     stop(vmi)
                 }
@@ -676,6 +681,12 @@ mod tests {
             });
             vm
         };
+        // The strategy is in the status from the first start on.
+        let rerun = || {
+            let mut vm = vm(Some("RerunOnFailure"), None);
+            vm.status.get_or_insert_default().run_strategy = Some(RunStrategy::RerunOnFailure);
+            vm
+        };
         let cases: Vec<(
             &str,
             VirtualMachine,
@@ -823,7 +834,7 @@ mod tests {
             ),
             (
                 "rerun, failed, its successor requested",
-                with_request(vm(Some("RerunOnFailure"), None), "Start", None),
+                with_request(rerun(), "Start", None),
                 ended(Ph::Failed),
                 A::Stop,
             ),
@@ -836,28 +847,29 @@ mod tests {
             (
                 "rerun, failed and stopped, its successor requested",
                 with_request(
-                    with_request(vm(Some("RerunOnFailure"), None), "Stop", Some("vmi-uid")),
+                    with_request(rerun(), "Stop", Some("vmi-uid")),
                     "Start",
                     None,
                 ),
                 ended(Ph::Failed),
                 A::Stop,
             ),
-            (
-                "rerun, succeeded",
-                vm(Some("RerunOnFailure"), None),
-                ended(Ph::Succeeded),
-                A::Stop,
-            ),
+            ("rerun, succeeded", rerun(), ended(Ph::Succeeded), A::Stop),
             (
                 "rerun, succeeded without running, counted",
-                counted(vm(Some("RerunOnFailure"), None)),
+                counted(rerun()),
                 Some(vmi(Some(Ph::Succeeded))),
                 A::Stop,
             ),
             (
+                "rerun, succeeded, the strategy not yet recorded",
+                vm(Some("RerunOnFailure"), None),
+                ended(Ph::Succeeded),
+                A::None,
+            ),
+            (
                 "rerun, stop request",
-                with_request(vm(Some("RerunOnFailure"), None), "Stop", Some("vmi-uid")),
+                with_request(rerun(), "Stop", Some("vmi-uid")),
                 running(),
                 A::Stop,
             ),
